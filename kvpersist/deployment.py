@@ -1,0 +1,94 @@
+"""Load a deployment from disk (the I/O edge of configuration).
+
+``CONFIG`` is a path to an ``identity.env`` file, a directory holding one, or the name of a
+directory under ``configs/``. Reading happens here; validation is in :mod:`settings`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+from kvpersist import resources
+from kvpersist.envfile import parse_env
+from kvpersist.errors import ConfigError, Problem
+from kvpersist.settings import Deployment, GenericConfig, build_deployment, generic_from_dict
+
+ENV_FILE = "identity.env"
+GENERIC_FILE = "lmcache.yaml"
+
+
+def resolve_config(config: str) -> tuple[str, Path]:
+    """Return (deployment name, path of its identity.env); raise ConfigError if none."""
+    path = Path(config)
+    if path.is_file():
+        name = path.parent.name if path.name == ENV_FILE else path.stem
+        return name, path
+    if path.is_dir() and (path / ENV_FILE).is_file():
+        return path.name, path / ENV_FILE
+    if "/" not in config and config not in ("", ".", ".."):
+        candidate = resources.configs_dir() / config / ENV_FILE
+        if candidate.is_file():
+            return config, candidate
+    available = ", ".join(list_config_names()) or "none"
+    raise ConfigError(Problem(config, "no such config (a path to identity.env, a directory "
+                              "holding one, or a name under configs/)",
+                              f"available: {available}"))
+
+
+def list_config_names() -> list[str]:
+    """Names of the deployment configs under configs/ (those with an identity.env)."""
+    root = resources.configs_dir()
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / ENV_FILE).is_file())
+
+
+def read_text(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(Problem(str(path), f"cannot read {what}: {exc}")) from exc
+
+
+def load_generic(name: str = "generic") -> GenericConfig:
+    """Read and validate configs/<name>/lmcache.yaml."""
+    candidates = [resources.configs_dir() / name / GENERIC_FILE,
+                  resources.home() / "configs" / name / GENERIC_FILE]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        raise ConfigError(Problem(f"configs/{name}/{GENERIC_FILE}", "not found",
+                                  "set KVP_GENERIC_CONFIG or KVP_HOME"))
+    try:
+        data = yaml.safe_load(read_text(path, "the generic config"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(Problem(str(path), f"not valid YAML: {exc}")) from exc
+    return generic_from_dict(data, str(path))
+
+
+def load_deployment(config: str, environ: Mapping[str, str] | None = None,
+                    allow_unpinned: bool = False) -> Deployment:
+    """Load, validate and return the deployment named by ``config``.
+
+    ``environ`` (default ``os.environ``) overrides deployment keys. Raises ConfigError
+    listing every problem.
+    """
+    env = os.environ if environ is None else environ
+    name, path = resolve_config(config)
+    source = str(path)
+    values = parse_env(read_text(path, "the identity file"), source)
+    generic_name = env.get("KVP_GENERIC_CONFIG") or values.get("KVP_GENERIC_CONFIG") or "generic"
+    generic = load_generic(generic_name)
+    return build_deployment(name, source, values, env, generic,
+                            allow_unpinned=allow_unpinned,
+                            unpinned_token=secrets.token_hex(16))
+
+
+def load_identity_values(config: str) -> tuple[str, dict[str, str]]:
+    """(source path, raw env values) of a config, for commands that look at fields only."""
+    _, path = resolve_config(config)
+    return str(path), parse_env(read_text(path, "the identity file"), str(path))

@@ -1,0 +1,52 @@
+"""Sizes and durations as operators write them (pure)."""
+
+from __future__ import annotations
+
+import re
+
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTP]?)(i?B?)?\s*\Z", re.IGNORECASE)
+_FACTOR = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4, "P": 1024**5}
+_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(s|m|h|d|w)?\s*\Z", re.IGNORECASE)
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+GIB = 1024**3
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '123', '64G', '1.5TiB', '500M' (binary units). Raises ValueError."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"not a size: {text!r} (use e.g. 500G, 1.5T or a byte count)")
+    return int(float(m.group(1)) * _FACTOR[m.group(2).upper()])
+
+
+def parse_size_or_percent(text: str) -> tuple[int | None, float | None]:
+    """('80%') -> (None, 0.8); ('500G') -> (bytes, None). Raises ValueError."""
+    s = str(text).strip()
+    if s.endswith("%"):
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise ValueError(f"not a percentage: {text!r}") from None
+        if not 0 < pct <= 100:
+            raise ValueError(f"percentage must be in (0, 100]: {text!r}")
+        return None, pct / 100.0
+    return parse_size(s), None
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from '90', '30m', '12h', '7d', '2w'. Raises ValueError."""
+    m = _DURATION.match(str(text))
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 30m, 12h, 7d)")
+    return float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
+
+
+def format_size(n: float) -> str:
+    """Human size with binary units: 0 B, 1023 B, 1.0 KiB, 4.0 MiB, 1.5 TiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} PiB"  # pragma: no cover
