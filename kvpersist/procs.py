@@ -1,0 +1,237 @@
+"""Processes: pid files, liveness, starting in the background, stopping (the I/O layer).
+
+A pid file holds one decimal pid and nothing else (what systemd's ``PIDFile=`` and shell
+tools expect). It is never trusted on its own: a recorded pid counts as *ours* only if a
+process with that pid exists, was created no later than the pid file was written (a pid
+recycled by the kernel after our process died is younger than the file), and its command
+line carries the expected markers. Anything else is a *stale* pid file, reported with the
+reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+#: A process may be created up to this long after its pid file's mtime (the file is
+#: written right after the fork, but file system timestamps are coarse).
+_CREATE_SLACK_S = 2.0
+
+
+@dataclass(frozen=True)
+class PidState:
+    """What a pid file says: ``running`` (pid is ours), ``stale`` (reason says why) or
+    ``absent`` (no pid file)."""
+
+    state: str
+    pid: int | None = None
+    reason: str = ""
+    pid_file: str = ""
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+
+def read_pid_file(path: str | os.PathLike[str]) -> int | None:
+    """The pid recorded in ``path``, or None if the file is missing or not a positive int."""
+    try:
+        text = Path(path).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError:
+        return None
+    first = text.splitlines()[0].strip() if text else ""
+    return int(first) if first.isdigit() and int(first) > 0 else None
+
+
+def write_pid_file(path: str | os.PathLike[str], pid: int) -> None:
+    """Atomically write ``pid`` to ``path`` (mode 0644: readable by monitoring)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, f"{pid}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def remove_pid_file(path: str | os.PathLike[str], pid: int | None = None) -> None:
+    """Remove ``path`` if it exists (and, when ``pid`` is given, still records that pid)."""
+    if pid is not None and read_pid_file(path) != pid:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        Path(path).unlink()
+
+
+def cmdline_matches(cmdline: Sequence[str], markers: Iterable[str]) -> bool:
+    """True if every marker is a substring of some argument of ``cmdline`` (pure)."""
+    return all(any(m in arg for arg in cmdline) for m in markers)
+
+
+def check_pid_file(path: str | os.PathLike[str], markers: Iterable[str]) -> PidState:
+    """Classify the pid file at ``path`` (see module docstring); never raises for a bad file."""
+    path = Path(path)
+    markers = tuple(markers)
+    pid = read_pid_file(path)
+    if pid is None:
+        if path.exists():
+            return PidState("stale", None, "pid file does not hold a pid", str(path))
+        return PidState("absent", None, "", str(path))
+    try:
+        mtime = path.stat().st_mtime
+        proc = psutil.Process(pid)
+        created = proc.create_time()
+        cmdline = proc.cmdline()
+        status = proc.status()
+    except psutil.NoSuchProcess:
+        return PidState("stale", pid, f"process {pid} is not running", str(path))
+    except (psutil.AccessDenied, OSError) as exc:
+        return PidState("stale", pid, f"process {pid} cannot be inspected: {exc}", str(path))
+    if status == psutil.STATUS_ZOMBIE:
+        return PidState("stale", pid, f"process {pid} has exited (zombie)", str(path))
+    if created > mtime + _CREATE_SLACK_S:
+        return PidState("stale", pid, f"pid {pid} was recycled: that process started after "
+                        "the pid file was written", str(path))
+    if not cmdline_matches(cmdline, markers):
+        shown = " ".join(cmdline)[:120]
+        return PidState("stale", pid, f"pid {pid} now belongs to another program ({shown})",
+                        str(path))
+    return PidState("running", pid, "", str(path))
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True if something accepts TCP connections on host:port (0.5 s timeout)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                       socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        try:
+            s.connect((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def port_bindable(host: str, port: int) -> bool:
+    """True if a listener could bind host:port right now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                       socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` now (for tests and demos)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def start_background(argv: Sequence[str], *, log_path: str | os.PathLike[str],
+                     env: Mapping[str, str] | None = None, cwd: str | None = None,
+                     umask: int = 0o077) -> subprocess.Popen[bytes]:
+    """Start ``argv`` detached (own session/process group), stdout+stderr appended to
+    ``log_path`` (created 0600), stdin from /dev/null, with ``umask``. Returns the Popen.
+
+    Raises OSError if the program cannot be started.
+    """
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        return subprocess.Popen(
+            list(argv), stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+            env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
+            umask=umask, close_fds=True,
+        )
+    finally:
+        os.close(fd)
+
+
+def exec_foreground(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+                    cwd: str | None = None, umask: int = 0o077) -> None:
+    """Replace this process with ``argv`` (for systemd). Never returns on success."""
+    os.umask(umask)
+    if cwd:
+        os.chdir(cwd)
+    os.execvpe(argv[0], list(argv), dict(env) if env is not None else dict(os.environ))
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@dataclass(frozen=True)
+class StopResult:
+    """How a stop went: ``how`` is terminated / killed / not-running."""
+
+    pid: int | None
+    how: str
+    seconds: float
+
+
+def stop_process(pid: int, *, timeout: float = 30.0, kill_group: bool = True) -> StopResult:
+    """SIGTERM ``pid``; after ``timeout`` seconds SIGKILL it. Descendants (vLLM's engine and
+    workers) that outlive it are SIGKILLed too, and so is its process group when it leads
+    one and ``kill_group``. Returns how it ended.
+    """
+    t0 = time.monotonic()
+    try:
+        proc = psutil.Process(pid)
+        family = [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return StopResult(pid, "not-running", 0.0)
+    try:
+        pgid = os.getpgid(pid)
+    except OSError:
+        pgid = None
+    with contextlib.suppress(psutil.NoSuchProcess):
+        proc.send_signal(signal.SIGTERM)
+    how = "terminated"
+    _, still = psutil.wait_procs([proc], timeout=timeout)
+    if still:
+        how = "killed"
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+        psutil.wait_procs([proc], timeout=5)
+    # Children get a moment to exit after their parent, then are killed.
+    _, left = psutil.wait_procs([p for p in family[1:] if p.is_running()], timeout=5)
+    for p in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    if kill_group and pgid is not None and pgid == pid:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    return StopResult(pid, how, time.monotonic() - t0)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.5,  # type: ignore[no-untyped-def]
+             should_abort=None) -> bool:
+    """Poll ``predicate()`` until true (True) or ``timeout`` passes (False). If
+    ``should_abort()`` becomes true, return False early."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if should_abort is not None and should_abort():
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
