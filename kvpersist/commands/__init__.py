@@ -1,0 +1,1 @@
+"""Click commands of ``kvp-admin``; each module holds one concern."""

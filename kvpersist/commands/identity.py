@@ -1,0 +1,100 @@
+"""``kvp-admin identity``: show, compare and compute compatibility identities."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kvpersist.chat_template import extract_template, template_sha256
+from kvpersist.commands.common import config_argument, echo_json, json_option, table
+from kvpersist.deployment import load_deployment
+from kvpersist.errors import CheckFailed, ConfigError, Problem
+from kvpersist.identity import IDENTITY_KEYS, diff_identities
+
+
+@click.group()
+def identity() -> None:
+    """Compatibility identity and namespace of a deployment."""
+
+
+@identity.command("show")
+@config_argument
+@json_option
+def show(config: str, as_json: bool) -> None:
+    """Fields, canonical JSON, namespace and LMCache model name of CONFIG."""
+    dep = load_deployment(config)
+    assert dep.identity is not None  # load_deployment refuses unpinned without opt-in
+    data = {
+        "config": dep.name,
+        "source": dep.source,
+        "identity": dep.identity.as_dict(),
+        "canonical_json": dep.identity.canonical_json(),
+        "namespace": dep.namespace,
+        "lmcache_model_name": dep.lmcache_model_name,
+    }
+    if as_json:
+        echo_json(data)
+        return
+    rows = [(name, IDENTITY_KEYS[name], value) for name, value in dep.identity.as_dict().items()]
+    click.echo(table(rows, ("field", "env key", "value")))
+    click.echo(f"\ncanonical JSON:     {data['canonical_json']}")
+    click.echo(f"namespace:          {dep.namespace}")
+    click.echo(f"LMCache model name: {dep.lmcache_model_name}")
+
+
+@identity.command("namespace")
+@config_argument
+def namespace(config: str) -> None:
+    """Print only the namespace of CONFIG."""
+    click.echo(load_deployment(config).namespace)
+
+
+@identity.command("diff")
+@click.argument("config_a", metavar="CONFIG_A")
+@click.argument("config_b", metavar="CONFIG_B")
+@json_option
+def diff(config_a: str, config_b: str, as_json: bool) -> None:
+    """Which identity fields differ between two configs, and whether the namespace does.
+
+    Exit 0 if the namespaces are equal (caches are shared), 1 if they differ.
+    """
+    a, b = load_deployment(config_a), load_deployment(config_b)
+    assert a.identity is not None and b.identity is not None
+    changes = diff_identities(a.identity, b.identity)
+    same = a.namespace == b.namespace
+    if as_json:
+        echo_json({
+            "a": {"config": a.name, "namespace": a.namespace},
+            "b": {"config": b.name, "namespace": b.namespace},
+            "same_namespace": same,
+            "differences": [{"field": f, "a": va, "b": vb} for f, va, vb in changes],
+        })
+    else:
+        if changes:
+            click.echo(table([(f, va, vb) for f, va, vb in changes], ("field", a.name, b.name)))
+        else:
+            click.echo("identity fields: identical")
+        verdict = "same namespace: caches are shared" if same else \
+            "different namespaces: no KV block is shared"
+        click.echo(f"\n{a.namespace}  {a.name}\n{b.namespace}  {b.name}\n{verdict}")
+    if not same:
+        raise click.exceptions.Exit(1)
+
+
+@identity.command("template-sha")
+@click.argument("template", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def template_sha(template: Path) -> None:
+    """Compute KVP_CHAT_TEMPLATE_SHA256 from a chat template.
+
+    TEMPLATE is a .jinja file or a tokenizer_config.json holding ``chat_template``. The
+    digest is sha256 of the template rendered on kvpersist's fixed probe conversation.
+    """
+    try:
+        text = template.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(Problem(str(template), f"cannot read: {exc}")) from exc
+    click.echo(template_sha256(extract_template(text)))
+
+
+__all__ = ["identity", "CheckFailed"]
