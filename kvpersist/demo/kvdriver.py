@@ -1,0 +1,124 @@
+"""Drive a real ``lmcache server`` the way vLLM's workers do, without a model or a GPU.
+
+This uses LMCache's own multiprocess client stack (``ServerBenchClient`` of
+``lmcache bench server``: the request client, the engine-driven transfer context and the
+IPC cache keys that ``LMCacheMPWorkerAdapter`` sends) with CPU tensors, under the
+deployment's LMCache model name, so the files it stores are named exactly as vLLM's would
+be (``<namespace>_<kv_rank>_<group>_<hash>.bin``). TP > 1 is simulated with several
+worker ranks, each writing its own file per chunk.
+
+The bench client fixes the model name to ``test-model`` in a module constant; the driver
+sets that constant for the duration of a session (client side only: the server and the
+storage code are stock). lmcache and torch are imported lazily.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+_LOCK = threading.Lock()
+
+
+def shape_spec(num_kv_heads: int, head_dim: int, num_layers: int, *, block_size: int = 128,
+               num_blocks: int = 256, dtype: str = "bfloat16") -> str:
+    """LMCache KV shape spec ``(2,NB,BS,NH,HS):dtype:L`` for a classic split-K/V model."""
+    return f"(2,{num_blocks},{block_size},{num_kv_heads},{head_dim}):{dtype}:{num_layers}"
+
+
+#: The tiny demo model's KV geometry (configs/cpu-demo): 4 layers, 2 KV heads, head dim 64.
+DEMO_TINY_SPEC = shape_spec(2, 64, 4)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """Hit count of one lookup, in chunks."""
+
+    hit_chunks: int
+    total_chunks: int
+
+
+class KVDriver:
+    """A connected set of simulated workers. Use :func:`connect`."""
+
+    def __init__(self, client: Any, log: list[str]) -> None:
+        self._client = client
+        self.log = log
+
+    def _request(self, seq: int, kind: str) -> Any:
+        req = self._client.create_request(seq, f"kvp-{kind}-{seq}", kind)
+        if req is None:
+            raise ValueError("request shorter than one chunk")
+        return req
+
+    def store(self, seq: int) -> list[str]:
+        """Store sequence ``seq`` (all full chunks, every rank); return per-chunk digests of
+        the stored bytes. Raises RuntimeError if any rank's store failed."""
+        req = self._request(seq, "store")
+        result = self._client.store(req, 0, req.num_full_tokens)
+        if result is None or not result.succeeded:
+            raise RuntimeError(f"store of sequence {seq} failed: {result}")
+        digests = self._client.compute_checksums(req, 0, req.num_full_tokens) or []
+        self._client.end_session(req)
+        return list(digests)
+
+    def lookup(self, seq: int) -> Lookup:
+        """Look sequence ``seq`` up (L1, then L2 on disk, prefetching into L1)."""
+        req = self._request(seq, "lookup")
+        res = self._client.lookup(req)
+        self._client.end_session(req)
+        if not res.succeeded:
+            raise RuntimeError(f"lookup of sequence {seq} failed: {res.error}")
+        return Lookup(res.hit_chunks, res.total_chunks)
+
+    def lookup_and_retrieve(self, seq: int) -> tuple[Lookup, list[str] | None]:
+        """Look ``seq`` up; on a full hit zero the destination blocks, retrieve, and return
+        the digests of what arrived (None when not every chunk hit)."""
+        req = self._request(seq, "retrieve")
+        res = self._client.lookup(req)
+        lk = Lookup(res.hit_chunks if res.succeeded else 0, res.total_chunks)
+        digests: list[str] | None = None
+        if res.succeeded and res.is_full_hit:
+            self._client.zero_destination(req, 0, req.num_full_tokens)
+            out = self._client.retrieve(req, 0, req.num_full_tokens)
+            if out is not None and out.succeeded:
+                digests = list(self._client.compute_checksums(req, 0, req.num_full_tokens)
+                               or [])
+        self._client.end_session(req)
+        return lk, digests
+
+
+@contextmanager
+def connect(rpc_url: str, http_url: str, model_name: str, *, tp_size: int = 1,
+            num_tokens: int = 1024, kvcache_shape_spec: str = DEMO_TINY_SPEC,
+            ) -> Iterator[KVDriver]:
+    """Connect ``tp_size`` simulated workers to the server at ``rpc_url`` (``tcp://h:p``)
+    under ``model_name``; yield a :class:`KVDriver`; always close.
+
+    Each request holds ``num_tokens + 1`` tokens. Raises RuntimeError if registration fails.
+    """
+    from lmcache.cli.commands.bench.server_bench import helpers
+    from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
+    from lmcache.cli.commands.bench.server_bench.config import BenchConfig
+
+    config = BenchConfig(
+        rpc_url=rpc_url, http_url=http_url, mode="cpu", transfer_mode="auto",
+        tp_size=tp_size, use_mla=False, num_tokens=num_tokens,
+        kvcache_shape_spec=kvcache_shape_spec, num_blocks=256, block_size=128,
+    )
+    log: list[str] = []
+    with _LOCK:
+        saved = helpers._MODEL_NAME
+        helpers._MODEL_NAME = model_name
+        client = ServerBenchClient(config, log.append)
+        try:
+            client.start()
+            yield KVDriver(client, log)
+        finally:
+            try:
+                client.close()
+            finally:
+                helpers._MODEL_NAME = saved
