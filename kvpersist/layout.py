@@ -1,0 +1,216 @@
+"""LMCache L2 file names: parse and format, pure.
+
+Stock LMCache 0.5.6's ``nixl_store_dynamic`` adapter (POSIX backend) stores one file per chunk
+key, named (``lmcache/v1/distributed/l2_adapters/nixl_store_agents/dynamic_nixl_store_agent.py``)::
+
+    {model_name with "/" -> "--"}_{kv_rank:08x}_{object_group_id:x}_{chunk_hash hex}[@{cache_salt}].bin
+
+directly under the cache root (flat layout) or, with ``"shard_dirs": "true"``, under
+``<chunk_hash[0:2]>/<chunk_hash[2:4]>/`` (the shard does not depend on the salt). A write goes to
+``<final name>.tmp.<uuid4 hex>`` in the same directory and is renamed into place.
+
+The model name may contain ``_``, so names are parsed from the right. The prefix of a kvpersist
+deployment is its namespace (``kvp-<32 hex>`` or ``kvp-unpinned-<32 hex>``); any other prefix
+(``test-model``, ``--a--b`` from an absolute ``--model`` path) is still a valid LMCache prefix.
+Everything else under the root is *foreign* and is never modified by kvpersist.
+
+Nothing here touches the filesystem.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+BIN_SUFFIX = ".bin"
+TEMP_MARKER = ".tmp."
+#: Directory in the cache root that holds kvpersist's own metadata (manifests, locks, logs).
+META_DIR = ".kvpersist"
+#: The lmcache server's pid file in the cache root.
+PID_FILE = "lmcache-server.pid"
+MANIFESTS_DIR = "manifests"
+PRUNE_LOCK = "prune.lock"
+
+_HEX = "0123456789abcdef"
+_NAMESPACE_RE = re.compile(r"kvp-(?:unpinned-)?[0-9a-f]{32}")
+_PINNED_RE = re.compile(r"kvp-[0-9a-f]{32}")
+_CHUNK_RE = re.compile(
+    r"(?P<prefix>.+)_(?P<rank>[0-9a-f]{8})_(?P<group>[0-9a-f]+)_(?P<hash>[0-9a-f]+)"
+    r"(?:@(?P<salt>[^/\x00]+))?\.bin"
+)
+_SHARD_RE = re.compile(r"[0-9a-f]{2}")
+
+
+class Kind(str, Enum):
+    """What a directory entry of the cache root is."""
+
+    CHUNK = "chunk"
+    TEMP = "temp"
+    FOREIGN = "foreign"
+
+
+@dataclass(frozen=True, slots=True)
+class KvRank:
+    """LMCache's packed ``kv_rank``: ``world<<24 | global_rank<<16 | local_world<<8 | local``."""
+
+    world_size: int
+    global_rank: int
+    local_world_size: int
+    local_rank: int
+
+    @classmethod
+    def decode(cls, value: int) -> KvRank:
+        """Unpack a 32-bit ``kv_rank``. Raises ValueError outside 0..2**32-1."""
+        if not 0 <= value <= 0xFFFFFFFF:
+            raise ValueError(f"kv_rank out of range: {value}")
+        return cls(
+            world_size=(value >> 24) & 0xFF,
+            global_rank=(value >> 16) & 0xFF,
+            local_world_size=(value >> 8) & 0xFF,
+            local_rank=value & 0xFF,
+        )
+
+    def encode(self) -> int:
+        """Pack into the 32-bit value. Raises ValueError if a field exceeds 0..255."""
+        fields = (self.world_size, self.global_rank, self.local_world_size, self.local_rank)
+        if any(not 0 <= f <= 0xFF for f in fields):
+            raise ValueError(f"kv_rank field out of range: {fields}")
+        return (
+            self.world_size << 24
+            | self.global_rank << 16
+            | self.local_world_size << 8
+            | self.local_rank
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkName:
+    """The parsed parts of one L2 chunk file name."""
+
+    prefix: str
+    kv_rank: int
+    group: int
+    chunk_hash: str
+    salt: str | None = None
+
+    @property
+    def rank(self) -> KvRank:
+        return KvRank.decode(self.kv_rank)
+
+    @property
+    def namespace(self) -> str | None:
+        return namespace_of_prefix(self.prefix)
+
+    def filename(self) -> str:
+        """The file name LMCache gives this key."""
+        salt = f"@{self.salt}" if self.salt else ""
+        return f"{self.prefix}_{self.kv_rank:08x}_{self.group:x}_{self.chunk_hash}{salt}{BIN_SUFFIX}"
+
+    def relpath(self, shard_dirs: bool = False) -> str:
+        """Path relative to the cache root, flat or sharded (``ab/cd/<name>``)."""
+        if shard_dirs:
+            return f"{self.chunk_hash[0:2]}/{self.chunk_hash[2:4]}/{self.filename()}"
+        return self.filename()
+
+    def shard(self) -> tuple[str, str]:
+        """The two shard directory names LMCache derives from the chunk hash."""
+        return self.chunk_hash[0:2], self.chunk_hash[2:4]
+
+
+def prefix_for_model_name(model_name: str) -> str:
+    """The file-name prefix LMCache derives from a model name ("/" becomes "--")."""
+    return model_name.replace("/", "--")
+
+
+def is_namespace(text: str) -> bool:
+    """True for ``kvp-<32 hex>`` and ``kvp-unpinned-<32 hex>``."""
+    return _NAMESPACE_RE.fullmatch(text) is not None
+
+
+def is_pinned_namespace(text: str) -> bool:
+    """True for ``kvp-<32 hex>`` (a namespace computed from a full identity)."""
+    return _PINNED_RE.fullmatch(text) is not None
+
+
+def namespace_of_prefix(prefix: str) -> str | None:
+    """The namespace a file-name prefix belongs to, or None if it is not a namespace."""
+    return prefix if is_namespace(prefix) else None
+
+
+def _is_hex(text: str) -> bool:
+    return bool(text) and not text.strip(_HEX)
+
+
+def parse_chunk_name(name: str) -> ChunkName | None:
+    """Parse a final chunk file name; None if ``name`` is not one (then it is foreign).
+
+    Parsing goes from the right: the last three ``_`` separate rank, group and hash, so the
+    prefix may itself contain ``_``. An ``@`` after the hash starts the cache salt.
+    """
+    if not name.endswith(BIN_SUFFIX):
+        return None
+    parts = name[:-4].rsplit("_", 3)
+    if len(parts) == 4:
+        prefix, rank, group, tail = parts
+        chunk_hash, _, salt = tail.partition("@")
+        if (
+            prefix
+            and len(rank) == 8
+            and _is_hex(rank)
+            and _is_hex(group)
+            and _is_hex(chunk_hash)
+            and "/" not in salt
+            and "\x00" not in salt
+            and (salt or "@" not in tail)
+        ):
+            return ChunkName(prefix, int(rank, 16), int(group, 16), chunk_hash, salt or None)
+    # A salt may contain "_": fall back to the (greedy, so still right-most) full pattern.
+    m = _CHUNK_RE.fullmatch(name)
+    if m is None:
+        return None
+    return ChunkName(
+        m["prefix"], int(m["rank"], 16), int(m["group"], 16), m["hash"], m["salt"] or None
+    )
+
+
+def parse_temp_name(name: str) -> ChunkName | None:
+    """Parse an in-flight temp name ``<final name>.tmp.<hex>``; the chunk it would become."""
+    final, marker, tail = name.rpartition(TEMP_MARKER)
+    if not marker or not _is_hex(tail):
+        return None
+    return parse_chunk_name(final)
+
+
+def temp_name(chunk: ChunkName, token: str) -> str:
+    """The temp name LMCache uses while writing ``chunk`` (``token`` is a uuid4 hex)."""
+    return f"{chunk.filename()}{TEMP_MARKER}{token}"
+
+
+def is_shard_dir_name(name: str) -> bool:
+    """True for a two-lowercase-hex-digit shard directory name."""
+    return _SHARD_RE.fullmatch(name) is not None
+
+
+def classify(name: str, shard: tuple[str, str] | None = None) -> tuple[Kind, ChunkName | None]:
+    """Classify a regular file's name.
+
+    ``shard`` is None for a file directly in the root, or the two shard directory names the
+    file sits in; a chunk in the wrong shard directory is foreign (LMCache would never read it).
+    Returns the kind and, for chunks and temp files, the parsed chunk name.
+    """
+    chunk = parse_chunk_name(name)
+    kind = Kind.CHUNK
+    if chunk is None:
+        chunk = parse_temp_name(name)
+        kind = Kind.TEMP
+    if chunk is None:
+        return Kind.FOREIGN, None
+    if shard is not None and chunk.shard() != shard:
+        return Kind.FOREIGN, None
+    return kind, chunk
+
+
+def manifest_relpath(namespace: str) -> str:
+    """Where a namespace's manifest lives, relative to the cache root."""
+    return f"{META_DIR}/{MANIFESTS_DIR}/{namespace}.json"

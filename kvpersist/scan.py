@@ -1,0 +1,597 @@
+"""One-pass scan of an L2 cache root (the I/O layer of the inventory).
+
+``scan_root(root)`` walks the tree with ``os.scandir`` (never following symlinks), lstat()s each
+entry once and aggregates per file-name prefix, so its memory grows with the number of
+namespaces, ranks and groups, not with the number of files. On a multi-core host a big tree is
+split between forked worker processes by a hash of each root entry's name; each worker returns
+only its aggregates.
+
+Categories (they add up to what ``du -s --apparent-size -b ROOT`` counts):
+
+- chunks, per prefix (a namespace, or another LMCache model-name prefix),
+- temp files (``<chunk name>.tmp.<hex>``: in-flight or left over by a crash),
+- metadata (``.kvpersist/`` and ``lmcache-server.pid``),
+- symlinks (counted with their own lstat size, never followed),
+- foreign files and directories (anything else; never modified),
+- directories (root, shard directories, and every other directory below the root).
+
+Hard-linked files are counted once, as du does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpersist.layout import (
+    _HEX,
+    BIN_SUFFIX,
+    MANIFESTS_DIR,
+    META_DIR,
+    PID_FILE,
+    Kind,
+    classify,
+    is_namespace,
+    is_shard_dir_name,
+    namespace_of_prefix,
+)
+
+#: Width of a last-use histogram bucket (one hour), in nanoseconds.
+HIST_BUCKET_NS = 3600 * 10**9
+#: Cap on remembered examples (salts, foreign paths, errors) so memory stays bounded.
+SAMPLE_CAP = 20
+#: Trees whose root directory is at least this big (bytes of directory entries) are scanned
+#: by several processes.
+PARALLEL_MIN_DIR_BYTES = 1 << 20
+PROGRESS_EVERY = 1 << 16
+_NO_MIN = 1 << 63
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+ProgressFn = Callable[[int], None]
+
+
+@dataclass
+class Usage:
+    """Files and bytes of one category; ``oldest``/``newest`` are mtimes in ns (0 = none)."""
+
+    files: int = 0
+    bytes: int = 0
+    allocated_bytes: int = 0
+    oldest_mtime_ns: int = 0
+    newest_mtime_ns: int = 0
+    #: last use (max of mtime and atime) hour bucket -> [files, bytes]
+    use_hist: dict[int, list[int]] = field(default_factory=dict)
+    samples: list[str] = field(default_factory=list)
+    newest_atime_ns: int = 0
+
+    def add(self, st: os.stat_result, sample: str | None = None, hist: bool = False) -> None:
+        self.files += 1
+        self.bytes += st.st_size
+        self.allocated_bytes += st.st_blocks * 512
+        m = st.st_mtime_ns
+        if not self.oldest_mtime_ns or m < self.oldest_mtime_ns:
+            self.oldest_mtime_ns = m
+        if m > self.newest_mtime_ns:
+            self.newest_mtime_ns = m
+        a = st.st_atime_ns
+        if a > self.newest_atime_ns:
+            self.newest_atime_ns = a
+        if hist:
+            b = (a if a > m else m) // HIST_BUCKET_NS
+            h = self.use_hist.get(b)
+            if h is None:
+                self.use_hist[b] = [1, st.st_size]
+            else:
+                h[0] += 1
+                h[1] += st.st_size
+        if sample is not None and len(self.samples) < SAMPLE_CAP:
+            self.samples.append(sample)
+
+    def merge(self, other: Usage) -> None:
+        self.files += other.files
+        self.bytes += other.bytes
+        self.allocated_bytes += other.allocated_bytes
+        if other.oldest_mtime_ns and (
+            not self.oldest_mtime_ns or other.oldest_mtime_ns < self.oldest_mtime_ns
+        ):
+            self.oldest_mtime_ns = other.oldest_mtime_ns
+        self.newest_mtime_ns = max(self.newest_mtime_ns, other.newest_mtime_ns)
+        self.newest_atime_ns = max(self.newest_atime_ns, other.newest_atime_ns)
+        for b, (f, n) in other.use_hist.items():
+            h = self.use_hist.setdefault(b, [0, 0])
+            h[0] += f
+            h[1] += n
+        room = SAMPLE_CAP - len(self.samples)
+        if room > 0:
+            self.samples.extend(other.samples[:room])
+
+    @property
+    def last_use_ns(self) -> int:
+        """Newest use: the later of the newest mtime and the newest atime (0 when empty).
+
+        atime is only as fresh as the mount allows (``relatime`` updates it about daily).
+        """
+        return max(self.newest_mtime_ns, self.newest_atime_ns)
+
+
+@dataclass
+class PrefixUsage(Usage):
+    """Chunk files sharing one file-name prefix."""
+
+    prefix: str = ""
+    #: packed kv_rank values seen
+    ranks: set[int] = field(default_factory=set)
+    groups: set[int] = field(default_factory=set)
+    salted_files: int = 0
+    salts: set[str] = field(default_factory=set)
+    sharded_files: int = 0
+
+    @property
+    def namespace(self) -> str | None:
+        return namespace_of_prefix(self.prefix)
+
+    def merge(self, other: Usage) -> None:
+        super().merge(other)
+        if isinstance(other, PrefixUsage):
+            self.ranks |= other.ranks
+            self.groups |= other.groups
+            self.salted_files += other.salted_files
+            self.sharded_files += other.sharded_files
+            for s in other.salts:
+                if len(self.salts) >= SAMPLE_CAP:
+                    break
+                self.salts.add(s)
+
+
+@dataclass(frozen=True)
+class FsInfo:
+    """The filesystem holding the root (from statvfs)."""
+
+    total_bytes: int
+    free_bytes: int
+    avail_bytes: int
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str]) -> FsInfo:
+        sv = os.statvfs(path)
+        return cls(
+            total_bytes=sv.f_blocks * sv.f_frsize,
+            free_bytes=sv.f_bfree * sv.f_frsize,
+            avail_bytes=sv.f_bavail * sv.f_frsize,
+        )
+
+
+@dataclass
+class ScanResult:
+    """Everything a scan found, aggregated."""
+
+    root: str
+    started_ns: int = 0
+    duration_s: float = 0.0
+    fs: FsInfo | None = None
+    prefixes: dict[str, PrefixUsage] = field(default_factory=dict)
+    temp: Usage = field(default_factory=Usage)
+    metadata: Usage = field(default_factory=Usage)
+    symlinks: Usage = field(default_factory=Usage)
+    foreign: Usage = field(default_factory=Usage)
+    foreign_dirs: int = 0
+    directories: Usage = field(default_factory=Usage)
+    errors: list[str] = field(default_factory=list)
+    workers: int = 1
+
+    def merge(self, other: ScanResult) -> None:
+        for p, u in other.prefixes.items():
+            mine = self.prefixes.get(p)
+            if mine is None:
+                self.prefixes[p] = u
+            else:
+                mine.merge(u)
+        self.temp.merge(other.temp)
+        self.metadata.merge(other.metadata)
+        self.symlinks.merge(other.symlinks)
+        self.foreign.merge(other.foreign)
+        self.foreign_dirs += other.foreign_dirs
+        self.directories.merge(other.directories)
+        self.errors.extend(other.errors[: max(0, SAMPLE_CAP - len(self.errors))])
+
+    @property
+    def chunk_files(self) -> int:
+        return sum(u.files for u in self.prefixes.values())
+
+    @property
+    def chunk_bytes(self) -> int:
+        return sum(u.bytes for u in self.prefixes.values())
+
+    @property
+    def total_bytes(self) -> int:
+        """Apparent bytes of everything under the root, as ``du -s --apparent-size -b``."""
+        return (
+            self.chunk_bytes
+            + self.temp.bytes
+            + self.metadata.bytes
+            + self.symlinks.bytes
+            + self.foreign.bytes
+            + self.directories.bytes
+        )
+
+    def prefix_bytes(self) -> dict[str, int]:
+        return {p: u.bytes for p, u in self.prefixes.items()}
+
+
+class _Walker:
+    """Walks a tree and fills a ScanResult. ``part``/``parts`` select this worker's share of
+    the root's entries."""
+
+    def __init__(
+        self,
+        root: str,
+        part: int,
+        parts: int,
+        progress: ProgressFn | None,
+        hist: bool,
+    ) -> None:
+        self.root = root
+        self.part = part
+        self.parts = parts
+        self.progress = progress
+        self.hist = hist
+        self.res = ScanResult(root=root)
+        self.seen_links: set[tuple[int, int]] = set()
+        self.count = 0
+        # (prefix, rank hex, group hex) -> PrefixUsage, or None if that triple is invalid
+        self.keys: dict[tuple[str, str, str], list[Any] | None] = {}
+        self.accs: dict[str, list[Any]] = {}
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _error(self, msg: str) -> None:
+        if len(self.res.errors) < SAMPLE_CAP:
+            self.res.errors.append(msg)
+
+    def _first_link(self, st: os.stat_result) -> bool:
+        """False for a second name of an already counted hard-linked inode."""
+        key = (st.st_dev, st.st_ino)
+        if key in self.seen_links:
+            return False
+        self.seen_links.add(key)
+        return True
+
+    def _prefix(self, prefix: str) -> PrefixUsage:
+        u = self.res.prefixes.get(prefix)
+        if u is None:
+            u = self.res.prefixes[prefix] = PrefixUsage(prefix=prefix)
+        return u
+
+    def _add_chunk_slow(self, name: str, st: os.stat_result, shard: tuple[str, str] | None,
+                        rel: str) -> None:
+        kind, chunk = classify(name, shard)
+        if kind is Kind.CHUNK and chunk is not None:
+            u = self._prefix(chunk.prefix)
+            u.add(st, hist=self.hist)
+            u.ranks.add(chunk.kv_rank)
+            u.groups.add(chunk.group)
+            if shard is not None:
+                u.sharded_files += 1
+            if chunk.salt is not None:
+                u.salted_files += 1
+                if len(u.salts) < SAMPLE_CAP:
+                    u.salts.add(chunk.salt)
+        elif kind is Kind.TEMP:
+            self.res.temp.add(st, hist=True)
+        else:
+            self.res.foreign.add(st, sample=rel)
+
+    # -- the walk ------------------------------------------------------------------------
+
+    def walk_root(self) -> ScanResult:
+        res = self.res
+        try:
+            st = os.lstat(self.root)
+        except OSError as exc:
+            self._error(f"{self.root}: {exc.strerror}")
+            return res
+        if self.part == 0:
+            res.directories.add(st)
+        self._walk_dir(None, self.root, "", depth=0, partition=self.parts > 1)
+        self._fold()
+        return res
+
+    def _walk_dir(self, parent_fd: int | None, name: str, rel: str, depth: int,
+                  partition: bool, foreign: bool = False, meta: bool = False) -> None:
+        """Walk directory ``name`` (relative to ``parent_fd``, or a path when it is None).
+
+        ``depth`` 0 is the root, 1 and 2 may be shard directories. Entries are lstat()ed
+        relative to the directory's descriptor, which is faster than by path.
+        """
+        shard: tuple[str, str] | None = None
+        if depth == 2 and not foreign and not meta:
+            a, b = rel.split("/")
+            shard = (a, b)
+        subdirs: list[tuple[str, str, bool, bool]] = []
+        try:
+            dfd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        except OSError as exc:
+            self._error(f"{rel or '.'}: {exc.strerror}")
+            return
+        try:
+            self._scan_fd(dfd, rel, depth, partition, foreign, meta, shard, subdirs)
+            for sub_name, sub_rel, sub_foreign, sub_meta in subdirs:
+                self._walk_dir(dfd, sub_name, sub_rel, depth + 1, False, sub_foreign, sub_meta)
+        finally:
+            os.close(dfd)
+
+    def _scan_fd(self, dfd: int, rel: str, depth: int, partition: bool, foreign: bool,
+                 meta: bool, shard: tuple[str, str] | None,
+                 subdirs: list[tuple[str, str, bool, bool]]) -> None:
+        """The hot loop over one directory's entries."""
+        res = self.res
+        hist = self.hist
+        keys = self.keys
+        parts, part = self.parts, self.part
+        with os.scandir(dfd) as it:
+            for e in it:
+                name = e.name
+                if partition and hash(name) % parts != part:
+                    continue
+                self.count += 1
+                if self.progress is not None and not self.count & (PROGRESS_EVERY - 1):
+                    self.progress(self.count)
+                try:
+                    if e.is_file(follow_symlinks=False):
+                        st = e.stat(follow_symlinks=False)
+                        if st.st_nlink > 1 and not self._first_link(st):
+                            continue
+                        if meta:
+                            res.metadata.add(st)
+                            continue
+                        if foreign or depth == 1:
+                            res.foreign.add(st, sample=f"{rel}/{name}" if rel else name)
+                            continue
+                        # Fast path: a chunk name whose (prefix, rank, group) was seen before.
+                        if name[-4:] == BIN_SUFFIX:
+                            fields = name[:-4].rsplit("_", 3)
+                            if len(fields) == 4:
+                                tail = fields[3]
+                                key = (fields[0], fields[1], fields[2])
+                                a = keys.get(key, False)
+                                if a is False:
+                                    a = keys[key] = self._new_key(key)
+                                if (
+                                    a is not None
+                                    and tail
+                                    and not tail.strip(_HEX)
+                                    and (shard is None or (tail[0:2], tail[2:4]) == shard)
+                                ):
+                                    sz = st.st_size
+                                    a[0] += 1
+                                    a[1] += sz
+                                    a[2] += st.st_blocks
+                                    m = st.st_mtime_ns
+                                    if m < a[3]:
+                                        a[3] = m
+                                    if m > a[4]:
+                                        a[4] = m
+                                    at = st.st_atime_ns
+                                    if at > a[7]:
+                                        a[7] = at
+                                    if hist:
+                                        b = (at if at > m else m) // HIST_BUCKET_NS
+                                        h = a[5].get(b)
+                                        if h is None:
+                                            a[5][b] = [1, sz]
+                                        else:
+                                            h[0] += 1
+                                            h[1] += sz
+                                    if shard is not None:
+                                        a[6] += 1
+                                    continue
+                        if depth == 0 and name == PID_FILE:
+                            res.metadata.add(st)
+                            continue
+                        self._add_chunk_slow(name, st, shard, f"{rel}/{name}" if rel else name)
+                    elif e.is_symlink():
+                        st = e.stat(follow_symlinks=False)
+                        res.symlinks.add(st, sample=f"{rel}/{name}" if rel else name)
+                    elif e.is_dir(follow_symlinks=False):
+                        st = e.stat(follow_symlinks=False)
+                        res.directories.add(st)
+                        child_rel = f"{rel}/{name}" if rel else name
+                        if meta or (depth == 0 and name == META_DIR):
+                            subdirs.append((name, child_rel, False, True))
+                        elif foreign or not (depth < 2 and is_shard_dir_name(name)):
+                            if not foreign:
+                                res.foreign_dirs += 1
+                            subdirs.append((name, child_rel, True, False))
+                        else:
+                            subdirs.append((name, child_rel, False, False))
+                    else:
+                        # sockets, fifos, devices: foreign, counted with their lstat size
+                        st = e.stat(follow_symlinks=False)
+                        res.foreign.add(st, sample=f"{rel}/{name}" if rel else name)
+                except OSError as exc:
+                    # vanished between readdir and lstat, or unreadable: not counted
+                    if not isinstance(exc, FileNotFoundError):
+                        self._error(f"{rel}/{name}: {exc.strerror}")
+
+    def _new_key(self, key: tuple[str, str, str]) -> list[Any] | None:
+        """Validate a (prefix, rank, group) triple once; the prefix's fast accumulator or None.
+
+        An accumulator is ``[files, bytes, blocks, min mtime, max mtime, use histogram,
+        sharded files]``; :meth:`_fold` adds it to the prefix's PrefixUsage at the end.
+        """
+        prefix, rank, group = key
+        if not prefix or len(rank) != 8 or rank.strip(_HEX) or not group or group.strip(_HEX):
+            return None
+        u = self._prefix(prefix)
+        u.ranks.add(int(rank, 16))
+        u.groups.add(int(group, 16))
+        acc = self.accs.get(prefix)
+        if acc is None:
+            acc = self.accs[prefix] = [0, 0, 0, _NO_MIN, 0, {}, 0, 0]
+        return acc
+
+    def _fold(self) -> None:
+        for prefix, (files, nbytes, blocks, lo, hi, hist, sharded, atime) in self.accs.items():
+            if not files:
+                continue
+            u = self._prefix(prefix)
+            u.merge(Usage(files, nbytes, blocks * 512, lo, hi, hist, newest_atime_ns=atime))
+            u.sharded_files += sharded
+        self.accs.clear()
+
+
+def _want_workers(root: str, workers: int | None) -> int:
+    if workers is not None:
+        return max(1, workers)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if not cpus or cpus < 2:
+        return 1
+    try:
+        st = os.lstat(root)
+    except OSError:
+        return 1
+    big = st.st_size >= PARALLEL_MIN_DIR_BYTES or st.st_nlink >= 2 + 64
+    return min(cpus, 4) if big else 1
+
+
+def scan_root(
+    root: str | os.PathLike[str],
+    *,
+    progress: ProgressFn | None = None,
+    workers: int | None = None,
+    hist: bool = True,
+) -> ScanResult:
+    """Scan ``root`` and return the aggregates.
+
+    ``progress`` is called now and then with the number of entries seen (by the first worker,
+    scaled to an estimate of the total). ``workers`` forces the number of processes (default:
+    one, or up to four on a multi-core host when the tree is big). ``hist`` keeps the last-use
+    histogram needed by retention planning. Errors on single entries are collected in
+    ``result.errors``; raises OSError only if ``root`` is not a readable directory.
+    """
+    root_s = os.fspath(root)
+    if not os.path.isdir(root_s) or os.path.islink(root_s):
+        raise NotADirectoryError(f"not a directory: {root_s}")
+    started = time.time_ns()
+    t0 = time.perf_counter()
+    n = _want_workers(root_s, workers)
+    result: ScanResult
+    if n == 1:
+        result = _Walker(root_s, 0, 1, progress, hist).walk_root()
+    else:
+        result = _scan_forked(root_s, n, progress, hist)
+    result.root = root_s
+    result.started_ns = started
+    result.duration_s = time.perf_counter() - t0
+    result.fs = FsInfo.of(root_s)
+    result.workers = n
+    return result
+
+
+def _scan_forked(root: str, n: int, progress: ProgressFn | None, hist: bool) -> ScanResult:
+    """Scan with ``n`` processes: this one takes part 0, forked children the rest."""
+    children: list[tuple[int, int]] = []
+    for part in range(1, n):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 0
+            try:
+                os.close(r)
+                res = _Walker(root, part, n, None, hist).walk_root()
+                data = pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL)
+                with os.fdopen(w, "wb") as f:
+                    f.write(data)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(w)
+        children.append((pid, r))
+    scaled = (lambda k: progress(k * n)) if progress is not None else None
+    result = _Walker(root, 0, n, scaled, hist).walk_root()
+    for pid, r in children:
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0 or not data:
+            raise OSError(f"scan worker {pid} failed")
+        result.merge(pickle.loads(data))
+    return result
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``.kvpersist/manifests/<namespace>.json`` as written at render/launch time."""
+
+    namespace: str
+    lmcache_model_name: str
+    pinned: bool
+    identity: dict[str, Any] | None
+    deployment: dict[str, Any]
+    mtime_ns: int = 0
+
+    def field(self, key: str) -> Any:
+        return (self.identity or {}).get(key)
+
+
+def parse_manifest(text: str, source: str = "") -> Manifest:
+    """Parse one manifest document. Raises ValueError if it is not a kvpersist manifest."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source}: not JSON: {exc}") from exc
+    if not isinstance(data, dict) or data.get("schema") != "kvpersist.manifest/1":
+        raise ValueError(f"{source}: not a kvpersist.manifest/1 document")
+    ns = data.get("namespace")
+    if not isinstance(ns, str) or not is_namespace(ns):
+        raise ValueError(f"{source}: bad namespace {ns!r}")
+    ident = data.get("identity")
+    dep = data.get("deployment")
+    return Manifest(
+        namespace=ns,
+        lmcache_model_name=str(data.get("lmcache_model_name") or ns),
+        pinned=bool(data.get("pinned")),
+        identity=ident if isinstance(ident, dict) else None,
+        deployment=dep if isinstance(dep, dict) else {},
+    )
+
+
+def read_manifests(root: str | os.PathLike[str]) -> tuple[dict[str, Manifest], list[str]]:
+    """All readable manifests under ``root`` by namespace, and messages about bad ones."""
+    mdir = Path(root) / META_DIR / MANIFESTS_DIR
+    found: dict[str, Manifest] = {}
+    problems: list[str] = []
+    try:
+        entries = list(os.scandir(mdir))
+    except FileNotFoundError:
+        return found, problems
+    except OSError as exc:
+        return found, [f"{mdir}: {exc.strerror}"]
+    for e in entries:
+        if not e.name.endswith(".json") or not e.is_file(follow_symlinks=False):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+            with open(e.path, encoding="utf-8") as f:
+                m = parse_manifest(f.read(), e.path)
+        except (OSError, ValueError) as exc:
+            problems.append(str(exc))
+            continue
+        if e.name != f"{m.namespace}.json":
+            problems.append(f"{e.path}: namespace {m.namespace} does not match the file name")
+            continue
+        found[m.namespace] = Manifest(
+            m.namespace, m.lmcache_model_name, m.pinned, m.identity, m.deployment,
+            st.st_mtime_ns,
+        )
+    return found, problems
