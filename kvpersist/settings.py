@@ -348,7 +348,7 @@ def settings_from_env(
         if raw.startswith("generic."):
             converted[name] = getattr(generic, raw[len("generic."):])
             continue
-        if "{" in raw:
+        if origin[key].endswith("(default)") and "{" in raw:
             raw = raw.format(cache_root=converted.get("cache_root", ""),
                              state_dir=converted.get("state_dir", ""))
         value, message = _convert(kind, raw)
