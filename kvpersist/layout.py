@@ -1,9 +1,10 @@
 """LMCache L2 file names: parse and format, pure.
 
 Stock LMCache 0.5.6's ``nixl_store_dynamic`` adapter (POSIX backend) stores one file per chunk
-key, named (``lmcache/v1/distributed/l2_adapters/nixl_store_agents/dynamic_nixl_store_agent.py``)::
+key, named (``lmcache/v1/distributed/l2_adapters/nixl_store_agents/``, function
+``_object_key_to_filename``)::
 
-    {model_name with "/" -> "--"}_{kv_rank:08x}_{object_group_id:x}_{chunk_hash hex}[@{cache_salt}].bin
+    {model_name, "/" -> "--"}_{kv_rank:08x}_{object_group_id:x}_{chunk_hash hex}[@{salt}].bin
 
 directly under the cache root (flat layout) or, with ``"shard_dirs": "true"``, under
 ``<chunk_hash[0:2]>/<chunk_hash[2:4]>/`` (the shard does not depend on the salt). A write goes to
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 BIN_SUFFIX = ".bin"
 TEMP_MARKER = ".tmp."
@@ -42,7 +43,7 @@ _CHUNK_RE = re.compile(
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 
 
-class Kind(str, Enum):
+class Kind(StrEnum):
     """What a directory entry of the cache root is."""
 
     CHUNK = "chunk"
@@ -105,7 +106,8 @@ class ChunkName:
     def filename(self) -> str:
         """The file name LMCache gives this key."""
         salt = f"@{self.salt}" if self.salt else ""
-        return f"{self.prefix}_{self.kv_rank:08x}_{self.group:x}_{self.chunk_hash}{salt}{BIN_SUFFIX}"
+        head = f"{self.prefix}_{self.kv_rank:08x}_{self.group:x}"
+        return f"{head}_{self.chunk_hash}{salt}{BIN_SUFFIX}"
 
     def relpath(self, shard_dirs: bool = False) -> str:
         """Path relative to the cache root, flat or sharded (``ab/cd/<name>``)."""

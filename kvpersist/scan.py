@@ -51,6 +51,7 @@ SAMPLE_CAP = 20
 PARALLEL_MIN_DIR_BYTES = 1 << 20
 PROGRESS_EVERY = 1 << 16
 _NO_MIN = 1 << 63
+_MISSING: Any = object()
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 ProgressFn = Callable[[int], None]
@@ -359,8 +360,8 @@ class _Walker:
                             if len(fields) == 4:
                                 tail = fields[3]
                                 key = (fields[0], fields[1], fields[2])
-                                a = keys.get(key, False)
-                                if a is False:
+                                a = keys.get(key, _MISSING)
+                                if a is _MISSING:
                                     a = keys[key] = self._new_key(key)
                                 if (
                                     a is not None
