@@ -177,7 +177,8 @@ def _check_field(name: str, raw: str) -> str:
             return f"{value!r} {why}; one of {', '.join(sorted(RESOLVED_KV_DTYPES))}"
     elif name in ("connector_build", "vllm_build"):
         if not _PINNED_BUILD.match(value):
-            return f"must be pinned exactly (name==version or an image @sha256 digest), got {value!r}"
+            return ("must be pinned exactly (name==version or an image @sha256 digest), "
+                    f"got {value!r}")
     elif name == "connector":
         if not _CONNECTOR.match(value):
             return f"must be a connector class name, got {value!r}"

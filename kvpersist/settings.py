@@ -340,7 +340,7 @@ def settings_from_env(
         elif default is not None:
             merged[key], origin[key] = default, f"{source}: {key} (default)"
     converted: dict[str, Any] = {}
-    for key, (name, kind, default) in DEPLOYMENT_KEYS.items():
+    for key, (name, kind, _default) in DEPLOYMENT_KEYS.items():
         if key not in merged:
             problems.append(Problem(f"{source}: {key}", "missing", _DEPLOY_FIX.get(key, "")))
             continue

@@ -117,7 +117,8 @@ def test_render_json_schema_and_out_dir(tmp_path: Path) -> None:
 def test_plain_commands_never_import_lmcache_or_torch(args: list[str]) -> None:
     code = ("import sys\nfrom kvpersist.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-            "heavy = [m for m in ('lmcache', 'torch', 'vllm', 'transformers') if m in sys.modules]\n"
+            "heavy = [m for m in ('lmcache', 'torch', 'vllm', 'transformers')"
+            " if m in sys.modules]\n"
             "print('HEAVY=' + ','.join(heavy), file=sys.stderr)\n")
     env = dict(clean_env(), KVP_CACHE_ROOT="/tmp/kvp-import-check")
     res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
