@@ -1,0 +1,114 @@
+"""The L2 master key of LMCache's ``aesgcm`` serde (the I/O layer for key files).
+
+LMCache derives one AES key per ``cache_salt`` from this master key with HKDF-SHA256 and
+authenticates every chunk frame with AES-GCM: a tampered, truncated or foreign file fails
+its tag and becomes a load miss (recompute), never wrong output.
+
+The toolkit creates the key once: 32 random bytes, mode 0600, in a 0700 directory, written
+atomically. It never prints or logs the key; only a fingerprint (a one-way digest) is shown.
+Under systemd the key can come from a credential (``LoadCredential=``): point
+``KVP_SERDE_KEY_FILE`` at ``$CREDENTIALS_DIRECTORY/<name>``; an existing key is used as is.
+
+What a key change means: every chunk written under the old key fails authentication under
+the new one, so the whole cache at that root becomes unreadable (misses, recompute). Stock
+LMCache never rewrites a key whose file exists, so those files stay misses until removed;
+``kvp-admin verify --apply`` quarantines them. Rotating the key therefore equals starting
+the cache from empty; the namespace does not change (the key is not a KV-compatibility
+field), which is why launch records the fingerprint and warns when it changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpersist.errors import KvpError
+
+KEY_BYTES = 32
+FINGERPRINT_FILE = "l2-master.key.fingerprint"
+
+
+class KeyError_(KvpError):
+    """The key file is unusable (unreadable, too short, readable by others)."""
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """A usable key: where it is, its fingerprint, and whether this call created it."""
+
+    path: str
+    fingerprint: str
+    created: bool
+
+
+def fingerprint(key: bytes) -> str:
+    """A 16-hex one-way fingerprint of ``key`` (safe to log; pure)."""
+    return hashlib.sha256(b"kvpersist-l2-key-fingerprint\0" + key).hexdigest()[:16]
+
+
+def _check_mode(path: Path) -> None:
+    st = path.stat()
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise KeyError_(f"key file {path} is accessible to group/others "
+                        f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}")
+
+
+def read_key(path: str | os.PathLike[str]) -> bytes:
+    """The key bytes at ``path``; raises KeyError_ if missing, short or not owner-only."""
+    p = Path(path)
+    try:
+        _check_mode(p)
+        data = p.read_bytes()
+    except FileNotFoundError as exc:
+        raise KeyError_(f"key file {p} does not exist") from exc
+    except OSError as exc:
+        raise KeyError_(f"cannot read key file {p}: {exc}") from exc
+    if len(data) < 16:
+        raise KeyError_(f"key file {p} holds {len(data)} bytes; at least 16 are needed")
+    return data
+
+
+def ensure_key(path: str | os.PathLike[str]) -> KeyInfo:
+    """Return the key at ``path``, creating it (32 random bytes, 0600, parent 0700) if it
+    does not exist. Never overwrites. Raises KeyError_ if an existing key is unusable."""
+    p = Path(path)
+    created = False
+    if not p.exists():
+        p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = p.with_name(f".{p.name}.tmp.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, os.urandom(KEY_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, p)  # fails if another launcher created it meanwhile
+            created = True
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    key = read_key(p)
+    return KeyInfo(str(p), fingerprint(key), created)
+
+
+def recorded_fingerprint(state_dir: str | os.PathLike[str]) -> str | None:
+    """The key fingerprint recorded for a cache (``<state_dir>/keys/...fingerprint``)."""
+    try:
+        return (Path(state_dir) / "keys" / FINGERPRINT_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def record_fingerprint(state_dir: str | os.PathLike[str], fp: str) -> None:
+    """Record ``fp`` as the key fingerprint this cache's files are written with."""
+    d = Path(state_dir) / "keys"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = d / f".{FINGERPRINT_FILE}.tmp.{os.getpid()}"
+    tmp.write_text(fp + "\n")
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, d / FINGERPRINT_FILE)

@@ -1,0 +1,519 @@
+"""Start, stop and inspect a deployment's processes (the lifecycle engine).
+
+Control flow: ``plan_launch`` (pure: paths, argv, environment) → ``preflight`` (reads the
+filesystem and ports, returns every problem at once) → ``start_server`` / ``start_vllm``
+(processes, pid files, waiting for health) → ``stop_deployment``. The click commands in
+:mod:`kvpersist.commands.lifecycle` only parse and format.
+
+Files of a deployment (``S`` = ``KVP_STATE_DIR``, default ``<cache root>/.kvpersist``):
+
+* ``<cache root>/lmcache-server.pid``: the cache server's pid
+* ``S/vllm.pid``: vLLM's pid when it runs as a direct process
+* ``S/logs/lmcache-server.log``, ``S/logs/vllm.log``
+* ``S/manifests/<namespace>.json``: the namespace manifest
+* ``S/models/<namespace>`` → the weights: vLLM runs in ``S/models`` with
+  ``--model <namespace>``, so LMCache's model name (and every file name) is the namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpersist import procs
+from kvpersist.errors import CheckFailed, ConfigError, KvpError, Problem
+from kvpersist.render import Rendered
+from kvpersist.settings import Deployment
+
+SERVER_PID_FILE = "lmcache-server.pid"
+VLLM_PID_FILE = "vllm.pid"
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+# --------------------------------------------------------------------------- the plan (pure)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything launch/stop/status need to know about a deployment's processes."""
+
+    namespace: str
+    cache_root: str
+    state_dir: str
+    server_pid_file: str
+    vllm_pid_file: str
+    server_log: str
+    vllm_log: str
+    manifest_file: str
+    model_link_dir: str
+    model_link: str
+    model_target: str
+    server_argv: list[str]
+    server_env: dict[str, str]
+    server_markers: tuple[str, ...]
+    server_http_url: str
+    vllm_mode: str  # "process" or "container"
+    vllm_argv: list[str]
+    vllm_env: dict[str, str]
+    vllm_markers: tuple[str, ...]
+    vllm_url: str
+    container_name: str
+    served_model_name: str
+    serde_key_file: str
+    serde: str
+    listen: dict[str, Any] = field(default_factory=dict)
+
+
+def lmcache_bin() -> str:
+    """The ``lmcache`` executable: next to this Python (a venv), else on PATH."""
+    sibling = Path(sys.executable).parent / "lmcache"
+    if sibling.exists():
+        return str(sibling)
+    return shutil.which("lmcache") or "lmcache"
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
+                *, python: str | None = None, server_bin: str | None = None) -> LaunchPlan:
+    """Build the launch plan of ``dep`` from its rendering (pure apart from the values
+    passed in: ``environ`` is the environment to start children with)."""
+    s = dep.settings
+    state = Path(s.state_dir)
+    logs = Path(s.log_dir)
+    server_argv = list(rendered.lmcache_server_argv)
+    server_argv[0] = server_bin or server_argv[0]
+    server_env = dict(environ)
+    server_env.setdefault("LMCACHE_DISABLE_BANNER", "1")
+    vllm_env = dict(environ)
+    container = bool(rendered.container_argv) and s.device != "cpu"
+    if s.device == "cpu":
+        vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        vllm_env.setdefault("HF_HUB_OFFLINE", "1")
+        vllm_env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if container:
+        vllm_argv = list(rendered.container_argv)
+    else:
+        vllm_argv = [python or sys.executable, "-m", VLLM_MODULE, *rendered.vllm_argv]
+    return LaunchPlan(
+        namespace=dep.namespace,
+        cache_root=s.cache_root,
+        state_dir=str(state),
+        server_pid_file=str(Path(s.cache_root) / SERVER_PID_FILE),
+        vllm_pid_file=str(state / VLLM_PID_FILE),
+        server_log=str(logs / "lmcache-server.log"),
+        vllm_log=str(logs / "vllm.log"),
+        manifest_file=str(state / "manifests" / f"{dep.namespace}.json"),
+        model_link_dir=rendered.model_link["dir"],
+        model_link=str(Path(rendered.model_link["dir"]) / rendered.model_link["name"]),
+        model_target=rendered.model_link["target"],
+        server_argv=server_argv,
+        server_env=server_env,
+        server_markers=("lmcache", "--l2-adapter", f'"file_path":"{s.cache_root}"'),
+        server_http_url=f"http://{_url_host(s.lmcache_http_host)}:{s.lmcache_http_port}",
+        vllm_mode="container" if container else "process",
+        vllm_argv=vllm_argv,
+        vllm_env=vllm_env,
+        vllm_markers=("--model", dep.namespace, "--served-model-name"),
+        vllm_url=f"http://{_url_host(s.vllm_host)}:{s.vllm_port}",
+        container_name=s.container_name or f"{dep.name}-kvp",
+        served_model_name=s.served_model_name,
+        serde_key_file=s.serde_key_file,
+        serde=s.serde,
+        listen={"lmcache": [s.lmcache_host, s.lmcache_port],
+                "lmcache_http": [s.lmcache_http_host, s.lmcache_http_port],
+                "vllm": [s.vllm_host, s.vllm_port]},
+    )
+
+
+# --------------------------------------------------------------------------- preflight (I/O)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """Result of the checks before a launch: problems block it, notes are informational."""
+
+    problems: tuple[Problem, ...]
+    notes: tuple[str, ...]
+
+
+def preflight(dep: Deployment, plan: LaunchPlan, *, with_vllm: bool,
+              min_free_bytes: int = 256 << 20) -> Preflight:
+    """Check what a launch needs; create the cache root (0700) if its parent exists.
+
+    Checks: identity pinned (or explicitly unpinned), cache root a writable directory that
+    others cannot read, free space, the ports free, the lmcache executable, the model
+    weights (with vLLM). Returns all problems at once; never raises for them.
+    """
+    problems: list[Problem] = []
+    notes: list[str] = []
+    root = Path(plan.cache_root)
+    if not dep.pinned:
+        notes.append(f"identity unpinned: one-off namespace {dep.namespace}, "
+                     "nothing will be reused after a restart")
+    if not root.exists():
+        if root.parent.is_dir():
+            root.mkdir(mode=0o700)
+            notes.append(f"created cache root {root} (mode 0700)")
+        else:
+            problems.append(Problem("KVP_CACHE_ROOT", f"{root} does not exist",
+                                    "create it on the NVMe filesystem (mode 0700)"))
+    if root.is_dir():
+        st = root.stat()
+        if stat.S_IMODE(st.st_mode) & 0o007:
+            problems.append(Problem("KVP_CACHE_ROOT",
+                                    f"{root} is accessible to others (mode "
+                                    f"{stat.S_IMODE(st.st_mode):04o}); KV data reveals prompts",
+                                    f"chmod o-rwx {root}"))
+        if not os.access(root, os.W_OK | os.X_OK):
+            problems.append(Problem("KVP_CACHE_ROOT", f"{root} is not writable by this user",
+                                    "run as the cache owner or fix ownership"))
+        else:
+            free = shutil.disk_usage(root).free
+            if free < min_free_bytes:
+                problems.append(Problem("KVP_CACHE_ROOT",
+                                        f"only {free >> 20} MiB free on {root}",
+                                        "free space or prune stale namespaces"))
+    elif root.exists():
+        problems.append(Problem("KVP_CACHE_ROOT", f"{root} is not a directory"))
+    ports = [("KVP_LMCACHE_PORT", *plan.listen["lmcache"]),
+             ("KVP_LMCACHE_HTTP_PORT", *plan.listen["lmcache_http"])]
+    if with_vllm:
+        ports.append(("KVP_VLLM_PORT", *plan.listen["vllm"]))
+    for key, host, port in ports:
+        if not procs.port_bindable(host, port):
+            problems.append(Problem(key, f"{host}:{port} is already in use",
+                                    "stop what listens there or choose another port"))
+    exe = plan.server_argv[0]
+    if not (Path(exe).exists() or shutil.which(exe)):
+        problems.append(Problem("lmcache", f"executable {exe!r} not found",
+                                "pip install 'kvpersist[cache]' (lmcache==0.5.6 nixl)"))
+    if with_vllm and plan.vllm_mode == "process" and not Path(plan.model_target).exists():
+        problems.append(Problem("KVP_MODEL_PATH", f"{plan.model_target} does not exist",
+                                "point it at the model weights directory"))
+    if with_vllm and plan.vllm_mode == "container" and not shutil.which("docker"):
+        problems.append(Problem("KVP_IMAGE", "docker is not installed",
+                                "install Docker or set KVP_DEVICE=cpu for a direct process"))
+    return Preflight(tuple(problems), tuple(notes))
+
+
+# --------------------------------------------------------------------------- starting (I/O)
+
+
+def _write_json_atomic(path: Path, obj: Any, mode: int = 0o600) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def prepare_state(plan: LaunchPlan, rendered: Rendered, *, progress: Progress = _quiet,
+                  ) -> list[str]:
+    """Create state/log directories (0700), write the manifest, ensure the serde key.
+    Returns notes (e.g. a new key, a changed key fingerprint)."""
+    from kvpersist import keys
+
+    notes: list[str] = []
+    for d in (plan.state_dir, str(Path(plan.server_log).parent)):
+        Path(d).mkdir(parents=True, exist_ok=True, mode=0o700)
+    _write_json_atomic(Path(plan.manifest_file), rendered.manifest)
+    if plan.serde == "aesgcm":
+        info = keys.ensure_key(plan.serde_key_file)
+        if info.created:
+            notes.append(f"created L2 master key {info.path} (0600, fingerprint "
+                         f"{info.fingerprint})")
+        old = keys.recorded_fingerprint(plan.state_dir)
+        if old and old != info.fingerprint:
+            notes.append(f"WARNING: the L2 key changed (fingerprint {old} -> "
+                         f"{info.fingerprint}): files written under the old key are "
+                         "permanent misses; run `kvp-admin verify --apply` to quarantine them")
+        keys.record_fingerprint(plan.state_dir, info.fingerprint)
+    progress(f"manifest {plan.manifest_file}")
+    return notes
+
+
+def server_state(plan: LaunchPlan) -> procs.PidState:
+    """The cache server's pid-file state for ``plan``."""
+    return procs.check_pid_file(plan.server_pid_file, plan.server_markers)
+
+
+def vllm_state(plan: LaunchPlan) -> procs.PidState:
+    """vLLM's pid-file state (direct-process mode)."""
+    return procs.check_pid_file(plan.vllm_pid_file, plan.vllm_markers)
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """True if GET ``url`` answers 200 within ``timeout`` seconds."""
+    import requests
+
+    try:
+        return requests.get(url, timeout=timeout).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def _log_tail(path: str, lines: int = 15) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+@dataclass(frozen=True)
+class Started:
+    """A process that launch started (or found running)."""
+
+    what: str
+    pid: int | None
+    seconds: float
+    already_running: bool = False
+    log: str = ""
+
+
+def _refuse_if_running(state: procs.PidState, what: str, progress: Progress) -> None:
+    if state.running:
+        raise CheckFailed(f"{what} is already running (pid {state.pid}, pid file "
+                          f"{state.pid_file}); stop it first with `kvp-admin stop`")
+    if state.state == "stale":
+        progress(f"stale pid file {state.pid_file}: {state.reason}; removing it")
+        procs.remove_pid_file(state.pid_file)
+
+
+def start_server(plan: LaunchPlan, *, timeout: float = 60.0,
+                 progress: Progress = _quiet) -> Started:
+    """Start the cache server in the background and wait until ``/healthcheck`` answers.
+
+    Refuses (CheckFailed) when the pid file names a live server; a stale pid file is
+    removed. Raises KvpError with the log's tail if the server exits or is not healthy in
+    ``timeout`` seconds (the half-started process is stopped).
+    """
+    _refuse_if_running(server_state(plan), "the cache server", progress)
+    t0 = time.monotonic()
+    progress(f"starting lmcache server (log {plan.server_log})")
+    proc = procs.start_background(plan.server_argv, log_path=plan.server_log,
+                                  env=plan.server_env, cwd=plan.state_dir, umask=0o077)
+    procs.write_pid_file(plan.server_pid_file, proc.pid)
+    ok = procs.wait_for(lambda: http_ok(f"{plan.server_http_url}/healthcheck", 1.0),
+                        timeout, 0.5, should_abort=lambda: proc.poll() is not None)
+    if not ok:
+        code = proc.poll()
+        procs.stop_process(proc.pid, timeout=10)
+        proc.wait(timeout=10)
+        procs.remove_pid_file(plan.server_pid_file, proc.pid)
+        why = f"exited with status {code}" if code is not None else \
+            f"not healthy after {timeout:.0f} s"
+        raise KvpError(f"lmcache server {why}; last lines of {plan.server_log}:\n"
+                       f"{_log_tail(plan.server_log)}")
+    return Started("lmcache server", proc.pid, time.monotonic() - t0, log=plan.server_log)
+
+
+def ensure_model_link(plan: LaunchPlan) -> None:
+    """Make ``<model_link_dir>/<namespace>`` a symlink to the weights (atomic replace)."""
+    link_dir = Path(plan.model_link_dir)
+    link_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    link = Path(plan.model_link)
+    target = os.path.abspath(plan.model_target)
+    if link.is_symlink() and os.readlink(link) == target:
+        return
+    tmp = link_dir / f".{link.name}.tmp.{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def vllm_ready(plan: LaunchPlan, timeout: float = 2.0) -> bool:
+    """True if vLLM answers ``/health`` and ``/v1/models`` lists the served name with the
+    namespace as its root (the namespace reaches LMCache)."""
+    import requests
+
+    try:
+        if requests.get(f"{plan.vllm_url}/health", timeout=timeout).status_code != 200:
+            return False
+        models = requests.get(f"{plan.vllm_url}/v1/models", timeout=timeout).json()
+    except (requests.RequestException, ValueError):
+        return False
+    return any(m.get("id") == plan.served_model_name and m.get("root") == plan.namespace
+               for m in models.get("data", []))
+
+
+def start_vllm(plan: LaunchPlan, *, timeout: float = 300.0,
+               progress: Progress = _quiet) -> Started:
+    """Start vLLM for the deployment and wait until it serves the namespace.
+
+    Direct process: ``python -m vllm.entrypoints.openai.api_server <rendered args>`` in the
+    model-link directory, pid file ``S/vllm.pid``. Container: the rendered ``docker run``.
+    Raises CheckFailed if it already runs, KvpError (with the log's tail) if it fails.
+    """
+    if plan.vllm_mode == "process":
+        _refuse_if_running(vllm_state(plan), "vLLM", progress)
+    ensure_model_link(plan)
+    t0 = time.monotonic()
+    progress(f"starting vLLM ({plan.vllm_mode}, log {plan.vllm_log})")
+    proc = procs.start_background(plan.vllm_argv, log_path=plan.vllm_log, env=plan.vllm_env,
+                                  cwd=plan.model_link_dir, umask=0o077)
+    if plan.vllm_mode == "process":
+        procs.write_pid_file(plan.vllm_pid_file, proc.pid)
+    ok = procs.wait_for(lambda: vllm_ready(plan, 2.0), timeout, 1.0,
+                        should_abort=lambda: proc.poll() is not None)
+    if not ok:
+        code = proc.poll()
+        procs.stop_process(proc.pid, timeout=15)
+        proc.wait(timeout=10)
+        procs.remove_pid_file(plan.vllm_pid_file, proc.pid)
+        why = f"exited with status {code}" if code is not None else \
+            f"not ready after {timeout:.0f} s"
+        raise KvpError(f"vLLM {why}; last lines of {plan.vllm_log}:\n"
+                       f"{_log_tail(plan.vllm_log)}")
+    return Started("vLLM", proc.pid, time.monotonic() - t0, log=plan.vllm_log)
+
+
+def exec_server_foreground(plan: LaunchPlan) -> None:
+    """Write the pid file with this pid and exec the cache server (for systemd)."""
+    _refuse_if_running(server_state(plan), "the cache server", _quiet)
+    procs.write_pid_file(plan.server_pid_file, os.getpid())
+    procs.exec_foreground(plan.server_argv, env=plan.server_env, cwd=plan.state_dir)
+
+
+# --------------------------------------------------------------------------- stopping (I/O)
+
+
+@dataclass(frozen=True)
+class Stopped:
+    what: str
+    pid: int | None
+    how: str  # terminated / killed / not-running / stale
+    seconds: float = 0.0
+    detail: str = ""
+
+
+def stop_vllm(plan: LaunchPlan, *, timeout: float = 60.0) -> Stopped:
+    """Stop the deployment's vLLM (direct process via its pid file, or the container)."""
+    if plan.vllm_mode == "container":
+        import subprocess
+
+        if not shutil.which("docker"):
+            return Stopped("vLLM", None, "not-running", detail="docker not installed")
+        r = subprocess.run(["docker", "stop", "-t", str(int(timeout)), plan.container_name],
+                           capture_output=True, text=True, timeout=timeout + 30)
+        how = "terminated" if r.returncode == 0 else "not-running"
+        return Stopped("vLLM", None, how, detail=plan.container_name)
+    st = vllm_state(plan)
+    if st.state == "stale":
+        procs.remove_pid_file(plan.vllm_pid_file)
+        return Stopped("vLLM", st.pid, "stale", detail=st.reason)
+    if not st.running or st.pid is None:
+        return Stopped("vLLM", None, "not-running")
+    res = procs.stop_process(st.pid, timeout=timeout)
+    procs.remove_pid_file(plan.vllm_pid_file, st.pid)
+    return Stopped("vLLM", st.pid, res.how, res.seconds)
+
+
+def stop_server(plan: LaunchPlan, *, timeout: float = 30.0) -> Stopped:
+    """Stop the cache server: SIGTERM, wait ``timeout``, then SIGKILL. L2 files stay."""
+    st = server_state(plan)
+    if st.state == "stale":
+        procs.remove_pid_file(plan.server_pid_file)
+        return Stopped("lmcache server", st.pid, "stale", detail=st.reason)
+    if not st.running or st.pid is None:
+        return Stopped("lmcache server", None, "not-running")
+    res = procs.stop_process(st.pid, timeout=timeout)
+    procs.remove_pid_file(plan.server_pid_file, st.pid)
+    return Stopped("lmcache server", st.pid, res.how, res.seconds)
+
+
+def stop_deployment(plan: LaunchPlan, *, timeout: float = 30.0,
+                    vllm: bool = True) -> list[Stopped]:
+    """vLLM first (it holds connections to the server), then the cache server."""
+    out = []
+    if vllm:
+        out.append(stop_vllm(plan, timeout=max(timeout, 30.0)))
+    out.append(stop_server(plan, timeout=timeout))
+    return out
+
+
+# --------------------------------------------------------------------------- the whole launch
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    plan: LaunchPlan
+    notes: tuple[str, ...]
+    started: tuple[Started, ...]
+
+
+def load_plan(config: str, *, environ: Mapping[str, str] | None = None,
+              allow_unpinned: bool = False) -> tuple[Deployment, Rendered, LaunchPlan]:
+    """Load ``config``, size and render it, and build its launch plan."""
+    from kvpersist.deployment import load_deployment
+    from kvpersist.fsio import load_templates
+    from kvpersist.planning import sizing_for
+    from kvpersist.render import render
+
+    env = dict(os.environ if environ is None else environ)
+    dep = load_deployment(config, env, allow_unpinned=allow_unpinned)
+    sizing = sizing_for(dep)
+    rendered = render(dep, load_templates(), l1_size_gb=sizing.l1_size_gb,
+                      l2_capacity_gb=sizing.l2_capacity_gb, lmcache_bin=lmcache_bin())
+    return dep, rendered, plan_launch(dep, rendered, env)
+
+
+def launch(dep: Deployment, rendered: Rendered, plan: LaunchPlan, *, with_vllm: bool = True,
+           server_timeout: float = 60.0, vllm_timeout: float = 300.0,
+           progress: Progress = _quiet) -> LaunchResult:
+    """Preflight, prepare state, start the cache server, then (``with_vllm``) vLLM.
+
+    Raises ConfigError listing every preflight problem (exit 2), CheckFailed if already
+    running (exit 1), KvpError if a process fails to come up (after stopping it). If vLLM
+    fails, the cache server started here is left running (it is healthy) and reported.
+    """
+    srv = server_state(plan)
+    if srv.running:
+        raise CheckFailed(f"the cache server is already running (pid {srv.pid}, pid file "
+                          f"{srv.pid_file}); `kvp-admin status` shows it, "
+                          "`kvp-admin stop` stops it")
+    if with_vllm and plan.vllm_mode == "process":
+        vst = vllm_state(plan)
+        if vst.running:
+            raise CheckFailed(f"vLLM is already running (pid {vst.pid}); "
+                              "`kvp-admin stop` stops it")
+    pre = preflight(dep, plan, with_vllm=with_vllm)
+    if pre.problems:
+        raise ConfigError(list(pre.problems), "preflight")
+    notes = list(pre.notes)
+    for n in notes:
+        progress(n)
+    state_notes = prepare_state(plan, rendered, progress=progress)
+    for n in state_notes:
+        progress(n)
+    notes += state_notes
+    started = [start_server(plan, timeout=server_timeout, progress=progress)]
+    progress(f"lmcache server healthy in {started[0].seconds:.1f} s (pid {started[0].pid})")
+    if with_vllm:
+        started.append(start_vllm(plan, timeout=vllm_timeout, progress=progress))
+        progress(f"vLLM ready in {started[1].seconds:.1f} s (pid {started[1].pid})")
+    return LaunchResult(plan, tuple(notes), tuple(started))
