@@ -596,3 +596,118 @@ def read_manifests(root: str | os.PathLike[str]) -> tuple[dict[str, Manifest], l
             st.st_mtime_ns,
         )
     return found, problems
+
+
+# --------------------------------------------------------------------------- context
+
+
+@dataclass
+class Inventory:
+    """A cache root and the deployments configured on it (for report, budget, prune)."""
+
+    root: str
+    deployments: list[Any] = field(default_factory=list)
+    active: set[str] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)
+
+
+def _nearest_existing(path: str) -> str:
+    current = os.path.abspath(path)
+    while not os.path.exists(current) and os.path.dirname(current) != current:
+        current = os.path.dirname(current)
+    return current
+
+
+def resolve_inventory(
+    root: str | None,
+    configs: tuple[str, ...] | list[str] = (),
+    *,
+    environ: Any = None,
+    discover: bool = True,
+) -> Inventory:
+    """Which root to look at and which namespaces are active on it.
+
+    ``configs`` are loaded (ConfigError propagates); the root is ``root`` or their common cache
+    root. With no ``configs`` and ``discover``, every config under configs/ is tried and those
+    whose cache root is ``root`` count as active (a config that does not load is skipped and
+    noted). Raises UsageError if neither a root nor a config is given, or the configs disagree.
+    An unpinned deployment's active namespace is the newest manifest written for it.
+    """
+    from kvpersist.deployment import list_config_names, load_deployment
+    from kvpersist.errors import ConfigError, UsageError
+
+    deps = [load_deployment(c, environ) for c in configs]
+    notes: list[str] = []
+    if root is None:
+        roots = {os.path.abspath(str(d.cache_root)) for d in deps}
+        if not roots:
+            raise UsageError("give --root DIR or --config CONFIG")
+        if len(roots) > 1:
+            raise UsageError(
+                f"the configs use different cache roots ({', '.join(sorted(roots))}); "
+                f"give --root DIR"
+            )
+        root = roots.pop()
+    root = os.path.abspath(root)
+    if not configs and discover:
+        try:
+            names = list_config_names()
+        except OSError:
+            names = []
+        for name in names:
+            try:
+                d = load_deployment(name, environ)
+            except ConfigError as exc:
+                notes.append(f"config {name} skipped: {len(exc.problems)} problem(s)")
+                continue
+            deps.append(d)
+    on_root = [d for d in deps if os.path.abspath(str(d.cache_root)) == root]
+    for d in deps:
+        if d not in on_root and configs:
+            notes.append(f"config {d.name} uses another cache root ({d.cache_root})")
+    manifests, _ = read_manifests(root)
+    active: set[str] = set()
+    for d in on_root:
+        if d.pinned:
+            active.add(d.namespace)
+            continue
+        mine = [m for m in manifests.values()
+                if not m.pinned and m.deployment.get("config") == d.name]
+        if mine:
+            active.add(max(mine, key=lambda m: m.mtime_ns).namespace)
+    return Inventory(root=root, deployments=on_root, active=active, notes=notes)
+
+
+def host_ram_bytes() -> int:
+    """Total host RAM."""
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def measure_and_plan(deployment: Any, others: tuple[Any, ...] = (),
+                     ram_bytes: int | None = None) -> Any:
+    """Measure the deployment's cache root and host RAM, and return its BudgetPlan.
+
+    This is what render/launch call: the plan's ``l1_size_gb`` and ``l2_max_capacity_gb`` go
+    into the lmcache server's flags. A root that does not exist yet holds nothing. ``others``
+    are the other deployments on this host (see ``kvpersist.budget.plan_for_deployment``).
+    """
+    from kvpersist.budget import plan_for_deployment
+
+    root = str(deployment.cache_root)
+    if os.path.isdir(root) and not os.path.islink(root):
+        res = scan_root(root, hist=False)
+        assert res.fs is not None
+        fs, on_disk, temp = res.fs, res.prefix_bytes(), res.temp.bytes
+    else:
+        fs, on_disk, temp = FsInfo.of(_nearest_existing(root)), {}, 0
+    return plan_for_deployment(
+        deployment,
+        fs_total_bytes=fs.total_bytes,
+        fs_avail_bytes=fs.avail_bytes,
+        on_disk=on_disk,
+        temp_bytes=temp,
+        host_ram_bytes=host_ram_bytes() if ram_bytes is None else ram_bytes,
+        others=others,
+    )
