@@ -1,0 +1,31 @@
+"""``kvp-admin health``: probe a deployment; exit 0 healthy, 1 degraded, 2 down."""
+
+from __future__ import annotations
+
+import click
+
+from kvpersist.commands.common import config_argument, echo_json, json_option, table
+
+
+@click.command("health")
+@config_argument
+@json_option
+@click.option("--wait", type=float, default=0.0, metavar="SECONDS",
+              help="Probe again until healthy or SECONDS pass.")
+@click.option("--timeout", type=float, default=3.0, show_default=True,
+              help="Timeout of each probe, seconds.")
+@click.option("--no-vllm", is_flag=True, help="Check only the cache server and cache root.")
+def health(config: str, as_json: bool, wait: float, timeout: float, no_vllm: bool) -> None:
+    """Check CONFIG's cache server, cache root and vLLM. Exit 0 healthy, 1 degraded, 2 down."""
+    from kvpersist import launch as lc
+    from kvpersist.health import health_report
+
+    dep, _, plan = lc.load_plan(config, allow_unpinned=True)
+    report = health_report(dep, plan, timeout=timeout, expect_vllm=not no_vllm, wait=wait)
+    if as_json:
+        echo_json(report)
+    else:
+        click.echo(f"{dep.name}  namespace {dep.namespace}: {report['status'].upper()}")
+        rows = [[c["name"], c["status"], c["detail"]] for c in report["checks"]]
+        click.echo(table(rows, ["check", "status", "detail"]))
+    raise SystemExit(report["exit_code"])
