@@ -1,0 +1,93 @@
+"""Add persistence to an existing vLLM command line (the ``KV_PERSIST=1`` recipe hook).
+
+``persist_argv`` is pure: given the recipe's vLLM argv and the deployment's rendering
+(``kvp-admin render CONFIG --json``), it returns the argv with exactly the persistence
+arguments applied:
+
+* the model argument (``vllm serve MODEL``, ``--model MODEL`` or ``--model=MODEL``) becomes
+  the namespace, a relative path resolved in the model-link directory where the namespace
+  links to the weights — LMCache's model name, and every L2 file name, then carries the
+  namespace;
+* ``--served-model-name`` is added (the deployment's public name) if the recipe has none, so
+  clients keep using the same name;
+* ``--kv-transfer-config`` pointing at the deployment's cache server is appended.
+
+Everything else is left byte-for-byte as it was. A recipe that already sets
+``--kv-transfer-config``, or serves other weights than the deployment's ``KVP_MODEL_PATH``,
+is refused (``HookError``): either would silently mix caches or lose persistence.
+
+``python -m kvpersist.hook RENDER_JSON_FILE -- ARGV...`` prints the new argv NUL-separated
+(for ``mapfile -d ''``) — used by ``scripts/kv-persist-hook.sh``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+
+class HookError(Exception):
+    """The recipe cannot be made persistent as it is."""
+
+
+def _find_model(argv: list[str]) -> tuple[int, str]:
+    """Index and value of the model argument in a vLLM argv; raises HookError if none."""
+    for i, arg in enumerate(argv):
+        if arg == "--model" and i + 1 < len(argv):
+            return i + 1, argv[i + 1]
+        if arg.startswith("--model="):
+            return i, arg.split("=", 1)[1]
+    for i, arg in enumerate(argv):
+        if arg == "serve" and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            return i + 1, argv[i + 1]
+    raise HookError("cannot find the model in the vLLM command (expected `vllm serve MODEL` "
+                    "or `--model MODEL`)")
+
+
+def _same_path(a: str, b: str) -> bool:
+    return os.path.normpath(a) == os.path.normpath(b) or (
+        os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
+
+
+def persist_argv(argv: list[str], rendered: dict[str, Any]) -> list[str]:
+    """The recipe's ``argv`` with the persistence arguments of ``rendered`` applied."""
+    if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in argv):
+        raise HookError("the recipe already sets --kv-transfer-config; remove it, the hook "
+                        "adds the deployment's")
+    idx, model = _find_model(argv)
+    link = rendered["model_link"]
+    if not _same_path(model, link["target"]):
+        raise HookError(f"the recipe serves {model!r} but the deployment's KVP_MODEL_PATH is "
+                        f"{link['target']!r}: its identity would describe other weights")
+    out = list(argv)
+    if out[idx].startswith("--model="):
+        out[idx] = f"--model={rendered['namespace']}"
+    else:
+        out[idx] = rendered["namespace"]
+    if not any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in out):
+        served = rendered["manifest"]["deployment"]["served_model_name"]
+        out += ["--served-model-name", served]
+    ktc = json.dumps(rendered["kv_transfer_config"], sort_keys=True, separators=(",", ":"))
+    return [*out, "--kv-transfer-config", ktc]
+
+
+def main(args: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if args is None else args)
+    if len(args) < 2 or args[1] != "--":
+        print("usage: python -m kvpersist.hook RENDER_JSON_FILE -- VLLM_ARGV...", file=sys.stderr)
+        return 2
+    with open(args[0], encoding="utf-8") as f:
+        rendered = json.load(f)
+    try:
+        new = persist_argv(args[2:], rendered)
+    except HookError as exc:
+        print(f"kv-persist-hook: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write("".join(a + "\0" for a in new))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

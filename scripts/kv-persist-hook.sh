@@ -1,0 +1,72 @@
+# shellcheck shell=bash
+# kvpersist hook for an existing vLLM production recipe. Source it, then call
+#
+#     kvp_persist_apply ARRAY_NAME
+#
+# on the bash array that holds the recipe's vLLM command, right before the recipe runs it.
+#
+# * Without KV_PERSIST=1 this does nothing: the command stays byte-for-byte unchanged.
+# * With KV_PERSIST=1 (and KVP_CONFIG naming the deployment) it makes sure the deployment's
+#   lmcache server is up and healthy (`kvp-admin launch CONFIG --no-vllm` when it is not),
+#   then rewrites the array with exactly the persistence arguments (`kvpersist/hook.py`):
+#   the model argument becomes the namespace (linked to the weights in the deployment's
+#   model-link directory, which becomes the working directory), --served-model-name keeps
+#   the public name, --kv-transfer-config points at the cache server.
+#
+# It never sources identity.env: everything comes from `kvp-admin render CONFIG --json`.
+# Environment: KV_PERSIST (1 to enable), KVP_CONFIG (required then), KVP_ADMIN (default:
+# kvp-admin on PATH), KVP_PYTHON (a Python with kvpersist; default: the one next to
+# kvp-admin), KVP_HOOK_TIMEOUT (seconds to wait for the server, default 60).
+
+kvp_persist_apply() {
+  local __name=$1
+  if [ "${KV_PERSIST:-0}" != "1" ]; then
+    return 0
+  fi
+  if [ -z "${KVP_CONFIG:-}" ]; then
+    echo "kv-persist-hook: KV_PERSIST=1 needs KVP_CONFIG (a kvpersist deployment config)" >&2
+    return 2
+  fi
+  local admin=${KVP_ADMIN:-kvp-admin}
+  local admin_path py
+  admin_path=$(command -v "$admin") || {
+    echo "kv-persist-hook: $admin not found (set KVP_ADMIN)" >&2; return 2; }
+  py=${KVP_PYTHON:-$(dirname "$admin_path")/python}
+  [ -x "$py" ] || py=python3
+
+  # The cache server: healthy already, or launch it (a concurrent launch is fine: the
+  # second one is refused and we wait for health).
+  if ! "$admin" health "$KVP_CONFIG" --no-vllm >/dev/null 2>&1; then
+    echo "kv-persist-hook: starting the cache server for $KVP_CONFIG" >&2
+    "$admin" launch "$KVP_CONFIG" --no-vllm >&2 || true
+    "$admin" health "$KVP_CONFIG" --no-vllm --wait "${KVP_HOOK_TIMEOUT:-60}" >/dev/null || {
+      echo "kv-persist-hook: the cache server of $KVP_CONFIG is not healthy" >&2
+      "$admin" health "$KVP_CONFIG" --no-vllm >&2 || true
+      return 1; }
+  fi
+
+  local render_file rc
+  render_file=$(mktemp) || return 1
+  if ! "$admin" render "$KVP_CONFIG" --json >"$render_file"; then
+    rm -f "$render_file"; return 2
+  fi
+  local -n __cmd=$__name
+  local -a __new=()
+  mapfile -d '' __new < <("$py" -m kvpersist.hook "$render_file" -- "${__cmd[@]}"; \
+                           echo -n "$?" >"$render_file.rc")
+  rc=$(cat "$render_file.rc" 2>/dev/null || echo 1)
+  local link_dir link_name link_target
+  { read -r link_dir; read -r link_name; read -r link_target; } < <("$py" -c '
+import json, sys
+link = json.load(open(sys.argv[1]))["model_link"]
+print(link["dir"]); print(link["name"]); print(link["target"])' "$render_file")
+  rm -f "$render_file" "$render_file.rc"
+  if [ "$rc" != "0" ]; then
+    return "$rc"
+  fi
+  mkdir -p -m 0700 "$link_dir" || return 1
+  ln -sfn "$(realpath "$link_target")" "$link_dir/$link_name" || return 1
+  cd "$link_dir" || return 1
+  __cmd=("${__new[@]}")
+  echo "kv-persist-hook: persistence on (namespace $link_name, working directory $link_dir)" >&2
+}

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Start a kvpersist deployment's vLLM in the foreground (systemd, a terminal):
+#
+#     scripts/run-vllm-with-persist.sh CONFIG [EXTRA VLLM ARGS...]
+#
+# With KVP_IMAGE set (and not KVP_DEVICE=cpu) it execs the rendered `docker run` (the
+# container named per the config, e.g. mimo-pro-tp4-kvp); otherwise it execs vLLM as a
+# direct process (`python -m vllm.entrypoints.openai.api_server`, the CPU build) in the
+# model-link directory, where `--model <namespace>` links to the weights. The namespace path
+# stays the same across restarts, so every restart finds the files on disk again.
+#
+# Arguments come from `kvp-admin render CONFIG --json`; identity.env is never sourced.
+# Environment: KVP_ADMIN (default kvp-admin), KVP_PYTHON (a Python with vLLM; default the
+# one next to kvp-admin), KVP_VLLM_PID_FILE (write the pid, which exec keeps).
+set -euo pipefail
+if [ $# -lt 1 ]; then
+  echo "usage: $0 CONFIG [EXTRA VLLM ARGS...]" >&2
+  exit 2
+fi
+config=$1; shift
+admin=${KVP_ADMIN:-kvp-admin}
+admin_path=$(command -v "$admin") || { echo "$0: $admin not found (set KVP_ADMIN)" >&2; exit 2; }
+py=${KVP_PYTHON:-$(dirname "$admin_path")/python}
+[ -x "$py" ] || py=python3
+
+render=$("$admin" render "$config" --json)
+field() {  # field NAME: one value of the render JSON, NUL-separated if a list
+  "$py" -c '
+import json, sys
+v = json.loads(sys.stdin.read())
+for k in sys.argv[1].split("."):
+    v = v[k]
+if isinstance(v, list):
+    sys.stdout.write("".join(str(a) + "\0" for a in v))
+else:
+    sys.stdout.write(str(v))' "$1" <<<"$render"
+}
+mapfile -d '' container < <(field container_argv)
+if [ ${#container[@]} -gt 0 ] && [ "${KVP_DEVICE:-}" != "cpu" ] && command -v docker >/dev/null; then
+  echo "run-vllm-with-persist: exec ${container[*]:0:5} ..." >&2
+  exec "${container[@]}" "$@"
+fi
+mapfile -d '' vllm_args < <(field vllm_argv)
+link_dir=$(field model_link.dir)
+link_name=$(field model_link.name)
+link_target=$(field model_link.target)
+mkdir -p -m 0700 "$link_dir"
+ln -sfn "$(realpath "$link_target")" "$link_dir/$link_name"
+cd "$link_dir"
+if [ -n "${KVP_VLLM_PID_FILE:-}" ]; then
+  echo $$ >"$KVP_VLLM_PID_FILE"
+fi
+umask 077
+# The CPU build needs these; harmless elsewhere when already set by the caller.
+if ! "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+fi
+echo "run-vllm-with-persist: vLLM for namespace $link_name in $link_dir" >&2
+exec "$py" -m vllm.entrypoints.openai.api_server "${vllm_args[@]}" "$@"
