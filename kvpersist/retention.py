@@ -270,10 +270,12 @@ def plan_explicit(
                 f"{ns} is the namespace of an active deployment; refusing without --force"
             )
         u = prefixes.get(ns)
-        if u is None or not u.files:
-            notes.append(f"{ns}: no files")
-            continue
         cat = category(ns, active_set)
+        if u is None or not u.files:
+            # kept as an empty selection: the executor may still remove an orphan manifest
+            notes.append(f"{ns}: no files")
+            sels[ns] = Selection(cat, ns, None, 0, 0, f"named on the command line ({cat})")
+            continue
         sels[ns] = Selection(cat, ns, None, u.files, u.bytes, f"named on the command line ({cat})")
     for p, u in sorted(prefixes.items(), key=lambda pu: (pu[1].last_use_ns, pu[0])):
         cat = category(p, active_set)

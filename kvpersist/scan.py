@@ -247,7 +247,7 @@ class _Walker:
         self.count = 0
         # (prefix, rank hex, group hex) -> PrefixUsage, or None if that triple is invalid
         self.keys: dict[tuple[str, str, str], list[Any] | None] = {}
-        self.accs: dict[str, list[Any]] = {}
+        self.accs: dict[tuple[str, str, str], list[Any]] = {}
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -421,29 +421,28 @@ class _Walker:
                         self._error(f"{rel}/{name}: {exc.strerror}")
 
     def _new_key(self, key: tuple[str, str, str]) -> list[Any] | None:
-        """Validate a (prefix, rank, group) triple once; the prefix's fast accumulator or None.
+        """Validate a (prefix, rank, group) triple once; its fast accumulator or None.
 
         An accumulator is ``[files, bytes, blocks, min mtime, max mtime, use histogram,
-        sharded files]``; :meth:`_fold` adds it to the prefix's PrefixUsage at the end.
+        sharded files, max atime]``; :meth:`_fold` adds it to the prefix's PrefixUsage at the
+        end (with its rank and group, if any file was counted).
         """
         prefix, rank, group = key
         if not prefix or len(rank) != 8 or rank.strip(_HEX) or not group or group.strip(_HEX):
             return None
-        u = self._prefix(prefix)
-        u.ranks.add(int(rank, 16))
-        u.groups.add(int(group, 16))
-        acc = self.accs.get(prefix)
-        if acc is None:
-            acc = self.accs[prefix] = [0, 0, 0, _NO_MIN, 0, {}, 0, 0]
+        acc = self.accs[key] = [0, 0, 0, _NO_MIN, 0, {}, 0, 0]
         return acc
 
     def _fold(self) -> None:
-        for prefix, (files, nbytes, blocks, lo, hi, hist, sharded, atime) in self.accs.items():
+        for (prefix, rank, group), acc in self.accs.items():
+            files, nbytes, blocks, lo, hi, hist, sharded, atime = acc
             if not files:
                 continue
             u = self._prefix(prefix)
             u.merge(Usage(files, nbytes, blocks * 512, lo, hi, hist, newest_atime_ns=atime))
             u.sharded_files += sharded
+            u.ranks.add(int(rank, 16))
+            u.groups.add(int(group, 16))
         self.accs.clear()
 
 

@@ -1,0 +1,407 @@
+"""Scan and prune on real directory trees: totals against du, and the safety properties."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpersist.layout import ChunkName, temp_name
+from kvpersist.prune import PruneLocked, execute_prune, plan_prune, prune_lock
+from kvpersist.retention import plan_explicit
+from kvpersist.scan import scan_root
+from tests.conftest import REPO, clean_env
+
+NS_A = "kvp-" + "a1" * 16          # will be the active namespace (when a config is given)
+NS_B = "kvp-" + "b2" * 16          # stale
+UNP = "kvp-unpinned-" + "c3" * 16  # unpinned
+HOUR = 3600
+
+
+def chunk(prefix: str, i: int, *, world: int = 1, rank: int = 0, group: int = 0,
+          salt: str | None = None) -> ChunkName:
+    kv = world << 24 | rank << 16 | world << 8 | rank
+    return ChunkName(prefix, kv, group, f"{i:04x}" + "e" * 12, salt)
+
+
+def write(path: Path, size: int, age_s: float = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(os.urandom(size))
+    if age_s:
+        t = time.time() - age_s
+        os.utime(path, (t, t))
+    return path
+
+
+def build_tree(root: Path, outside: Path) -> dict[str, list[Path]]:
+    """A cache root with every kind of entry the scanner must tell apart."""
+    root.mkdir(parents=True, exist_ok=True)
+    groups: dict[str, list[Path]] = {k: [] for k in (NS_A, NS_B, UNP, "test-model", "--a--b",
+                                                     "temp_old", "temp_new", "foreign",
+                                                     "symlink", "meta")}
+    for i in range(6):
+        groups[NS_A].append(write(root / chunk(NS_A, i, world=2, rank=i % 2).filename(),
+                                  1000 + i, age_s=(6 - i) * 2 * HOUR))
+    for i in range(4):  # stale namespace, sharded layout, salted
+        c = chunk(NS_B, i, group=1, salt=f"user_{i}")
+        groups[NS_B].append(write(root / c.relpath(shard_dirs=True), 700, age_s=10 * HOUR))
+    for i in range(3):
+        groups[UNP].append(write(root / chunk(UNP, i).filename(), 333, age_s=20 * HOUR))
+    groups["test-model"].append(write(root / chunk("test-model", 1).filename(), 50))
+    groups["--a--b"].append(write(root / chunk("--a--b", 2).filename(), 60))
+    groups["temp_old"].append(write(root / temp_name(chunk(NS_A, 99), "ab" * 16), 11,
+                                    age_s=3 * HOUR))
+    groups["temp_new"].append(write(root / temp_name(chunk(NS_B, 98), "cd" * 16), 13))
+    for rel in ("README", "notes.txt", f"{NS_A}_01000100_0_ZZZZ.bin", f"{NS_A}.bin",
+                "ab/stray.bin", f"zz/{chunk(NS_A, 5).filename()}",
+                f"ab/cd/{chunk(NS_A, 5).filename()}",  # wrong shard for its hash
+                f"deep/x/{chunk(NS_A, 1).filename()}"):
+        groups["foreign"].append(write(root / rel, 17))
+    # symlinks named like chunks, pointing outside the root: never followed, never deleted
+    outside.mkdir(parents=True, exist_ok=True)
+    target = write(outside / "precious.bin", 4096)
+    link = root / chunk(NS_A, 77).filename()
+    link.symlink_to(target)
+    groups["symlink"].append(link)
+    # a shard-looking directory that is a symlink to a directory full of chunk-named files
+    odir = outside / "shard"
+    for i in range(3):
+        write(odir / "12" / chunk(NS_B, 0x1234 + i).filename(), 99)
+    (root / "12").symlink_to(odir)
+    groups["symlink"].append(root / "12")
+    # kvpersist metadata
+    man = {"schema": "kvpersist.manifest/1", "namespace": NS_B, "lmcache_model_name": NS_B,
+           "pinned": True, "identity": {"model_id": "org/old", "model_revision": "f" * 40,
+                                        "tensor_parallel_size": 1, "kv_cache_dtype": "bfloat16"},
+           "canonical_json": "{}", "deployment": {"config": "old", "served_model_name": "old"}}
+    groups["meta"].append(write(root / ".kvpersist/manifests" / f"{NS_B}.json", 0))
+    (root / ".kvpersist/manifests" / f"{NS_B}.json").write_text(json.dumps(man))
+    for ns in (UNP, "kvp-" + "99" * 16):
+        m = {**man, "namespace": ns, "pinned": ns.startswith("kvp-u") is False}
+        (root / ".kvpersist/manifests" / f"{ns}.json").write_text(json.dumps(m))
+    groups["meta"].append(root / ".kvpersist/manifests" / f"{UNP}.json")
+    groups["meta"].append(write(root / "lmcache-server.pid", 6))
+    return groups
+
+
+def du_bytes(*paths: Path) -> int:
+    """What du --apparent-size -b counts for these paths (the grand total)."""
+    if not paths:
+        return 0
+    out = subprocess.run(["du", "--apparent-size", "-b", "-c", "-s", *map(str, paths)],
+                         check=True, capture_output=True, text=True).stdout
+    return int(out.strip().splitlines()[-1].split()[0])
+
+
+def kvp(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], cwd=REPO,
+                          env=env or clean_env(), capture_output=True, text=True, timeout=120)
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every path under root (not following symlinks) -> (inode, size)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in filenames + dirnames:
+            p = Path(dirpath) / n
+            st = p.lstat()
+            out[str(p.relative_to(root))] = (st.st_ino, st.st_size)
+    return out
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> tuple[Path, dict[str, list[Path]], Path]:
+    root = tmp_path / "cache"
+    outside = tmp_path / "outside"
+    return root, build_tree(root, outside), outside
+
+
+def write_config(tmp_path: Path, root: Path, **extra: str) -> Path:
+    """A deployment config (the cpu-demo identity) whose cache root is ``root``."""
+    src = (REPO / "configs/cpu-demo/identity.env").read_text()
+    drop = ("KVP_CACHE_ROOT=", *(f"{k}=" for k in extra))
+    lines = [ln for ln in src.splitlines() if not ln.startswith(drop)]
+    lines.append(f"KVP_CACHE_ROOT={root}")
+    lines += [f"{k}={v}" for k, v in extra.items()]
+    cfg = tmp_path / "cfg"
+    cfg.mkdir(exist_ok=True)
+    (cfg / "identity.env").write_text("\n".join(lines) + "\n")
+    return cfg
+
+
+def namespace_of(cfg: Path) -> str:
+    from kvpersist.deployment import load_deployment
+
+    return load_deployment(str(cfg), clean_env()).namespace
+
+
+# --------------------------------------------------------------------------- scan
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_scan_totals_equal_du(tree: Any, workers: int) -> None:
+    root, g, _ = tree
+    res = scan_root(root, workers=workers)
+    assert res.total_bytes == du_bytes(root)
+    for prefix in (NS_A, NS_B, UNP, "test-model", "--a--b"):
+        u = res.prefixes[prefix]
+        assert (u.files, u.bytes) == (len(g[prefix]), du_bytes(*g[prefix])), prefix
+    assert (res.temp.files, res.temp.bytes) == (2, du_bytes(*g["temp_old"], *g["temp_new"]))
+    assert (res.foreign.files, res.foreign.bytes) == (len(g["foreign"]), du_bytes(*g["foreign"]))
+    assert res.symlinks.files == 2
+    assert res.metadata.files == 4  # three manifests + the pid file
+    assert res.prefixes[NS_B].sharded_files == 4
+    assert res.prefixes[NS_B].salted_files == 4
+    assert res.prefixes[NS_A].ranks == {0x02000200, 0x02010201}
+    assert res.foreign_dirs == 2  # zz and deep
+    assert not res.errors
+
+
+def test_scan_parallel_equals_serial(tree: Any) -> None:
+    root, _, _ = tree
+    a, b = scan_root(root, workers=1), scan_root(root, workers=3)
+    assert a.total_bytes == b.total_bytes
+    assert {p: (u.files, u.bytes, u.allocated_bytes, u.ranks, u.oldest_mtime_ns)
+            for p, u in a.prefixes.items()} == \
+           {p: (u.files, u.bytes, u.allocated_bytes, u.ranks, u.oldest_mtime_ns)
+            for p, u in b.prefixes.items()}
+    assert a.prefixes[NS_A].use_hist == b.prefixes[NS_A].use_hist
+
+
+def test_hard_links_count_once_like_du(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    f = write(root / chunk(NS_A, 1).filename(), 5000)
+    os.link(f, root / "hardlink-copy")
+    res = scan_root(root)
+    assert res.total_bytes == du_bytes(root)
+
+
+def test_report_cli_json_and_table(tree: Any) -> None:
+    root, g, _ = tree
+    r = kvp("report", "--root", str(root), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["schema"] == "kvpersist.report/1"
+    assert doc["total_bytes"] == du_bytes(root)
+    by = {n["prefix"]: n for n in doc["namespaces"]}
+    assert by[NS_B]["namespace"] == NS_B and by[NS_B]["status"] == "stale"
+    assert by[NS_B]["manifest"]["model_id"] == "org/old"
+    assert by["test-model"]["namespace"] is None and by["test-model"]["status"] == "other"
+    assert by[NS_A]["tp_sizes"] == [2] and by[NS_A]["active"] is False
+    assert [n["bytes"] for n in doc["namespaces"]] == sorted(
+        (n["bytes"] for n in doc["namespaces"]), reverse=True)
+    for key in ("files", "bytes", "allocated_bytes", "active"):
+        assert all(key in n for n in doc["namespaces"])
+    assert doc["foreign"]["files"] == len(g["foreign"])
+    assert doc["temp"] == {**doc["temp"], "files": 2}
+    assert doc["manifests_without_files"] == ["kvp-" + "99" * 16]
+    t = kvp("report", "--root", str(root))
+    assert t.returncode == 0 and NS_B in t.stdout and "not a namespace" in t.stdout
+    assert t.stderr == ""  # no progress output when stderr is not a terminal
+
+
+def test_report_marks_the_configured_namespace_active(tmp_path: Path, tree: Any) -> None:
+    root, _, _ = tree
+    cfg = write_config(tmp_path, root)
+    ns = namespace_of(cfg)
+    write(root / chunk(ns, 1).filename(), 10)
+    doc = json.loads(kvp("report", "--config", str(cfg), "--json").stdout)
+    by = {n["prefix"]: n for n in doc["namespaces"]}
+    assert by[ns]["active"] is True and by[NS_A]["active"] is False
+    assert doc["budget_bytes"] == 4 * 1024**3
+    assert by[ns]["share_of_budget"] is not None
+
+
+def test_report_errors(tmp_path: Path) -> None:
+    r = kvp("report", "--root", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "cannot scan" in r.stderr
+    r = kvp("report")
+    assert r.returncode == 2 and "--root" in r.stderr
+
+
+# --------------------------------------------------------------------------- prune
+
+
+def test_dry_run_deletes_nothing_and_apply_deletes_exactly_that(tree: Any) -> None:
+    root, g, _ = tree
+    before = snapshot(root)
+    args = ["prune", "--root", str(root), "--namespace", NS_B, "--unpinned",
+            "--temp-older-than", "1h", "--json", "--list"]
+    dry = kvp(*args)
+    assert dry.returncode == 0, dry.stderr
+    assert snapshot(root) == before
+    listed = set(json.loads(dry.stdout)["files"])
+    expect = {str(p.relative_to(root)) for p in g[NS_B] + g[UNP] + g["temp_old"]}
+    assert listed == expect
+    app = kvp(*args, "--apply")
+    assert app.returncode == 0, app.stderr
+    doc = json.loads(app.stdout)
+    assert set(doc["files"]) == listed
+    assert doc["deleted"]["files"] == len(listed)
+    after = snapshot(root)
+    assert {p for p in set(before) - set(after) if not p.startswith(".kvpersist/")} == listed
+    # idempotent: the same prune again deletes nothing and exits 0
+    again = kvp(*args, "--apply")
+    assert again.returncode == 0 and json.loads(again.stdout)["deleted"]["files"] == 0
+    # manifests: the unpinned namespace is gone entirely, so its manifest went with it; the
+    # stale one still has a (young) temp file, so its manifest stays; so does the orphan one
+    mdir = root / ".kvpersist/manifests"
+    assert sorted(p.name for p in mdir.iterdir()) == sorted([f"kvp-{'99' * 16}.json",
+                                                             f"{NS_B}.json"])
+    assert doc["manifests_removed"] == [UNP]
+    g["temp_new"][0].unlink()
+    last = json.loads(kvp("prune", "--root", str(root), "--namespace", NS_B, "--apply",
+                          "--json").stdout)
+    assert last["deleted"]["files"] == 0 and last["manifests_removed"] == [NS_B]
+
+
+def test_symlinks_and_foreign_files_survive_every_prune(tmp_path: Path, tree: Any) -> None:
+    root, g, outside = tree
+    cfg = write_config(tmp_path, root)
+    outside_before = snapshot(outside)
+    keep = {str(p.relative_to(root)): p.lstat().st_ino for p in g["foreign"] + g["symlink"]}
+    for args in (["--namespace", NS_A, "--force"], ["--namespace", NS_B], ["--stale"],
+                 ["--unpinned"], ["--temp-older-than", "0s"], ["--to-budget", "--force"],
+                 ["--namespace", "test-model", "--namespace", "--a--b"]):
+        r = kvp("prune", "--config", str(cfg), *args, "--apply")
+        assert r.returncode == 0, (args, r.stderr)
+    assert snapshot(outside) == outside_before
+    for rel, ino in keep.items():
+        assert (root / rel).lstat().st_ino == ino, rel
+    assert (root / "lmcache-server.pid").exists()
+    left = scan_root(root)
+    assert left.chunk_files == 0 and left.temp.files == 0
+
+
+def test_file_replaced_between_plan_and_apply_is_not_deleted(tree: Any) -> None:
+    root, g, _ = tree
+    sel = plan_explicit(scan_root(root).prefixes, scan_root(root).temp, active=set(),
+                        now_ns=time.time_ns(), namespaces=(NS_A,)).selections
+    plan = plan_prune(root, sel)
+    assert plan.files == 6
+    replaced, grown = g[NS_A][0], g[NS_A][1]
+    tmp = replaced.with_name("x.new")
+    tmp.write_bytes(b"new content")
+    os.replace(tmp, replaced)                 # new inode under the planned name
+    with open(grown, "ab") as f:              # same inode, different size
+        f.write(b"more")
+    g[NS_A][2].unlink()                       # vanished
+    res = execute_prune(plan, dry_run=False)
+    assert res.deleted_files == 3
+    assert res.skipped_changed == 2 and res.skipped_vanished == 1
+    assert replaced.read_bytes() == b"new content" and grown.exists()
+
+
+def test_file_used_since_planned_is_kept_for_an_lru_prune(tree: Any) -> None:
+    root, g, _ = tree
+    scan = scan_root(root)
+    from kvpersist.retention import plan_retention
+
+    rp = plan_retention(scan.prefixes, scan.temp, active={NS_A}, need_bytes=10**9,
+                        now_ns=time.time_ns(), allow_active=True)
+    act = [s for s in rp.selections if s.prefix == NS_A]
+    assert act and act[0].before_ns is not None
+    plan = plan_prune(root, act)
+    oldest = g[NS_A][0]
+    now = time.time()
+    os.utime(oldest, (now, os.lstat(oldest).st_mtime))  # read since: atime moves
+    res = execute_prune(plan, dry_run=False)
+    assert res.skipped_used == 1 and oldest.exists()
+
+
+def test_second_prune_exits_clearly_while_one_runs(tree: Any) -> None:
+    root, _, _ = tree
+    with prune_lock(root):
+        r = kvp("prune", "--root", str(root), "--unpinned", "--apply")
+        assert r.returncode == 1
+        assert "another kvp-admin prune is running" in r.stderr
+        assert "Traceback" not in r.stderr
+        with pytest.raises(PruneLocked), prune_lock(root):
+            pass
+        # a dry run needs no lock
+        assert kvp("prune", "--root", str(root), "--unpinned").returncode == 0
+    assert scan_root(root).prefixes[UNP].files == 3
+    assert kvp("prune", "--root", str(root), "--unpinned", "--apply").returncode == 0
+
+
+def test_concurrent_prunes_delete_each_file_once(tree: Any) -> None:
+    root, g, _ = tree
+    procs = [subprocess.Popen([sys.executable, "-m", "kvpersist.cli", "prune", "--root",
+                               str(root), "--namespace", NS_A, "--apply", "--json"],
+                              cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [(p.wait(60), *p.communicate()) for p in procs]
+    deleted = sum(json.loads(o)["deleted"]["files"] for rc, o, _ in outs if rc == 0)
+    refused = [e for rc, _, e in outs if rc == 1]
+    assert deleted == len(g[NS_A])
+    assert all("another kvp-admin prune is running" in e for e in refused)
+    assert all(rc in (0, 1) for rc, _, _ in outs)
+
+
+def test_active_namespace_is_refused_without_force(tmp_path: Path, tree: Any) -> None:
+    root, _, _ = tree
+    cfg = write_config(tmp_path, root)
+    ns = namespace_of(cfg)
+    files = [write(root / chunk(ns, i).filename(), 10) for i in range(3)]
+    r = kvp("prune", "--config", str(cfg), "--namespace", ns, "--apply")
+    assert r.returncode == 2 and "--force" in r.stderr
+    assert all(f.exists() for f in files)
+    r = kvp("prune", "--config", str(cfg), "--namespace", ns, "--apply", "--force", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["deleted"]["files"] == 3
+
+
+def test_stale_needs_to_know_the_active_deployments(tree: Any) -> None:
+    root, _, _ = tree
+    r = kvp("prune", "--root", str(root), "--stale")
+    assert r.returncode == 2 and "--config" in r.stderr
+    r = kvp("prune", "--root", str(root))
+    assert r.returncode == 2 and "nothing selected" in r.stderr
+    r = kvp("prune", "--root", str(root), "--temp-older-than", "soon")
+    assert r.returncode == 2
+
+
+def test_stale_with_config_keeps_the_active_namespace(tmp_path: Path, tree: Any) -> None:
+    root, g, _ = tree
+    cfg = write_config(tmp_path, root)
+    ns = namespace_of(cfg)
+    mine = write(root / chunk(ns, 1).filename(), 10)
+    r = kvp("prune", "--config", str(cfg), "--stale", "--apply", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert {s["prefix"] for s in doc["selections"]} == {NS_A, NS_B}
+    assert mine.exists() and all(p.exists() for p in g[UNP] + g["test-model"])
+
+
+def test_to_budget_frees_temp_then_unpinned_then_stale(tmp_path: Path, tree: Any) -> None:
+    root, g, _ = tree
+    # a budget so small that the low watermark needs more than temp + unpinned
+    cfg = write_config(tmp_path, root, KVP_L2_BUDGET="8000", KVP_L2_RESERVE="0")
+    ns = namespace_of(cfg)
+    mine = write(root / chunk(ns, 1).filename(), 10)
+    r = kvp("prune", "--config", str(cfg), "--to-budget", "--json")
+    assert r.returncode == 0, r.stderr
+    kinds = [s["kind"] for s in json.loads(r.stdout)["selections"]]
+    assert kinds[:2] == ["temp", "unpinned"] and "stale" in kinds
+    assert "active" not in kinds
+    r = kvp("prune", "--config", str(cfg), "--to-budget", "--apply")
+    assert r.returncode == 0 and mine.exists()
+    assert all(p.exists() for p in g["test-model"] + g["temp_new"])
+
+
+def test_budget_command(tmp_path: Path, tree: Any) -> None:
+    root, _, _ = tree
+    cfg = write_config(tmp_path, root)
+    r = kvp("budget", str(cfg), "--json")
+    assert r.returncode in (0, 1), r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["schema"] == "kvpersist.budget/1"
+    assert doc["budget_bytes"] == 4 * 1024**3
+    assert doc["inactive_bytes"] == scan_root(root).chunk_bytes + scan_root(root).temp.bytes
+    t = kvp("budget", str(cfg))
+    assert "max_capacity_gb" in t.stdout
