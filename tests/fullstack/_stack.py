@@ -1,0 +1,123 @@
+"""Test helpers for tests that start real processes through ``kvp-admin``.
+
+``Stack`` is one relocated deployment (temp cache root, free loopback ports, an optional
+model directory) driven through the real CLI in subprocesses. Its ``cleanup`` stops what
+the deployment started and then kills, by pid, any process still carrying the unique temp
+cache root in its command line or environment-derived paths (never by name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ..conftest import REPO, clean_env, free_port
+
+KVP_ADMIN = [sys.executable, "-m", "kvpersist.cli"]
+
+
+class Stack:
+    def __init__(self, tmp: Path, config: str = "cpu-demo", model: Path | None = None,
+                 **extra: str) -> None:
+        self.tmp = tmp
+        self.root = tmp / "cache"
+        self.config = config
+        self.env = dict(clean_env())
+        self.env.update({
+            "KVP_CACHE_ROOT": str(self.root),
+            "KVP_LMCACHE_PORT": str(free_port()),
+            "KVP_LMCACHE_HTTP_PORT": str(free_port()),
+            "KVP_VLLM_PORT": str(free_port()),
+            "KVP_L1_SIZE_GB": "1",
+            "KVP_L2_BUDGET": "2G",
+            "KVP_L2_RESERVE": "1M",
+        })
+        if model is not None:
+            self.env["KVP_MODEL_PATH"] = str(model)
+        self.env.update(extra)
+
+    # -- CLI
+    def kvp(self, *args: str, check: bool = False, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run([*KVP_ADMIN, *args], capture_output=True, text=True, env=self.env,
+                           cwd=REPO, timeout=timeout)
+        if check and r.returncode != 0:
+            raise AssertionError(f"kvp-admin {' '.join(args)} -> {r.returncode}\n"
+                                 f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}")
+        return r
+
+    def kvp_json(self, *args: str, check: bool = True) -> Any:
+        r = self.kvp(*args, "--json", check=check)
+        return json.loads(r.stdout)
+
+    def launch(self, *args: str) -> Any:
+        return self.kvp_json("launch", self.config, *args)
+
+    def stop(self) -> Any:
+        return self.kvp_json("stop", self.config)
+
+    # -- facts
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.env['KVP_LMCACHE_HTTP_PORT']}"
+
+    @property
+    def rpc(self) -> str:
+        return f"tcp://127.0.0.1:{self.env['KVP_LMCACHE_PORT']}"
+
+    @property
+    def vllm_url(self) -> str:
+        return f"http://127.0.0.1:{self.env['KVP_VLLM_PORT']}"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.root / "lmcache-server.pid"
+
+    @property
+    def server_log(self) -> Path:
+        return self.root / ".kvpersist" / "logs" / "lmcache-server.log"
+
+    def render(self) -> Any:
+        return self.kvp_json("render", self.config)
+
+    def chunk_files(self, prefix: str = "") -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir()
+                      if p.name.endswith(".bin") and p.name.startswith(prefix))
+
+    # -- teardown
+    def cleanup(self) -> None:
+        with contextlib.suppress(Exception):
+            self.kvp("stop", self.config, timeout=120)
+        marker = str(self.root)
+        mine = []
+        for p in psutil.process_iter(["pid", "cmdline", "cwd"]):
+            try:
+                cmd = " ".join(p.info["cmdline"] or [])
+                cwd = p.info.get("cwd") or ""
+            except (psutil.Error, TypeError):
+                continue
+            if p.pid != os.getpid() and (marker in cmd or cwd.startswith(marker)):
+                mine.append(p)
+        for p in mine:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(mine, timeout=10)
+
+
+def wait_until(pred: Any, timeout: float, interval: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return bool(pred())

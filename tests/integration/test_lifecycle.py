@@ -1,0 +1,166 @@
+"""launch / status / health / stop against a real lmcache server (no vLLM here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from ..conftest import REPO
+from ..fullstack._stack import KVP_ADMIN, Stack, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    s = Stack(tmp_path)
+    try:
+        yield s
+    finally:
+        s.cleanup()
+
+
+def test_launch_status_health_refuse_stop(stack: Stack) -> None:
+    info = stack.launch("--no-vllm")
+    pid = info["lmcache"]["pid"]
+    assert stack.pid_file.read_text().strip() == str(pid)
+    assert psutil.pid_exists(pid)
+    # cache root and state are owner-only; the serde key is created 0600
+    assert stat.S_IMODE(stack.root.stat().st_mode) == 0o700
+    rendered = stack.render()
+    key = Path(rendered["l2_adapter"]["serde"]["master_key_path"])
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and len(key.read_bytes()) == 32
+    manifest = json.loads(Path(info["manifest"]).read_text())
+    assert manifest["namespace"] == rendered["namespace"]
+    # the server process runs with umask 077 (files it creates are owner-only)
+    assert Path(f"/proc/{pid}/status").read_text().split("Umask:")[1].split()[0] == "0077"
+
+    st = stack.kvp_json("status", stack.config)
+    assert st["lmcache"]["state"] == "running" and st["lmcache"]["healthy"]
+
+    h = stack.kvp("health", stack.config, "--no-vllm", "--json")
+    report = json.loads(h.stdout)
+    assert h.returncode == 0, report
+    assert report["status"] == "healthy"
+    names = {c["name"]: c["status"] for c in report["checks"]}
+    assert names["lmcache.run_script"] == "ok" and names["lmcache.l2_adapter"] == "ok"
+    assert all(a.startswith("127.0.0.1:") for a in report["lmcache"]["listen"])
+
+    # with vLLM expected but absent the deployment is down (exit 2)
+    assert stack.kvp("health", stack.config).returncode == 2
+
+    # a second launch is refused clearly, and the first server is untouched
+    again = stack.kvp("launch", stack.config, "--no-vllm")
+    assert again.returncode == 1
+    assert "already running" in again.stderr and str(pid) in again.stderr
+    assert psutil.pid_exists(pid)
+
+    # an L2 file written before stop stays after stop
+    keep = stack.root / "kvp-keepme_01000100_0_ab.bin"
+    keep.write_bytes(b"x")
+    stopped = stack.stop()
+    server = [s for s in stopped["stopped"] if s["what"] == "lmcache server"][0]
+    assert server["how"] == "terminated" and server["pid"] == pid
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert not stack.pid_file.exists()
+    assert keep.exists()
+    assert stack.kvp("status", stack.config).returncode == 1
+    down = stack.kvp("health", stack.config, "--no-vllm", "--json")
+    assert down.returncode == 2 and json.loads(down.stdout)["status"] == "down"
+
+
+def test_stale_pid_file_of_dead_process_is_replaced(stack: Stack) -> None:
+    stack.root.mkdir(mode=0o700)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stack.pid_file.write_text(f"{dead.pid}\n")
+    r = stack.kvp("launch", stack.config, "--no-vllm")
+    assert r.returncode == 0, r.stderr
+    assert "stale pid file" in r.stderr and "not running" in r.stderr
+    assert int(stack.pid_file.read_text()) != dead.pid
+
+
+def test_recycled_pid_is_not_trusted_nor_killed(stack: Stack) -> None:
+    stack.root.mkdir(mode=0o700)
+    other = subprocess.Popen(["sleep", "120"])
+    try:
+        stack.pid_file.write_text(f"{other.pid}\n")
+        st = stack.kvp_json("status", stack.config, check=False)
+        assert st["lmcache"]["state"] == "stale"
+        assert "another program" in st["lmcache"]["reason"]
+        # stop must not signal the unrelated process
+        stack.stop()
+        assert other.poll() is None
+        # launch replaces the stale pid file and starts a real server
+        stack.pid_file.write_text(f"{other.pid}\n")
+        info = stack.launch("--no-vllm")
+        assert info["lmcache"]["pid"] != other.pid and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_pid_recycled_after_the_pid_file_was_written(stack: Stack) -> None:
+    """A process younger than the pid file cannot be the one the file recorded."""
+    stack.root.mkdir(mode=0o700)
+    stack.pid_file.write_text("1\n")  # placeholder, rewritten below with an old mtime
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                              "lmcache", "--l2-adapter", f'"file_path":"{stack.root}"'])
+    try:
+        stack.pid_file.write_text(f"{other.pid}\n")
+        old = time.time() - 3600
+        os.utime(stack.pid_file, (old, old))
+        st = stack.kvp_json("status", stack.config, check=False)
+        assert st["lmcache"]["state"] == "stale" and "recycled" in st["lmcache"]["reason"]
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_preflight_reports_every_problem(stack: Stack) -> None:
+    stack.root.mkdir(mode=0o755)
+    busy_port = int(stack.env["KVP_LMCACHE_HTTP_PORT"])
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", busy_port))
+        s.listen(1)
+        r = stack.kvp("launch", stack.config, "--no-vllm")
+    assert r.returncode == 2, r.stderr
+    assert "accessible to others" in r.stderr
+    assert f"127.0.0.1:{busy_port} is already in use" in r.stderr
+    assert not stack.pid_file.exists()
+
+
+def test_foreground_execs_the_server_with_its_own_pid(stack: Stack) -> None:
+    log = (stack.tmp / "fg.log").open("wb")
+    proc = subprocess.Popen([*KVP_ADMIN, "launch", stack.config, "--foreground"],
+                            env=stack.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert wait_until(lambda: _ok(f"{stack.http}/healthcheck"), 90), \
+            (stack.tmp / "fg.log").read_text()[-2000:]
+        assert stack.pid_file.read_text().strip() == str(proc.pid)
+        cmd = psutil.Process(proc.pid).cmdline()
+        assert any(a.endswith("lmcache") for a in cmd[:2]) and "server" in cmd
+        st = stack.kvp_json("status", stack.config)
+        assert st["lmcache"]["state"] == "running" and st["lmcache"]["pid"] == proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def _ok(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=1).status_code == 200
+    except requests.RequestException:
+        return False
