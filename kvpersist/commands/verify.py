@@ -1,0 +1,63 @@
+"""``kvp-admin verify``: find chunk files that can never be valid; quarantine with --apply."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from kvpersist.commands.common import config_argument, echo_json, json_option, table
+
+
+@click.command("verify")
+@config_argument
+@click.option("--apply", is_flag=True,
+              help="Quarantine what is found (rename into .kvpersist/quarantine/). "
+                   "Default: report only.")
+@click.option("--all-namespaces", is_flag=True,
+              help="Authenticate every namespace's files with this deployment's key.")
+@click.option("--rate", "rate_mb_s", type=float, default=200.0, show_default=True,
+              help="Read at most this many MB/s (0: unbounded).")
+@click.option("--temp-age", type=float, default=600.0, show_default=True,
+              help="Temp files (interrupted writes) older than this many seconds are stale.")
+@json_option
+def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
+           temp_age: float, as_json: bool) -> None:
+    """Check CONFIG's cache root: wrong sizes, frames failing authentication with the
+    deployment's key, stale temp files. Exit 0 clean (or all quarantined), 1 findings left."""
+    from kvpersist import keys
+    from kvpersist.deployment import load_deployment
+    from kvpersist.verify import verify_root
+
+    dep = load_deployment(config, allow_unpinned=True)
+    s = dep.settings
+    key = None
+    if s.serde == "aesgcm":
+        key = keys.read_key(s.serde_key_file)
+    show = not as_json and sys.stderr.isatty()
+
+    def progress(done: int, total: int) -> None:
+        if show:
+            click.echo(f"\r  verified {done}/{total} chunk files", err=True, nl=done == total)
+
+    res = verify_root(s.cache_root, dep.namespace, serde=s.serde, key=key,
+                      apply=apply, temp_age=temp_age, rate_mb_s=rate_mb_s or None,
+                      all_namespaces=all_namespaces, progress=progress)
+    if as_json:
+        echo_json(res.to_dict())
+    else:
+        click.echo(f"{res.root}: {res.files} chunk files, {res.authenticated} authenticated, "
+                   f"{len(res.findings)} finding(s) in {res.seconds:.1f} s")
+        if res.findings:
+            rows = [[f.kind, f.size, f.path.rsplit('/', 1)[-1][:72], f.detail]
+                    for f in res.findings]
+            click.echo(table(rows, ["kind", "bytes", "file", "detail"]))
+        if apply:
+            click.echo(f"quarantined {len(res.quarantined)} file(s) into "
+                       f"{s.cache_root}/.kvpersist/quarantine")
+            for line in res.skipped:
+                click.echo(f"  skipped {line}")
+        elif res.findings:
+            click.echo("dry run: run again with --apply to quarantine them")
+    left = len(res.findings) - (len(res.quarantined) if apply else 0)
+    raise SystemExit(1 if left else 0)
