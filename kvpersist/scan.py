@@ -31,7 +31,6 @@ from typing import Any
 
 from kvpersist.layout import (
     _HEX,
-    BIN_SUFFIX,
     MANIFESTS_DIR,
     META_DIR,
     PID_FILE,
@@ -51,7 +50,6 @@ SAMPLE_CAP = 20
 PARALLEL_MIN_DIR_BYTES = 1 << 20
 PROGRESS_EVERY = 1 << 16
 _NO_MIN = 1 << 63
-_MISSING: Any = object()
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 ProgressFn = Callable[[int], None]
@@ -246,7 +244,7 @@ class _Walker:
         self.seen_links: set[tuple[int, int]] = set()
         self.count = 0
         # (prefix, rank hex, group hex) -> PrefixUsage, or None if that triple is invalid
-        self.keys: dict[tuple[str, str, str], list[Any] | None] = {}
+        self.keys: dict[str, list[Any]] = {}
         self.accs: dict[tuple[str, str, str], list[Any]] = {}
 
     # -- helpers -------------------------------------------------------------------------
@@ -330,107 +328,135 @@ class _Walker:
     def _scan_fd(self, dfd: int, rel: str, depth: int, partition: bool, foreign: bool,
                  meta: bool, shard: tuple[str, str] | None,
                  subdirs: list[tuple[str, str, bool, bool]]) -> None:
-        """The hot loop over one directory's entries."""
-        res = self.res
+        """The hot loop over one directory's entries.
+
+        Chunk files whose ``prefix_rank_group`` head was seen before take the fast path: one
+        ``rpartition``, one dict lookup, one lstat and a few integer updates. Everything else
+        goes through :meth:`_slow_entry`.
+        """
         hist = self.hist
         keys = self.keys
         parts, part = self.parts, self.part
+        progress = self.progress
+        count = self.count
+        plain = not foreign and not meta and depth != 1
+        slow = self._slow_entry
+        bucket_ns = HIST_BUCKET_NS
+        hexdigits = _HEX
         with os.scandir(dfd) as it:
             for e in it:
                 name = e.name
                 if partition and hash(name) % parts != part:
                     continue
-                self.count += 1
-                if self.progress is not None and not self.count & (PROGRESS_EVERY - 1):
-                    self.progress(self.count)
-                try:
-                    if e.is_file(follow_symlinks=False):
-                        st = e.stat(follow_symlinks=False)
+                count += 1
+                if not count & (PROGRESS_EVERY - 1) and progress is not None:
+                    progress(count)
+                if plain and name[-4:] == ".bin" and e.is_file(follow_symlinks=False):
+                    head, _, tail = name.rpartition("_")
+                    a = keys.get(head)
+                    if a is None:
+                        # only valid heads are remembered, so memory stays bounded by the
+                        # number of (prefix, rank, group) triples
+                        a = self._new_key(head)
+                        if a is not None:
+                            keys[head] = a
+                    if (
+                        a is not None
+                        and len(tail) > 4
+                        and not tail[:-4].strip(hexdigits)
+                        and (shard is None or (tail[0:2], tail[2:4]) == shard)
+                    ):
+                        try:
+                            st = e.stat(follow_symlinks=False)
+                        except OSError as exc:
+                            self._stat_error(exc, rel, name)
+                            continue
                         if st.st_nlink > 1 and not self._first_link(st):
                             continue
-                        if meta:
-                            res.metadata.add(st)
-                            continue
-                        if foreign or depth == 1:
-                            res.foreign.add(st, sample=f"{rel}/{name}" if rel else name)
-                            continue
-                        # Fast path: a chunk name whose (prefix, rank, group) was seen before.
-                        if name[-4:] == BIN_SUFFIX:
-                            fields = name[:-4].rsplit("_", 3)
-                            if len(fields) == 4:
-                                tail = fields[3]
-                                key = (fields[0], fields[1], fields[2])
-                                a = keys.get(key, _MISSING)
-                                if a is _MISSING:
-                                    a = keys[key] = self._new_key(key)
-                                if (
-                                    a is not None
-                                    and tail
-                                    and not tail.strip(_HEX)
-                                    and (shard is None or (tail[0:2], tail[2:4]) == shard)
-                                ):
-                                    sz = st.st_size
-                                    a[0] += 1
-                                    a[1] += sz
-                                    a[2] += st.st_blocks
-                                    m = st.st_mtime_ns
-                                    if m < a[3]:
-                                        a[3] = m
-                                    if m > a[4]:
-                                        a[4] = m
-                                    at = st.st_atime_ns
-                                    if at > a[7]:
-                                        a[7] = at
-                                    if hist:
-                                        b = (at if at > m else m) // HIST_BUCKET_NS
-                                        h = a[5].get(b)
-                                        if h is None:
-                                            a[5][b] = [1, sz]
-                                        else:
-                                            h[0] += 1
-                                            h[1] += sz
-                                    if shard is not None:
-                                        a[6] += 1
-                                    continue
-                        if depth == 0 and name == PID_FILE:
-                            res.metadata.add(st)
-                            continue
-                        self._add_chunk_slow(name, st, shard, f"{rel}/{name}" if rel else name)
-                    elif e.is_symlink():
-                        st = e.stat(follow_symlinks=False)
-                        res.symlinks.add(st, sample=f"{rel}/{name}" if rel else name)
-                    elif e.is_dir(follow_symlinks=False):
-                        st = e.stat(follow_symlinks=False)
-                        res.directories.add(st)
-                        child_rel = f"{rel}/{name}" if rel else name
-                        if meta or (depth == 0 and name == META_DIR):
-                            subdirs.append((name, child_rel, False, True))
-                        elif foreign or not (depth < 2 and is_shard_dir_name(name)):
-                            if not foreign:
-                                res.foreign_dirs += 1
-                            subdirs.append((name, child_rel, True, False))
-                        else:
-                            subdirs.append((name, child_rel, False, False))
-                    else:
-                        # sockets, fifos, devices: foreign, counted with their lstat size
-                        st = e.stat(follow_symlinks=False)
-                        res.foreign.add(st, sample=f"{rel}/{name}" if rel else name)
-                except OSError as exc:
-                    # vanished between readdir and lstat, or unreadable: not counted
-                    if not isinstance(exc, FileNotFoundError):
-                        self._error(f"{rel}/{name}: {exc.strerror}")
+                        sz = st.st_size
+                        a[0] += 1
+                        a[1] += sz
+                        a[2] += st.st_blocks
+                        m = st.st_mtime_ns
+                        if m < a[3]:
+                            a[3] = m
+                        if m > a[4]:
+                            a[4] = m
+                        at = st.st_atime_ns
+                        if at > a[7]:
+                            a[7] = at
+                        if hist:
+                            b = (at if at > m else m) // bucket_ns
+                            h = a[5].get(b)
+                            if h is None:
+                                a[5][b] = [1, sz]
+                            else:
+                                h[0] += 1
+                                h[1] += sz
+                        if shard is not None:
+                            a[6] += 1
+                        continue
+                slow(e, name, rel, depth, foreign, meta, shard, subdirs)
+        self.count = count
 
-    def _new_key(self, key: tuple[str, str, str]) -> list[Any] | None:
-        """Validate a (prefix, rank, group) triple once; its fast accumulator or None.
+    def _stat_error(self, exc: OSError, rel: str, name: str) -> None:
+        # vanished between readdir and lstat: simply not there any more
+        if not isinstance(exc, FileNotFoundError):
+            self._error(f"{rel}/{name}: {exc.strerror}")
+
+    def _slow_entry(self, e: os.DirEntry[str], name: str, rel: str, depth: int, foreign: bool,
+                    meta: bool, shard: tuple[str, str] | None,
+                    subdirs: list[tuple[str, str, bool, bool]]) -> None:
+        """Classify and count one entry that did not take the fast path."""
+        res = self.res
+        path = f"{rel}/{name}" if rel else name
+        try:
+            if e.is_file(follow_symlinks=False):
+                st = e.stat(follow_symlinks=False)
+                if st.st_nlink > 1 and not self._first_link(st):
+                    return
+                if meta:
+                    res.metadata.add(st)
+                elif foreign or depth == 1:
+                    res.foreign.add(st, sample=path)
+                elif depth == 0 and name == PID_FILE:
+                    res.metadata.add(st)
+                else:
+                    self._add_chunk_slow(name, st, shard, path)
+            elif e.is_symlink():
+                res.symlinks.add(e.stat(follow_symlinks=False), sample=path)
+            elif e.is_dir(follow_symlinks=False):
+                res.directories.add(e.stat(follow_symlinks=False))
+                if meta or (depth == 0 and name == META_DIR):
+                    subdirs.append((name, path, False, True))
+                elif foreign or not (depth < 2 and is_shard_dir_name(name)):
+                    if not foreign:
+                        res.foreign_dirs += 1
+                    subdirs.append((name, path, True, False))
+                else:
+                    subdirs.append((name, path, False, False))
+            else:
+                # sockets, fifos, devices: foreign, counted with their lstat size
+                res.foreign.add(e.stat(follow_symlinks=False), sample=path)
+        except OSError as exc:
+            self._stat_error(exc, rel, name)
+
+    def _new_key(self, head: str) -> list[Any] | None:
+        """Validate a ``prefix_rank_group`` head once; its fast accumulator or None.
 
         An accumulator is ``[files, bytes, blocks, min mtime, max mtime, use histogram,
         sharded files, max atime]``; :meth:`_fold` adds it to the prefix's PrefixUsage at the
         end (with its rank and group, if any file was counted).
         """
-        prefix, rank, group = key
+        fields = head.rsplit("_", 2)
+        if len(fields) != 3:
+            return None
+        prefix, rank, group = fields
         if not prefix or len(rank) != 8 or rank.strip(_HEX) or not group or group.strip(_HEX):
             return None
-        acc = self.accs[key] = [0, 0, 0, _NO_MIN, 0, {}, 0, 0]
+        acc = self.accs.get((prefix, rank, group))
+        if acc is None:
+            acc = self.accs[(prefix, rank, group)] = [0, 0, 0, _NO_MIN, 0, {}, 0, 0]
         return acc
 
     def _fold(self) -> None:
