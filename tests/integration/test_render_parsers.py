@@ -43,7 +43,9 @@ def pinned_copy(tmp_path: Path, name: str) -> Path:
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("render")
-    env = dict(clean_env(), KVP_CACHE_ROOT=str(tmp / "cache"))
+    # Render as on a host where these deployments fit: the budget plan refuses an L1 that
+    # does not fit in this machine's RAM (each config asks for 32-64 GB).
+    env = dict(clean_env(), KVP_CACHE_ROOT=str(tmp / "cache"), KVP_L1_SIZE_GB="2")
     out = {"cpu-demo": render_json("cpu-demo", env)}
     for name in ("mimo-pro-tp4", "llama-3.1-8b-instruct", "qwen2.5-14b-instruct-fp8kv"):
         out[name] = render_json(str(pinned_copy(tmp, name)), env)

@@ -84,12 +84,21 @@ def test_unknown_config_name_lists_available() -> None:
 def test_production_config_refused_until_pinned_and_unpinned_opt_in() -> None:
     res = kvp("render", "mimo-pro-tp4")
     assert res.returncode == 2 and "KVP_CHAT_TEMPLATE_SHA256" in res.stderr
-    res = kvp("render", "mimo-pro-tp4", "--allow-unpinned", "--json")
+    env = dict(clean_env(), KVP_L1_SIZE_GB="2")  # fits this host's RAM (budget plan)
+    res = kvp("render", "mimo-pro-tp4", "--allow-unpinned", "--json", env=env)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert data["namespace"].startswith("kvp-unpinned-") and data["pinned"] is False
-    again = json.loads(kvp("render", "mimo-pro-tp4", "--allow-unpinned", "--json").stdout)
+    again = json.loads(kvp("render", "mimo-pro-tp4", "--allow-unpinned", "--json",
+                           env=env).stdout)
     assert again["namespace"] != data["namespace"]  # one-off: never matches earlier data
+
+
+def test_render_refuses_an_l1_that_does_not_fit_in_ram(tmp_path: Path) -> None:
+    env = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path), KVP_L1_SIZE_GB="100000")
+    res = kvp("render", "cpu-demo", env=env)
+    assert res.returncode == 2 and "KVP_L1_SIZE_GB" in res.stderr
+    assert "Traceback" not in res.stderr
 
 
 def test_render_json_schema_and_out_dir(tmp_path: Path) -> None:
