@@ -22,6 +22,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import pickle
 import stat as stat_mod
 import time
 from array import array
@@ -433,3 +434,207 @@ def _remove_manifests(plan: PrunePlan, res: PruneResult) -> None:
             res.errors.append(f"{rel}: {exc.strerror}")
         finally:
             os.close(dfd)
+
+
+# --------------------------------------------------------------------------- one-pass prune
+
+
+def _stream_part(root: str, selections: Sequence[Selection], part: int, parts: int,
+                 dry_run: bool, list_paths: bool,
+                 progress: Callable[[int], None] | None) -> dict[str, Any]:
+    """One worker of :func:`prune_stream`: its share of the root's entries (by name hash) and
+    of the shard directories (by directory)."""
+    by_prefix: dict[str | None, list[int]] = {}
+    for i, s in enumerate(selections):
+        by_prefix.setdefault(s.prefix, []).append(i)
+    want_temp = None in by_prefix
+    starts = tuple(f"{p}_" for p in by_prefix if p is not None)
+    done = [[0, 0] for _ in selections]
+    out: dict[str, Any] = {"done": done, "changed": 0, "vanished": 0,
+                           "errors": [], "paths": [] if list_paths else None, "ino_checked": 0,
+                           "ino_mismatch": 0}
+    paths = out["paths"]
+    lstat, unlink, s_isreg = os.lstat, os.unlink, stat_mod.S_ISREG
+    count = 0
+    root_fd = os.open(root, _DIR_FLAGS)
+    try:
+        for k, (rel, shard) in enumerate(_chunk_dirs(root_fd)):
+            split_names = rel == "" and parts > 1
+            if rel and parts > 1 and k % parts != part:
+                continue
+            try:
+                dfd = _open_rel(root_fd, rel)
+            except OSError:
+                continue
+            try:
+                with os.scandir(dfd) as it:
+                    for e in it:
+                        name = e.name
+                        if not name.startswith(starts) and not (want_temp and ".tmp." in name):
+                            continue
+                        if split_names and hash(name) % parts != part:
+                            continue
+                        if not e.is_file(follow_symlinks=False):
+                            continue  # symlinks, directories, devices: never
+                        kind, chunk = classify(name, shard)
+                        if chunk is None:
+                            continue
+                        key = None if kind is Kind.TEMP else chunk.prefix
+                        idxs = by_prefix.get(key)
+                        if idxs is None:
+                            continue
+                        # delete-time validation, relative to the directory descriptor: still
+                        # a regular file, still the inode the directory listed, still selected
+                        try:
+                            st = lstat(name, dir_fd=dfd)
+                        except FileNotFoundError:
+                            out["vanished"] += 1
+                            continue
+                        except OSError as exc:
+                            out["errors"].append(f"{rel}/{name}: {exc.strerror}")
+                            continue
+                        out["ino_checked"] += 1
+                        if not s_isreg(st.st_mode) or st.st_ino != e.inode():
+                            out["changed"] += 1
+                            if s_isreg(st.st_mode):
+                                out["ino_mismatch"] += 1
+                            continue
+                        use = _last_use(st)
+                        hit = -1
+                        for i in idxs:
+                            if selections[i].matches(key, use):
+                                hit = i
+                                break
+                        if hit < 0:
+                            continue  # used too recently for an LRU selection
+                        if not dry_run:
+                            try:
+                                unlink(name, dir_fd=dfd)
+                            except FileNotFoundError:
+                                out["vanished"] += 1
+                                continue
+                            except OSError as exc:
+                                out["errors"].append(f"{rel}/{name}: {exc.strerror}")
+                                continue
+                        done[hit][0] += 1
+                        done[hit][1] += st.st_size
+                        if paths is not None:
+                            paths.append(f"{rel}/{name}" if rel else name)
+                        count += 1
+                        if progress is not None and not count % PROGRESS_EVERY:
+                            progress(count)
+            finally:
+                os.close(dfd)
+    finally:
+        os.close(root_fd)
+    del out["errors"][100:]
+    return out
+
+
+def _stream_workers(root: str, workers: int | None) -> int:
+    if workers is not None:
+        return max(1, workers)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        big = os.lstat(root).st_size >= (1 << 20)
+    except OSError:
+        big = False
+    return min(cpus or 1, 4) if big and (cpus or 1) > 1 else 1
+
+
+def prune_stream(
+    root: str | os.PathLike[str],
+    selections: Sequence[Selection],
+    *,
+    active: frozenset[str] | set[str] = frozenset(),
+    dry_run: bool = True,
+    list_paths: bool = False,
+    progress: Callable[[int], None] | None = None,
+    workers: int | None = None,
+    lock: bool = True,
+) -> PruneResult:
+    """Plan and delete in one pass (what ``kvp-admin prune`` runs).
+
+    The directory listing is the plan: for each listed entry whose name parses as a chunk or
+    temp file of a selected prefix, the file is ``lstat``ed relative to the directory
+    descriptor and deleted with ``unlink(name, dir_fd=...)`` only if it is a regular file with
+    the inode the listing showed (a file replaced since it was listed is skipped) and its last
+    use still matches the selection. A dry run does the same without unlinking, so it lists
+    exactly what ``--apply`` deletes on an unchanged tree. Large flat trees are split between
+    forked workers by a hash of each name. Takes the prune lock unless ``lock`` is False (the
+    caller holds it; never needed for a dry run). Raises PruneLocked.
+    """
+    t0 = time.perf_counter()
+    root_s = os.fspath(root)
+    res = PruneResult(root_s, dry_run)
+    if list_paths:
+        res.deleted_paths = []
+    plan = PrunePlan(root_s, tuple(selections), frozenset(active))
+    ctx = prune_lock(root_s) if lock and not dry_run else contextlib.nullcontext()
+    with ctx:
+        parts: list[dict[str, Any]] = []
+        if selections:
+            n = _stream_workers(root_s, workers)
+            parts = _run_parts(root_s, plan.selections, n, dry_run, list_paths, progress)
+        done = [[0, 0] for _ in selections]
+        for p in parts:
+            for d, x in zip(done, p["done"], strict=True):
+                d[0] += x[0]
+                d[1] += x[1]
+            res.skipped_changed += p["changed"]
+            res.skipped_vanished += p["vanished"]
+            res.errors.extend(p["errors"])
+            if res.deleted_paths is not None and p["paths"] is not None:
+                res.deleted_paths.extend(p["paths"])
+        checked = sum(p["ino_checked"] for p in parts)
+        mismatch = sum(p["ino_mismatch"] for p in parts)
+        if checked >= 100 and mismatch == checked:
+            res.errors.append("every file's inode differs from its directory entry's: this "
+                              "filesystem (overlayfs?) reports unstable inode numbers; nothing "
+                              "was deleted")
+        res.deleted_files = sum(d[0] for d in done)
+        res.deleted_bytes = sum(d[1] for d in done)
+        res.planned_files, res.planned_bytes = res.deleted_files, res.deleted_bytes
+        if not dry_run:
+            _remove_manifests(plan, res)
+    res.per_selection = [
+        {**s.to_dict(), "deleted_files": d[0], "deleted_bytes": d[1]}
+        for s, d in zip(plan.selections, done, strict=True)
+    ]
+    if res.deleted_paths is not None:
+        res.deleted_paths.sort()
+    res.duration_s = time.perf_counter() - t0
+    return res
+
+
+def _run_parts(root: str, selections: tuple[Selection, ...], n: int, dry_run: bool,
+               list_paths: bool, progress: Callable[[int], None] | None) -> list[dict[str, Any]]:
+    if n == 1:
+        return [_stream_part(root, selections, 0, 1, dry_run, list_paths, progress)]
+    children: list[tuple[int, int]] = []
+    for part in range(1, n):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            code = 0
+            try:
+                os.close(r)
+                out = _stream_part(root, selections, part, n, dry_run, list_paths, None)
+                with os.fdopen(w, "wb") as f:
+                    f.write(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(w)
+        children.append((pid, r))
+    scaled = (lambda k: progress(k * n)) if progress is not None else None
+    parts = [_stream_part(root, selections, 0, n, dry_run, list_paths, scaled)]
+    for pid, r in children:
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0 or not data:
+            raise OSError(f"prune worker {pid} failed")
+        parts.append(pickle.loads(data))
+    return parts

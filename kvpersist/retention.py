@@ -290,3 +290,33 @@ def plan_explicit(
         if t is not None:
             sels[None] = t
     return RetentionPlan(tuple(sels.values()), None, tuple(notes))
+
+
+def select_named(
+    *,
+    active: Iterable[str],
+    now_ns: int,
+    namespaces: Iterable[str] = (),
+    temp_older_than_s: float | None = None,
+    force: bool = False,
+) -> RetentionPlan:
+    """Selections for targets that need no scan: whole prefixes by name, and temp files older
+    than a duration. Files and bytes are left at 0 (the executor counts them).
+
+    Raises UsageError when a named prefix is active and ``force`` is not set.
+    """
+    active_set = set(active)
+    sels: list[Selection] = []
+    for ns in dict.fromkeys(namespaces):
+        if ns in active_set and not force:
+            raise UsageError(
+                f"{ns} is the namespace of an active deployment; refusing without --force"
+            )
+        cat = category(ns, active_set)
+        sels.append(Selection(cat, ns, None, 0, 0, f"named on the command line ({cat})"))
+    if temp_older_than_s is not None:
+        sels.append(Selection(
+            TEMP, None, now_ns - int(temp_older_than_s * 1e9), 0, 0,
+            f"temp files untouched for over {temp_older_than_s:g} s (interrupted writes)",
+        ))
+    return RetentionPlan(tuple(sels), None)

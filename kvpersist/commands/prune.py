@@ -14,8 +14,8 @@ from kvpersist.budget import plan_for_deployment
 from kvpersist.commands.common import echo_json, json_option
 from kvpersist.commands.report import end_progress, inventory_options, progress_printer
 from kvpersist.errors import EXIT_PROBLEM, UsageError
-from kvpersist.prune import PruneResult, execute_prune, plan_prune, prune_lock
-from kvpersist.retention import RetentionPlan, plan_explicit, plan_retention
+from kvpersist.prune import PruneResult, prune_lock, prune_stream
+from kvpersist.retention import RetentionPlan, plan_explicit, plan_retention, select_named
 from kvpersist.scan import Inventory, ScanResult, host_ram_bytes, resolve_inventory, scan_root
 from kvpersist.units import format_size, parse_duration
 
@@ -140,23 +140,25 @@ def prune(root: str | None, configs: tuple[str, ...], namespaces: tuple[str, ...
         raise UsageError("--to-budget needs a deployment config on this root (--config)")
 
     def run() -> tuple[PruneResult, RetentionPlan, dict[str, Any] | None]:
-        cb = progress_printer("scanned entries")
+        budget_doc = None
+        if stale or unpinned or to_budget:
+            # choosing needs the per-namespace picture (and, for --to-budget, last use)
+            cb = progress_printer("scanned entries")
+            try:
+                res = scan_root(inv.root, progress=cb, hist=to_budget)
+            finally:
+                end_progress(cb)
+            plan, budget_doc = _select(res, inv, namespaces=namespaces, stale=stale,
+                                       unpinned=unpinned, temp_older_than=older,
+                                       to_budget=to_budget, force=force)
+        else:
+            plan = select_named(active=inv.active, now_ns=time.time_ns(),
+                                namespaces=namespaces, temp_older_than_s=older, force=force)
+        cb = progress_printer("files deleted" if apply else "files selected")
         try:
-            res = scan_root(inv.root, progress=cb)
-        finally:
-            end_progress(cb)
-        plan, budget_doc = _select(res, inv, namespaces=namespaces, stale=stale,
-                                   unpinned=unpinned, temp_older_than=older,
-                                   to_budget=to_budget, force=force)
-        cb = progress_printer("planned entries")
-        try:
-            pp = plan_prune(inv.root, plan.selections, active=inv.active, progress=cb)
-        finally:
-            end_progress(cb)
-        cb = progress_printer("deleted files")
-        try:
-            result = execute_prune(pp, dry_run=not apply, list_paths=list_paths,
-                                   progress=cb, lock=False)
+            result = prune_stream(inv.root, plan.selections, active=inv.active,
+                                  dry_run=not apply, list_paths=list_paths, progress=cb,
+                                  lock=False)
         finally:
             end_progress(cb)
         return result, plan, budget_doc

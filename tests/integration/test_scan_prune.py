@@ -405,3 +405,33 @@ def test_budget_command(tmp_path: Path, tree: Any) -> None:
     assert doc["inactive_bytes"] == scan_root(root).chunk_bytes + scan_root(root).temp.bytes
     t = kvp("budget", str(cfg))
     assert "max_capacity_gb" in t.stdout
+
+
+def test_one_pass_prune_skips_files_replaced_after_they_were_listed(tmp_path: Path) -> None:
+    """prune_stream (what the CLI runs) checks each file's inode against the directory listing
+    right before unlinking: files replaced mid-run survive, nothing is deleted twice."""
+    from kvpersist.prune import PROGRESS_EVERY, prune_stream
+    from kvpersist.retention import select_named
+
+    root = tmp_path / "c"
+    n = PROGRESS_EVERY + 500
+    paths = [write(root / chunk(NS_B, i).filename(), 3) for i in range(n)]
+    sels = select_named(active=set(), now_ns=time.time_ns(), namespaces=(NS_B,)).selections
+    replaced: list[Path] = []
+
+    def swap_the_rest(done: int) -> None:
+        if replaced:
+            return
+        for p in paths:
+            if p.exists():
+                tmp = p.with_name(p.name + ".new-tmp")  # foreign name, then renamed over
+                tmp.write_bytes(b"fresh")
+                os.replace(tmp, p)
+                replaced.append(p)
+
+    res = prune_stream(root, sels, dry_run=False, progress=swap_the_rest, workers=1)
+    assert replaced
+    left = [p for p in paths if p.exists()]
+    assert res.deleted_files + len(left) == n
+    assert res.skipped_changed == len(left)  # exactly the replaced files it had listed
+    assert all(p.read_bytes() == b"fresh" for p in left)
