@@ -39,6 +39,7 @@ from kvpersist.layout import (
     is_namespace,
     is_shard_dir_name,
     manifest_relpath,
+    parse_chunk_name,
 )
 from kvpersist.retention import Selection
 
@@ -134,8 +135,8 @@ def _chunk_dirs(root_fd: int) -> Iterator[tuple[str, tuple[str, str] | None]]:
     """The root ("", None) and every ``ab/cd`` shard directory (names only; no symlinks)."""
     yield "", None
     with os.scandir(root_fd) as it:
-        level1 = sorted(e.name for e in it
-                        if is_shard_dir_name(e.name) and e.is_dir(follow_symlinks=False))
+        level1 = sorted(e.name for e in it if len(e.name) == 2
+                        and is_shard_dir_name(e.name) and e.is_dir(follow_symlinks=False))
     for a in level1:
         try:
             afd = os.open(a, _DIR_FLAGS, dir_fd=root_fd)
@@ -413,6 +414,8 @@ def _remove_manifests(plan: PrunePlan, res: PruneResult) -> None:
             continue
         rel = manifest_relpath(ns)
         mdir, _, mname = rel.rpartition("/")
+        if not os.path.lexists(os.path.join(plan.root, rel)):
+            continue  # (checked again below, without following symlinks)
         if _prefix_has_files(plan.root, ns):
             continue
         try:
@@ -443,7 +446,8 @@ def _stream_part(root: str, selections: Sequence[Selection], part: int, parts: i
                  dry_run: bool, list_paths: bool,
                  progress: Callable[[int], None] | None) -> dict[str, Any]:
     """One worker of :func:`prune_stream`: its share of the root's entries (by name hash) and
-    of the shard directories (by directory)."""
+    of the shard directories (by directory). The root is listed once; shard directories
+    found in that listing are walked afterwards."""
     by_prefix: dict[str | None, list[int]] = {}
     for i, s in enumerate(selections):
         by_prefix.setdefault(s.prefix, []).append(i)
@@ -456,75 +460,105 @@ def _stream_part(root: str, selections: Sequence[Selection], part: int, parts: i
     paths = out["paths"]
     lstat, unlink, s_isreg = os.lstat, os.unlink, stat_mod.S_ISREG
     count = 0
+
+    def do_dir(dfd: int, rel: str, shard: tuple[str, str] | None, split_names: bool,
+               level1: list[str] | None) -> None:
+        nonlocal count
+        with os.scandir(dfd) as it:
+            for e in it:
+                name = e.name
+                if not name.startswith(starts) and not (want_temp and ".tmp." in name):
+                    if (level1 is not None and len(name) == 2 and is_shard_dir_name(name)
+                            and e.is_dir(follow_symlinks=False)):
+                        level1.append(name)
+                    continue
+                if split_names and hash(name) % parts != part:
+                    continue
+                if not e.is_file(follow_symlinks=False):
+                    continue  # symlinks, directories, devices: never
+                if name[-4:] == ".bin":
+                    chunk = parse_chunk_name(name)
+                    key = None if chunk is None else chunk.prefix
+                    if chunk is not None and shard is not None and chunk.shard() != shard:
+                        continue
+                else:
+                    kind, chunk = classify(name, shard)
+                    key = None if kind is Kind.TEMP else chunk.prefix if chunk else None
+                if chunk is None:
+                    continue
+                idxs = by_prefix.get(key)
+                if idxs is None:
+                    continue
+                # delete-time validation, relative to the directory descriptor: still a
+                # regular file, still the inode the directory listed, still selected
+                try:
+                    st = lstat(name, dir_fd=dfd)
+                except FileNotFoundError:
+                    out["vanished"] += 1
+                    continue
+                except OSError as exc:
+                    out["errors"].append(f"{rel}/{name}: {exc.strerror}")
+                    continue
+                out["ino_checked"] += 1
+                if not s_isreg(st.st_mode) or st.st_ino != e.inode():
+                    out["changed"] += 1
+                    if s_isreg(st.st_mode):
+                        out["ino_mismatch"] += 1
+                    continue
+                use = _last_use(st)
+                hit = -1
+                for i in idxs:
+                    if selections[i].matches(key, use):
+                        hit = i
+                        break
+                if hit < 0:
+                    continue  # used too recently for an LRU selection
+                if not dry_run:
+                    try:
+                        unlink(name, dir_fd=dfd)
+                    except FileNotFoundError:
+                        out["vanished"] += 1
+                        continue
+                    except OSError as exc:
+                        out["errors"].append(f"{rel}/{name}: {exc.strerror}")
+                        continue
+                done[hit][0] += 1
+                done[hit][1] += st.st_size
+                if paths is not None:
+                    paths.append(f"{rel}/{name}" if rel else name)
+                count += 1
+                if progress is not None and not count % PROGRESS_EVERY:
+                    progress(count)
+
     root_fd = os.open(root, _DIR_FLAGS)
     try:
-        for k, (rel, shard) in enumerate(_chunk_dirs(root_fd)):
-            split_names = rel == "" and parts > 1
-            if rel and parts > 1 and k % parts != part:
-                continue
+        level1: list[str] = []
+        do_dir(root_fd, "", None, parts > 1, level1)
+        k = 0
+        for a in sorted(level1):
             try:
-                dfd = _open_rel(root_fd, rel)
+                afd = os.open(a, _DIR_FLAGS, dir_fd=root_fd)
             except OSError:
                 continue
             try:
-                with os.scandir(dfd) as it:
-                    for e in it:
-                        name = e.name
-                        if not name.startswith(starts) and not (want_temp and ".tmp." in name):
-                            continue
-                        if split_names and hash(name) % parts != part:
-                            continue
-                        if not e.is_file(follow_symlinks=False):
-                            continue  # symlinks, directories, devices: never
-                        kind, chunk = classify(name, shard)
-                        if chunk is None:
-                            continue
-                        key = None if kind is Kind.TEMP else chunk.prefix
-                        idxs = by_prefix.get(key)
-                        if idxs is None:
-                            continue
-                        # delete-time validation, relative to the directory descriptor: still
-                        # a regular file, still the inode the directory listed, still selected
-                        try:
-                            st = lstat(name, dir_fd=dfd)
-                        except FileNotFoundError:
-                            out["vanished"] += 1
-                            continue
-                        except OSError as exc:
-                            out["errors"].append(f"{rel}/{name}: {exc.strerror}")
-                            continue
-                        out["ino_checked"] += 1
-                        if not s_isreg(st.st_mode) or st.st_ino != e.inode():
-                            out["changed"] += 1
-                            if s_isreg(st.st_mode):
-                                out["ino_mismatch"] += 1
-                            continue
-                        use = _last_use(st)
-                        hit = -1
-                        for i in idxs:
-                            if selections[i].matches(key, use):
-                                hit = i
-                                break
-                        if hit < 0:
-                            continue  # used too recently for an LRU selection
-                        if not dry_run:
-                            try:
-                                unlink(name, dir_fd=dfd)
-                            except FileNotFoundError:
-                                out["vanished"] += 1
-                                continue
-                            except OSError as exc:
-                                out["errors"].append(f"{rel}/{name}: {exc.strerror}")
-                                continue
-                        done[hit][0] += 1
-                        done[hit][1] += st.st_size
-                        if paths is not None:
-                            paths.append(f"{rel}/{name}" if rel else name)
-                        count += 1
-                        if progress is not None and not count % PROGRESS_EVERY:
-                            progress(count)
+                with os.scandir(afd) as it:
+                    level2 = sorted(e.name for e in it if len(e.name) == 2
+                                    and is_shard_dir_name(e.name)
+                                    and e.is_dir(follow_symlinks=False))
+                for b in level2:
+                    k += 1
+                    if k % parts != part:
+                        continue
+                    try:
+                        bfd = os.open(b, _DIR_FLAGS, dir_fd=afd)
+                    except OSError:
+                        continue
+                    try:
+                        do_dir(bfd, f"{a}/{b}", (a, b), False, None)
+                    finally:
+                        os.close(bfd)
             finally:
-                os.close(dfd)
+                os.close(afd)
     finally:
         os.close(root_fd)
     del out["errors"][100:]
@@ -532,14 +566,10 @@ def _stream_part(root: str, selections: Sequence[Selection], part: int, parts: i
 
 
 def _stream_workers(root: str, workers: int | None) -> int:
-    if workers is not None:
-        return max(1, workers)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    try:
-        big = os.lstat(root).st_size >= (1 << 20)
-    except OSError:
-        big = False
-    return min(cpus or 1, 4) if big and (cpus or 1) > 1 else 1
+    """One process unless asked: unlinks in one directory serialize on its lock, and measured
+    on ext4 a second worker did not make a one-namespace prune faster (docs/benchmarks.md)."""
+    del root
+    return max(1, workers) if workers is not None else 1
 
 
 def prune_stream(
