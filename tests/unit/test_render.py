@@ -55,7 +55,8 @@ def test_vllm_args_carry_the_namespace() -> None:
     assert flag(a, "--dtype") == "bfloat16" and flag(a, "--kv-cache-dtype") == "auto"
     assert json.loads(flag(a, "--kv-transfer-config")) == r.kv_transfer_config
     assert r.kv_transfer_config["kv_connector_extra_config"] == {
-        "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5555}
+        "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5555,
+        "lmcache.mp.mq_timeout": 10.0, "lmcache.mp.heartbeat_interval": 2.0}
     assert r.model_link == {"dir": "/var/lib/kvp/test/.kvpersist/models", "name": d.namespace,
                             "target": "/models/llama"}
     assert r.container_argv == []  # no image: a direct process
