@@ -1,0 +1,33 @@
+"""``kvp-admin demo``: persistence across restarts, shown on the built-in CPU deployment."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("demo")
+@click.option("--dir", "workdir", default="kvp-demo", show_default=True,
+              type=click.Path(file_okay=False),
+              help="Working directory: demo model, cache root, logs.")
+@click.option("--size", type=click.Choice(["tiny", "bench"]), default="tiny",
+              show_default=True,
+              help="Demo model: tiny (fast) or bench (~180M parameters; prefill cost visible).")
+@click.option("--turns", type=int, default=10, show_default=True,
+              help="Turns of chat history in the long request.")
+@click.option("--keep-running", is_flag=True,
+              help="Leave the cache server and vLLM running after the second request.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def demo(workdir: str, size: str, turns: int, keep_running: bool, as_json: bool) -> None:
+    """Launch the cache server and vLLM (CPU build) on a generated model, send a long chat,
+    restart both, send it again: cold vs after-restart time to first token, tokens served from
+    disk, identical output. Stops everything at the end."""
+    from kvpersist.demo.run import format_result, result_json, run_demo
+
+    def progress(msg: str) -> None:
+        click.echo(msg, err=True)
+
+    result = run_demo(workdir, size=size, turns=turns, keep_running=keep_running,
+                      progress=progress)
+    click.echo(result_json(result) if as_json else format_result(result))
+    if not result.identical or result.warm.tokens_from_disk <= 0:
+        raise SystemExit(1)
