@@ -33,7 +33,6 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import psutil  # noqa: E402
-
 from gen_tree import generate, namespaces  # noqa: E402
 
 KVP = [sys.executable, "-m", "kvpersist.cli"]
@@ -143,6 +142,7 @@ def main() -> None:
         "kernel": platform.release(),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    result["loadavg_before"] = os.getloadavg()
     result["scan"] = bench_scan(root, a.rounds)
     print(json.dumps(result["scan"], indent=1), file=sys.stderr)
     if not a.skip_prune:
@@ -152,6 +152,7 @@ def main() -> None:
         # leave the tree complete
         generate(root, a.files // 4, n_namespaces=4, shard_dirs=a.shard_dirs, jobs=a.jobs,
                  only=ns)
+    result["loadavg_after"] = os.getloadavg()
     text = json.dumps(result, indent=2)
     print(text)
     if a.out:

@@ -140,8 +140,12 @@ def namespace_of_prefix(prefix: str) -> str | None:
     return prefix if is_namespace(prefix) else None
 
 
+_HEX_RE = re.compile(r"[0-9a-f]+")
+
+
 def _is_hex(text: str) -> bool:
-    return bool(text) and not text.strip(_HEX)
+    # a regex, not str.strip(chars): strip with a 16-char set is ~1 us per 64-char hash
+    return _HEX_RE.fullmatch(text) is not None
 
 
 def parse_chunk_name(name: str) -> ChunkName | None:

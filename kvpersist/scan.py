@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ SAMPLE_CAP = 20
 PARALLEL_MIN_DIR_BYTES = 1 << 20
 PROGRESS_EVERY = 1 << 16
 _NO_MIN = 1 << 63
+#: a chunk file name's last field: the chunk hash and ".bin" (salted names take the slow path)
+_HASH_BIN = re.compile(r"[0-9a-f]+\.bin").fullmatch
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 ProgressFn = Callable[[int], None]
@@ -342,7 +345,7 @@ class _Walker:
         plain = not foreign and not meta and depth != 1
         slow = self._slow_entry
         bucket_ns = HIST_BUCKET_NS
-        hexdigits = _HEX
+        hash_bin = _HASH_BIN
         with os.scandir(dfd) as it:
             for e in it:
                 name = e.name
@@ -351,21 +354,18 @@ class _Walker:
                 count += 1
                 if not count & (PROGRESS_EVERY - 1) and progress is not None:
                     progress(count)
-                if plain and name[-4:] == ".bin" and e.is_file(follow_symlinks=False):
+                if plain and e.is_file(follow_symlinks=False):
                     head, _, tail = name.rpartition("_")
-                    a = keys.get(head)
-                    if a is None:
-                        # only valid heads are remembered, so memory stays bounded by the
-                        # number of (prefix, rank, group) triples
-                        a = self._new_key(head)
-                        if a is not None:
-                            keys[head] = a
-                    if (
-                        a is not None
-                        and len(tail) > 4
-                        and not tail[:-4].strip(hexdigits)
-                        and (shard is None or (tail[0:2], tail[2:4]) == shard)
-                    ):
+                    a = None
+                    if hash_bin(tail):
+                        a = keys.get(head)
+                        if a is None and head:
+                            # only valid heads are remembered, so memory stays bounded by
+                            # the number of (prefix, rank, group) triples
+                            a = self._new_key(head)
+                            if a is not None:
+                                keys[head] = a
+                    if a is not None and (shard is None or (tail[0:2], tail[2:4]) == shard):
                         try:
                             st = e.stat(follow_symlinks=False)
                         except OSError as exc:
