@@ -435,3 +435,19 @@ def test_one_pass_prune_skips_files_replaced_after_they_were_listed(tmp_path: Pa
     assert res.deleted_files + len(left) == n
     assert res.skipped_changed == len(left)  # exactly the replaced files it had listed
     assert all(p.read_bytes() == b"fresh" for p in left)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_one_pass_prune_dry_run_equals_apply(tree: Any, workers: int) -> None:
+    from kvpersist.prune import prune_stream
+    from kvpersist.retention import select_named
+
+    root, g, _ = tree
+    sels = select_named(active=set(), now_ns=time.time_ns(), namespaces=(NS_B, UNP),
+                        temp_older_than_s=HOUR).selections
+    dry = prune_stream(root, sels, dry_run=True, list_paths=True, workers=workers)
+    app = prune_stream(root, sels, dry_run=False, list_paths=True, workers=workers)
+    assert dry.deleted_paths == app.deleted_paths
+    assert sorted(dry.deleted_paths or []) == sorted(
+        str(p.relative_to(root)) for p in g[NS_B] + g[UNP] + g["temp_old"])
+    assert (app.deleted_files, app.deleted_bytes) == (dry.deleted_files, dry.deleted_bytes)
