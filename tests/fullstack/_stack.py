@@ -46,7 +46,8 @@ class Stack:
         self.env.update(extra)
 
     # -- CLI
-    def kvp(self, *args: str, check: bool = False, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    def kvp(self, *args: str, check: bool = False,
+            timeout: float = 900) -> subprocess.CompletedProcess[str]:
         r = subprocess.run([*KVP_ADMIN, *args], capture_output=True, text=True, env=self.env,
                            cwd=REPO, timeout=timeout)
         if check and r.returncode != 0:
@@ -121,3 +122,22 @@ def wait_until(pred: Any, timeout: float, interval: float = 0.5) -> bool:
             return True
         time.sleep(interval)
     return bool(pred())
+
+
+def vllm_metric(base_url: str, name: str) -> float:
+    """Sum of a Prometheus counter from vLLM's /metrics (0 if absent)."""
+    import requests
+
+    total = 0.0
+    for line in requests.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def l2_hits_in_log(log: Path) -> list[int]:
+    """Per-request L2 hit counts the cache server logged (``... (x L1, y L2)``)."""
+    import re
+
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [int(m) for m in re.findall(r"retained keys \(\d+ L1, (\d+) L2\)", text)]

@@ -1,0 +1,197 @@
+"""Persistence proven end to end: real vLLM (CPU build) + real lmcache server, through
+``kvp-admin launch``/``stop``, on a generated tiny Llama (greedy decoding).
+
+The tests run in file order and share one cache root: the cold run's files are what the
+later tests hit, corrupt and separate by namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from kvpersist.demo.chat import chat_completion, long_chat
+
+from ..conftest import REPO
+from ._stack import Stack, l2_hits_in_log, vllm_metric, wait_until
+
+pytestmark = pytest.mark.fullstack
+
+CHAT = long_chat(turns=8, words_per_turn=150, seed=11)
+HITS = "vllm:external_prefix_cache_hits_total"
+STATE: dict[str, Any] = {}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("e2e"), model=demo_model)
+    try:
+        yield s
+    finally:
+        s.cleanup()
+
+
+def _chat(stack: Stack) -> Any:
+    return chat_completion(stack.vllm_url, "cpu-demo", CHAT, max_tokens=24)
+
+
+def test_cold_then_restart_both_hits_from_disk_with_identical_output(stack: Stack) -> None:
+    info = stack.launch()
+    ns = info["namespace"]
+    STATE["ns"] = ns
+    cold = _chat(stack)
+    assert cold.prompt_tokens and cold.prompt_tokens > 5 * 256, cold
+    assert cold.text
+    assert vllm_metric(stack.vllm_url, HITS) == 0
+    h = stack.kvp("health", stack.config, "--json")
+    assert h.returncode == 0, h.stdout
+    stack.stop()
+    files = stack.chunk_files(ns + "_01000100_")
+    full_chunks = cold.prompt_tokens // 256
+    assert len(files) >= full_chunks, [f.name for f in stack.chunk_files()]
+    STATE["cold"] = cold.text
+    STATE["files"] = sorted(f.name for f in files)
+
+    stack.launch()
+    warm = _chat(stack)
+    assert warm.text == cold.text
+    hits = vllm_metric(stack.vllm_url, HITS)
+    assert hits >= full_chunks * 256, hits
+    assert max(l2_hits_in_log(stack.server_log)) >= full_chunks
+    STATE["ttft"] = (cold.ttft_s, warm.ttft_s)
+
+
+def test_cache_server_down_vllm_keeps_serving_and_health_degraded(stack: Stack) -> None:
+    st = stack.kvp_json("status", stack.config)
+    pid = st["lmcache"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not psutil.pid_exists(pid)
+                      or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 20)
+    out = _chat(stack)
+    assert out.text == STATE["cold"]
+    h = stack.kvp("health", stack.config, "--json")
+    report = json.loads(h.stdout)
+    assert h.returncode == 1 and report["status"] == "degraded", report
+    assert any(c["name"] == "vllm.persistence" and c["status"] == "degraded"
+               for c in report["checks"])
+    stopped = stack.stop()
+    how = {s["what"]: s["how"] for s in stopped["stopped"]}
+    assert how == {"vLLM": "terminated", "lmcache server": "stale"}, stopped
+
+
+def test_kv_persist_hook_on_a_sample_recipe(stack: Stack, demo_model: Path) -> None:
+    recipe = REPO / "scripts" / "examples" / "recipe-vllm-cpu.sh"
+    import sys
+
+    port = stack.env["KVP_VLLM_PORT"]
+    base_env = dict(stack.env, MODEL_DIR=str(demo_model), PORT=port, PYTHON=sys.executable,
+                    PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                    RECIPE_DRY_RUN="1")
+    plain = subprocess.run(["bash", str(recipe)], env=base_env, capture_output=True,
+                           check=True)
+    assert plain.stdout.split(b"\0")[:-1] == [
+        sys.executable.encode(), b"-m", b"vllm.entrypoints.openai.api_server",
+        b"--model", str(demo_model).encode(), b"--host", b"127.0.0.1", b"--port",
+        port.encode(), b"--dtype", b"bfloat16", b"--enforce-eager", b"--max-model-len",
+        b"4096", b"--block-size", b"128"]
+    assert not stack.pid_file.exists()  # without KV_PERSIST nothing was started
+
+    env = dict(base_env, KV_PERSIST="1", KVP_CONFIG=stack.config)
+    env.pop("RECIPE_DRY_RUN")
+    log = (stack.tmp / "recipe.log").open("wb")
+    proc = subprocess.Popen(["bash", str(recipe)], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        ok = wait_until(lambda: _ready(stack) or proc.poll() is not None, 600, 2)
+        assert ok and proc.poll() is None, (stack.tmp / "recipe.log").read_text()[-3000:]
+        out = _chat(stack)
+        assert out.text == STATE["cold"]
+        assert vllm_metric(stack.vllm_url, HITS) >= 5 * 256
+        assert stack.pid_file.exists()  # the hook launched the cache server
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        stack.stop()
+
+
+def _ready(stack: Stack) -> bool:
+    import requests
+
+    try:
+        return requests.get(f"{stack.vllm_url}/v1/models", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def test_corrupt_and_truncated_files_are_misses_and_output_stays_correct(stack: Stack) -> None:
+    ns = STATE["ns"]
+    files = stack.chunk_files(ns + "_01000100_")
+    assert len(files) >= 5
+    for f in files[:-1]:
+        size = f.stat().st_size
+        f.write_bytes(os.urandom(size))  # same size, random bytes
+    files[-1].write_bytes(files[-1].read_bytes()[:10_000])  # truncated
+    v = stack.kvp("verify", stack.config, "--json")
+    found = json.loads(v.stdout)
+    assert v.returncode == 1
+    kinds = sorted(f["kind"] for f in found["findings"])
+    assert kinds.count("auth") == len(files) - 1 and kinds.count("size") == 1, kinds
+
+    stack.launch()
+    out = _chat(stack)
+    assert out.text == STATE["cold"]  # never wrong output
+    assert vllm_metric(stack.vllm_url, HITS) == 0  # the damaged chunks were misses
+    log = stack.server_log.read_text(errors="replace")
+    assert "DESERIALIZE failed" in log or "failed" in log.lower()
+
+    # online quarantine frees the deterministic names. The chunks are still in L1 (the
+    # corrupt run stored them there; L2 skipped them since their files existed), so they
+    # are written afresh once they leave L1: here, after a restart.
+    a = stack.kvp("verify", stack.config, "--apply", "--json")
+    assert a.returncode == 0, a.stdout
+    assert len(json.loads(a.stdout)["quarantined"]) == len(files)
+    stack.stop()
+    stack.launch()
+    again = _chat(stack)
+    assert again.text == STATE["cold"]
+    assert vllm_metric(stack.vllm_url, HITS) == 0  # quarantined: recomputed, stored afresh
+    assert wait_until(lambda: len(stack.chunk_files(ns + "_01000100_")) >= len(files), 30)
+    stack.stop()
+    clean = stack.kvp("verify", stack.config, "--json")
+    assert clean.returncode == 0, clean.stdout
+    assert json.loads(clean.stdout)["authenticated"] >= len(files)
+
+
+def test_changed_identity_field_gets_no_hit(stack: Stack) -> None:
+    src = (REPO / "configs" / "cpu-demo" / "identity.env").read_text()
+    lines = [ln if not ln.startswith("KVP_MODEL_REVISION=") else
+             "KVP_MODEL_REVISION=" + "f" * 40 for ln in src.splitlines()]
+    other = stack.tmp / "cpu-demo-rev2"
+    other.mkdir()
+    (other / "identity.env").write_text("\n".join(lines) + "\n")
+    s2 = Stack.__new__(Stack)
+    s2.__dict__.update(stack.__dict__)
+    s2.config = str(other / "identity.env")
+    info = s2.launch()
+    ns2 = info["namespace"]
+    assert ns2 != STATE["ns"]
+    try:
+        out = _chat(s2)
+        assert out.text == STATE["cold"]  # same weights, so same output, but computed
+        assert vllm_metric(s2.vllm_url, HITS) == 0
+    finally:
+        s2.stop()
+    assert s2.chunk_files(ns2 + "_")  # its own files
+    assert stack.chunk_files(STATE["ns"] + "_")  # the first namespace's files untouched

@@ -1,0 +1,140 @@
+"""The fault model against real processes (adapter level; the full-stack rows -- corrupt
+files, cache server down -- are in tests/fullstack)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvpersist.demo.kvdriver import connect
+
+from ..conftest import REPO
+from ..fullstack._stack import Stack, wait_until
+
+pytestmark = pytest.mark.integration
+
+FRAME_SIZE = 528384  # tiny geometry chunk + aesgcm frame, padded to 4 KiB
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    s = Stack(tmp_path)
+    try:
+        yield s
+    finally:
+        s.cleanup()
+
+
+def _burst(stack: Stack, ns: str, first: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.integration._store_burst", stack.rpc, stack.http, ns,
+         str(first)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
+def test_kill9_during_store_bursts_never_leaves_a_torn_file(stack: Stack) -> None:
+    ns = stack.render()["namespace"]
+    rng = random.Random(4)
+    stored: dict[int, list[str]] = {}
+    rounds = 4
+    for rnd in range(rounds):
+        r = stack.kvp("launch", stack.config, "--no-vllm")  # after kill -9: stale pid file
+        assert r.returncode == 0, r.stderr
+        if rnd:
+            assert "stale pid file" in r.stderr
+        pid = int(stack.pid_file.read_text())
+        burst = _burst(stack, ns, 1000 * (rnd + 1))
+        # wait for the first stores, then kill the server in the middle of the burst
+        assert burst.stdout is not None
+        first = burst.stdout.readline()
+        assert first, "the burst client stored nothing"
+        time.sleep(rng.uniform(0.2, 1.2))
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda p=pid: not psutil.pid_exists(p)
+                          or psutil.Process(p).status() == psutil.STATUS_ZOMBIE, 20)
+        burst.kill()
+        out, _ = burst.communicate(timeout=30)
+        for line in [first, *out.splitlines()]:
+            if line.strip():
+                rec = json.loads(line)
+                stored[rec["seq"]] = rec["digests"]
+        # every file under a final name is complete: never a torn chunk
+        for f in stack.chunk_files():
+            assert f.stat().st_size == FRAME_SIZE, f"torn file {f.name}"
+    temps = [p for p in stack.root.iterdir() if ".tmp." in p.name]
+    report = stack.kvp_json("report", "--root", str(stack.root), "--config", stack.config)
+    assert report["temp"]["files"] == len(temps)
+    if temps:  # interrupted writes are reported, and prunable explicitly
+        r = stack.kvp("prune", "--root", str(stack.root), "--config", stack.config,
+                      "--temp-older-than", "0s", "--apply")
+        assert r.returncode == 0, r.stderr
+        assert not [p for p in stack.root.iterdir() if ".tmp." in p.name]
+    # every final file authenticates with the deployment's key
+    v = stack.kvp("verify", stack.config, "--json")
+    assert v.returncode == 0, v.stdout
+    # restart recovers: the index is rebuilt lazily from disk; whatever hits is correct
+    stack.launch("--no-vllm")
+    full = 0
+    with connect(stack.rpc, stack.http, ns) as d:
+        for seq, digests in sorted(stored.items()):
+            lk, got = d.lookup_and_retrieve(seq)
+            if lk.hit_chunks == lk.total_chunks:
+                full += 1
+                assert got == digests, f"sequence {seq}: retrieved bytes differ"
+    assert full >= 1, f"no sequence survived {rounds} crashes ({len(stored)} stored)"
+
+
+def test_interrupted_prune_or_missing_file_is_an_ordinary_miss(stack: Stack) -> None:
+    ns = stack.render()["namespace"]
+    stack.launch("--no-vllm")
+    with connect(stack.rpc, stack.http, ns) as d:
+        digests = d.store(5)
+    stack.stop()
+    files = sorted(stack.chunk_files(ns))
+    assert len(files) == 4
+    files[2].unlink()  # as if a prune/eviction stopped half way
+    stack.launch("--no-vllm")
+    with connect(stack.rpc, stack.http, ns) as d:
+        lk, got = d.lookup_and_retrieve(5)
+        assert lk.total_chunks == 4 and lk.hit_chunks < 4  # prefix up to the hole
+        assert got is None
+        # the missing part is recomputed and stored again: a full hit afterwards
+        assert d.store(5) == digests
+    stack.stop()
+    stack.launch("--no-vllm")
+    with connect(stack.rpc, stack.http, ns) as d:
+        lk, got = d.lookup_and_retrieve(5)
+        assert lk.hit_chunks == 4 and got == digests
+
+
+def test_budget_exhausted_is_degraded_and_existing_chunks_still_serve(stack: Stack) -> None:
+    ns = stack.render()["namespace"]
+    stack.launch("--no-vllm")
+    with connect(stack.rpc, stack.http, ns) as d:
+        stored = {seq: d.store(seq) for seq in (1, 2, 3)}
+    stack.stop()
+    on_disk = sum(f.stat().st_size for f in stack.chunk_files(ns))
+    # shrink the budget below what is on disk (as after a restart with files LMCache's own
+    # counter does not see)
+    stack.env["KVP_L2_BUDGET"] = str(on_disk // 2)
+    r = stack.kvp("launch", stack.config, "--no-vllm")
+    assert r.returncode == 0, r.stderr
+    h = stack.kvp("health", stack.config, "--no-vllm", "--json")
+    report = json.loads(h.stdout)
+    assert h.returncode == 1 and report["status"] == "degraded", report
+    assert any(c["name"] == "cache_root.budget" and c["status"] == "degraded"
+               for c in report["checks"])
+    with connect(stack.rpc, stack.http, ns) as d:
+        for seq, digests in stored.items():
+            lk, got = d.lookup_and_retrieve(seq)
+            assert lk.hit_chunks == 4 and got == digests
