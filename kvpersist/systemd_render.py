@@ -43,9 +43,12 @@ UNIT_TEMPLATES: dict[str, str] = {
     "kvp-health@.timer.j2": "kvp-health@.timer",
 }
 
-#: Drop-in template rendered once per deployment.
-INSTANCE_DROPIN_TEMPLATE = "kvp-lmcache-instance.conf.j2"
-#: File name of the drop-in inside ``kvp-lmcache@<name>.service.d/``.
+#: Drop-in templates rendered once per deployment: template file -> unit it extends.
+INSTANCE_DROPIN_TEMPLATES: dict[str, str] = {
+    "kvp-lmcache-instance.conf.j2": "kvp-lmcache@{name}.service",
+    "kvp-health-instance.conf.j2": "kvp-health@{name}.service",
+}
+#: File name of each drop-in inside ``<unit>.d/``.
 INSTANCE_DROPIN_NAME = "10-kvpersist.conf"
 
 _INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -84,11 +87,13 @@ class InstanceSettings:
 
     ``name`` is the deployment config name (the unit instance), ``cache_root``
     its KVP_CACHE_ROOT, ``gpu_devices`` whether the server may open the nvidia
-    devices (CUDA IPC), ``allow_networks`` extra peers beyond localhost.
+    devices (CUDA IPC), ``allow_networks`` extra peers beyond localhost, ``vllm``
+    whether this host runs the deployment's vLLM unit (the health check covers it).
     """
 
     name: str
     cache_root: str
+    vllm: bool = False
     gpu_devices: bool = False
     allow_networks: tuple[str, ...] = field(default_factory=tuple)
 
@@ -174,16 +179,17 @@ def render_units(
     return rendered
 
 
-def render_instance_dropin(
+def render_instance_dropins(
     instance: InstanceSettings,
     *,
     stamp: str = GENERATED_STAMP,
     template_dir: Path = DEFAULT_TEMPLATE_DIR,
-) -> tuple[str, str]:
-    """Render one deployment's drop-in for ``kvp-lmcache@<name>.service``.
+) -> dict[str, str]:
+    """Render one deployment's drop-ins.
 
-    Returns ``(relative path, text)``, the path being
-    ``kvp-lmcache@<name>.service.d/10-kvpersist.conf``. Raises
+    Returns ``{relative path: text}`` with the paths
+    ``kvp-lmcache@<name>.service.d/10-kvpersist.conf`` (cache root, devices, peers) and
+    ``kvp-health@<name>.service.d/10-kvpersist.conf`` (health-check scope). Raises
     :class:`UnitRenderError` listing all invalid fields.
     """
     errors = validate_instance(instance)
@@ -194,8 +200,11 @@ def render_instance_dropin(
         "kvp_instance": {**asdict(instance), "allow_networks": list(instance.allow_networks)},
         "ansible_managed": stamp,
     }
-    text = _render(env, INSTANCE_DROPIN_TEMPLATE, context)
-    return f"kvp-lmcache@{instance.name}.service.d/{INSTANCE_DROPIN_NAME}", text
+    rendered: dict[str, str] = {}
+    for template_name, unit in INSTANCE_DROPIN_TEMPLATES.items():
+        path = f"{unit.format(name=instance.name)}.d/{INSTANCE_DROPIN_NAME}"
+        rendered[path] = _render(env, template_name, context)
+    return rendered
 
 
 def _render(env: jinja2.Environment, template_name: str, context: dict[str, object]) -> str:

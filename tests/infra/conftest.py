@@ -1,0 +1,118 @@
+"""testinfra fixtures: the expected layout of a host converged by the kvp role.
+
+Local (default): the session converges localhost into a temporary prefix with the real
+playbook (see kvp_converge.py) and the checks run against it through testinfra's local
+backend. Against a real host: give the role vars you deployed with, e.g.
+
+    .venv/bin/python -m pytest tests/infra --hosts ssh://root@gpu-node-01 \
+        --kvp-vars host_vars/gpu-node-01.yml
+
+(the same YAML as ``ansible-playbook -e @...``; unset keys take the role's defaults).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kvp_converge  # noqa: E402
+
+ROLE_DEFAULTS = kvp_converge.ANSIBLE_DIR / "roles" / "kvp" / "defaults" / "main.yml"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvpersist")
+    group.addoption("--kvp-vars", default=None,
+                    help="YAML of the kvp role vars the target host was deployed with; "
+                         "without it, localhost is converged into a temporary prefix")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Expected files and directories of one deployment on the host."""
+
+    name: str
+    cache_root: str
+    config_dir: str
+    identity_env: str
+    state_dir: str
+    log_dir: str
+    env: dict[str, str]
+    vllm: bool
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Expected install-wide layout (paths already carry kvp_root_prefix)."""
+
+    user: str
+    group: str
+    venv: str
+    kvp_admin: str
+    config_dir: str
+    state_dir: str
+    log_dir: str
+    systemd_dir: str
+    scripts_dir: str
+    manage_services: bool
+    local_converge: bool
+    deployments: tuple[Deployment, ...]
+
+
+def layout_from_vars(given: dict[str, Any], *, local_converge: bool) -> Layout:
+    """Compute the expected layout from the role defaults overlaid with ``given``."""
+    defaults = yaml.safe_load(ROLE_DEFAULTS.read_text())
+    v = {**defaults, **given}
+    prefix = v.get("kvp_root_prefix") or ""
+    venv = v["kvp_venv"] if not v.get("kvp_venv_create", True) else prefix + v["kvp_venv"]
+    config_dir = prefix + v["kvp_config_dir"]
+    state_dir = prefix + v["kvp_state_dir"]
+    log_dir = prefix + v["kvp_log_dir"]
+    deployments = []
+    for d in v.get("kvp_deployments") or []:
+        name = d["name"]
+        env = {k: str(val) for k, val in d["env"].items()}
+        env.update({
+            "KVP_CACHE_ROOT": prefix + d["cache_root"],
+            "KVP_STATE_DIR": f"{state_dir}/{name}",
+            "KVP_LOG_DIR": f"{log_dir}/{name}",
+        })
+        deployments.append(Deployment(
+            name=name,
+            cache_root=prefix + d["cache_root"],
+            config_dir=f"{config_dir}/{name}",
+            identity_env=f"{config_dir}/{name}/identity.env",
+            state_dir=f"{state_dir}/{name}",
+            log_dir=f"{log_dir}/{name}",
+            env=env,
+            vllm=bool(d.get("vllm", False)),
+        ))
+    return Layout(
+        user=v["kvp_user"], group=v["kvp_group"], venv=venv,
+        kvp_admin=f"{venv}/bin/kvp-admin", config_dir=config_dir, state_dir=state_dir,
+        log_dir=log_dir, systemd_dir=prefix + v["kvp_systemd_dir"],
+        scripts_dir=prefix + v["kvp_scripts_dir"],
+        manage_services=bool(v.get("kvp_manage_services", True)),
+        local_converge=local_converge, deployments=tuple(deployments),
+    )
+
+
+@pytest.fixture(scope="session")
+def kvp_layout(request: pytest.FixtureRequest) -> Layout:
+    """The layout the target host must have."""
+    path = request.config.getoption("--kvp-vars")
+    if path:
+        return layout_from_vars(yaml.safe_load(Path(path).read_text()) or {},
+                                local_converge=False)
+    converged = kvp_converge.converge()
+    if converged.first.returncode != 0:
+        pytest.fail("the playbook run failed; see tests/deploy/test_ansible_role.py:\n"
+                    + converged.first.output[-4000:])
+    request.config.add_cleanup(kvp_converge.cleanup)
+    return layout_from_vars(converged.vars, local_converge=True)
