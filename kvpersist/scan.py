@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,8 +50,7 @@ SAMPLE_CAP = 20
 PARALLEL_MIN_DIR_BYTES = 1 << 20
 PROGRESS_EVERY = 1 << 16
 _NO_MIN = 1 << 63
-#: a chunk file name's last field: the chunk hash and ".bin" (salted names take the slow path)
-_HASH_BIN = re.compile(r"[0-9a-f]+\.bin").fullmatch
+_HEX_BYTES = b"0123456789abcdef"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 ProgressFn = Callable[[int], None]
@@ -345,7 +343,7 @@ class _Walker:
         plain = not foreign and not meta and depth != 1
         slow = self._slow_entry
         bucket_ns = HIST_BUCKET_NS
-        hash_bin = _HASH_BIN
+        hex_bytes = _HEX_BYTES
         with os.scandir(dfd) as it:
             for e in it:
                 name = e.name
@@ -357,7 +355,13 @@ class _Walker:
                 if plain and e.is_file(follow_symlinks=False):
                     head, _, tail = name.rpartition("_")
                     a = None
-                    if hash_bin(tail):
+                    # "<lowercase hex>.bin": deleting the hex digits must leave ".in" (the
+                    # non-hex letters of ".bin"); bytes.translate is ~4x cheaper than a regex
+                    if (
+                        len(tail) > 4
+                        and tail.endswith(".bin")
+                        and tail.encode().translate(None, hex_bytes) == b".in"
+                    ):
                         a = keys.get(head)
                         if a is None and head:
                             # only valid heads are remembered, so memory stays bounded by

@@ -59,6 +59,8 @@ def build_tree(root: Path, outside: Path) -> dict[str, list[Path]]:
                                     age_s=3 * HOUR))
     groups["temp_new"].append(write(root / temp_name(chunk(NS_B, 98), "cd" * 16), 13))
     for rel in ("README", "notes.txt", f"{NS_A}_01000100_0_ZZZZ.bin", f"{NS_A}.bin",
+                f"{NS_A}_01000100_0_ABCD.bin", f"{NS_A}_01000100_0_.bin",
+                f"{NS_A}_01000100_0_ab.ci.n.bin", f"{NS_A}_01000100_0_abé.bin",
                 "ab/stray.bin", f"zz/{chunk(NS_A, 5).filename()}",
                 f"ab/cd/{chunk(NS_A, 5).filename()}",  # wrong shard for its hash
                 f"deep/x/{chunk(NS_A, 1).filename()}"):
