@@ -178,7 +178,7 @@ def plan_prune(
     Raises OSError if ``root`` is not a directory that can be opened without following a
     symlink.
     """
-    root_s = os.fspath(root)
+    root_s = os.path.realpath(os.fspath(root))
     plan = PrunePlan(root_s, tuple(selections), frozenset(active),
                      per_selection=[[0, 0] for _ in selections], planned_ns=time.time_ns())
     if not selections:
@@ -595,7 +595,7 @@ def prune_stream(
     caller holds it; never needed for a dry run). Raises PruneLocked.
     """
     t0 = time.perf_counter()
-    root_s = os.fspath(root)
+    root_s = os.path.realpath(os.fspath(root))
     res = PruneResult(root_s, dry_run)
     if list_paths:
         res.deleted_paths = []

@@ -505,8 +505,9 @@ def scan_root(
     histogram needed by retention planning. Errors on single entries are collected in
     ``result.errors``; raises OSError only if ``root`` is not a readable directory.
     """
-    root_s = os.fspath(root)
-    if not os.path.isdir(root_s) or os.path.islink(root_s):
+    # the root itself may be a symlink the operator set up; nothing below it is followed
+    root_s = os.path.realpath(os.fspath(root))
+    if not os.path.isdir(root_s):
         raise NotADirectoryError(f"not a directory: {root_s}")
     started = time.time_ns()
     t0 = time.perf_counter()
@@ -668,7 +669,7 @@ def resolve_inventory(
     deps = [load_deployment(c, environ) for c in configs]
     notes: list[str] = []
     if root is None:
-        roots = {os.path.abspath(str(d.cache_root)) for d in deps}
+        roots = {os.path.realpath(str(d.cache_root)) for d in deps}
         if not roots:
             raise UsageError("give --root DIR or --config CONFIG")
         if len(roots) > 1:
@@ -677,20 +678,24 @@ def resolve_inventory(
                 f"give --root DIR"
             )
         root = roots.pop()
-    root = os.path.abspath(root)
+    root = os.path.realpath(root)
     if not configs and discover:
         try:
             names = list_config_names()
         except OSError:
             names = []
+        skipped = []
         for name in names:
             try:
                 d = load_deployment(name, environ)
-            except ConfigError as exc:
-                notes.append(f"config {name} skipped: {len(exc.problems)} problem(s)")
+            except ConfigError:
+                skipped.append(name)
                 continue
             deps.append(d)
-    on_root = [d for d in deps if os.path.abspath(str(d.cache_root)) == root]
+        if skipped:
+            notes.append(f"{len(skipped)} config(s) under configs/ did not load and were not "
+                         f"considered: {', '.join(skipped)}")
+    on_root = [d for d in deps if os.path.realpath(str(d.cache_root)) == root]
     for d in deps:
         if d not in on_root and configs:
             notes.append(f"config {d.name} uses another cache root ({d.cache_root})")
@@ -725,7 +730,7 @@ def measure_and_plan(deployment: Any, others: tuple[Any, ...] = (),
     from kvpersist.budget import plan_for_deployment
 
     root = str(deployment.cache_root)
-    if os.path.isdir(root) and not os.path.islink(root):
+    if os.path.isdir(root):
         res = scan_root(root, hist=False)
         assert res.fs is not None
         fs, on_disk, temp = res.fs, res.prefix_bytes(), res.temp.bytes

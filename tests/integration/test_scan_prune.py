@@ -453,3 +453,14 @@ def test_one_pass_prune_dry_run_equals_apply(tree: Any, workers: int) -> None:
     assert sorted(dry.deleted_paths or []) == sorted(
         str(p.relative_to(root)) for p in g[NS_B] + g[UNP] + g["temp_old"])
     assert (app.deleted_files, app.deleted_bytes) == (dry.deleted_files, dry.deleted_bytes)
+
+
+def test_a_symlinked_root_is_scanned_but_nothing_below_is_followed(tree: Any,
+                                                                    tmp_path: Path) -> None:
+    root, g, _ = tree
+    link = tmp_path / "root-link"
+    link.symlink_to(root)
+    res = scan_root(link)
+    assert res.root == str(root.resolve())
+    assert res.total_bytes == du_bytes(root)
+    assert res.prefixes[NS_B].files == len(g[NS_B])
