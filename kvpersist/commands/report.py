@@ -16,6 +16,7 @@ from kvpersist.retention import category
 from kvpersist.scan import (
     Inventory,
     Manifest,
+    PrefixUsage,
     ScanResult,
     Usage,
     read_manifests,
@@ -88,8 +89,11 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
     """The report document (schema ``kvpersist.report/1``) from a scan (pure)."""
     assert res.fs is not None
     rows = []
-    for prefix, u in sorted(res.prefixes.items(), key=lambda pu: (-pu[1].bytes, pu[0])):
-        if not u.files:
+    prefixes = dict(res.prefixes)
+    for act in inv.active:  # an active namespace is listed even before it has files
+        prefixes.setdefault(act, PrefixUsage(prefix=act))
+    for prefix, u in sorted(prefixes.items(), key=lambda pu: (-pu[1].bytes, pu[0])):
+        if not u.files and prefix not in inv.active:
             continue
         ns = prefix if is_namespace(prefix) else None
         man = manifests.get(prefix)
@@ -125,7 +129,7 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
                 "served_model_name": man.deployment.get("served_model_name"),
             },
         })
-    with_files = {r["prefix"] for r in rows}
+    with_files = {r["prefix"] for r in rows if r["files"]}
     return {
         "schema": REPORT_SCHEMA,
         "root": res.root,
