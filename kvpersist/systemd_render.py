@@ -21,6 +21,7 @@ Template variables:
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -207,7 +208,7 @@ def render_instance_dropins(
     return rendered
 
 
-def _render(env: jinja2.Environment, template_name: str, context: dict[str, object]) -> str:
+def _render(env: jinja2.Environment, template_name: str, context: Mapping[str, object]) -> str:
     try:
         return env.get_template(template_name).render(**context)
     except jinja2.TemplateNotFound as exc:

@@ -258,7 +258,8 @@ def test_cache_server_files_are_owner_only(host, kvp_layout, cache_server):
 def test_health_is_zero(host, kvp_layout, cache_server):
     srv = cache_server
     assert srv.healthy, srv.log_tail(host)
-    out = host.run(f"{kvp_layout.kvp_admin} health {srv.dep.identity_env} --no-vllm --wait 60 --json")
+    out = host.run(f"{kvp_layout.kvp_admin} health {srv.dep.identity_env} "
+                   "--no-vllm --wait 60 --json")
     if "No such command" in out.stderr:
         pytest.xfail("kvp-admin health is not in this checkout yet (HTTP /healthcheck is 200)")
     assert out.rc == 0, out.stdout + out.stderr

@@ -1,0 +1,128 @@
+"""kvpersist.systemd_render: pure rendering, validation, and the copies kept in sync."""
+
+from __future__ import annotations
+
+import filecmp
+import re
+from dataclasses import replace
+
+import pytest
+
+from kvpersist import systemd_render as sr
+
+from .unit_examples import REPO, SYSTEMD_DIR, example_files
+
+pytestmark = pytest.mark.deploy
+
+ROLE_TEMPLATES = REPO / "ansible" / "roles" / "kvp" / "templates"
+HARDENING = (
+    "UMask=", "ProtectSystem=", "ReadWritePaths=", "ProtectHome=", "PrivateTmp=",
+    "PrivateMounts=", "PrivateDevices=", "DevicePolicy=", "ProtectClock=",
+    "ProtectKernelTunables=", "ProtectKernelModules=", "ProtectKernelLogs=",
+    "ProtectControlGroups=", "ProtectHostname=", "ProtectProc=", "ProcSubset=",
+    "RestrictSUIDSGID=", "LockPersonality=", "RestrictRealtime=", "RemoveIPC=",
+    "KeyringMode=", "MemoryDenyWriteExecute=", "NoNewPrivileges=", "CapabilityBoundingSet=",
+    "AmbientCapabilities=", "PrivateUsers=", "RestrictNamespaces=", "SystemCallFilter=",
+    "SystemCallErrorNumber=", "SystemCallArchitectures=", "RestrictAddressFamilies=",
+    "IPAddressDeny=", "IPAddressAllow=",
+)
+
+
+def test_committed_examples_match_the_templates():
+    expected = example_files()
+    on_disk = {str(p.relative_to(SYSTEMD_DIR)): p.read_text()
+               for p in SYSTEMD_DIR.rglob("*") if p.is_file() and p.name != "README.md"}
+    fix = "regenerate with: .venv/bin/python -m tests.deploy.unit_examples"
+    assert sorted(on_disk) == sorted(expected), fix
+    for rel, text in expected.items():
+        assert on_disk[rel] == text, f"systemd/{rel} drifted; {fix}"
+
+
+def test_role_ships_the_same_unit_templates():
+    for template in sr.DEFAULT_TEMPLATE_DIR.glob("*.j2"):
+        copy = ROLE_TEMPLATES / template.name
+        assert copy.is_file(), f"{copy} missing: cp templates/systemd/*.j2 {ROLE_TEMPLATES}"
+        assert filecmp.cmp(template, copy, shallow=False), (
+            f"{copy} differs from {template}: cp templates/systemd/*.j2 {ROLE_TEMPLATES}")
+
+
+def test_comment_filter_matches_ansible():
+    from ansible.plugins.filter.core import comment
+
+    for text in ("Ansible managed", sr.GENERATED_STAMP):
+        assert sr._comment(text) == comment(text)
+
+
+def test_every_hardening_line_says_when_it_may_be_relaxed():
+    text = (sr.DEFAULT_TEMPLATE_DIR / "kvp-lmcache@.service.j2").read_text()
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(HARDENING):
+            block = []
+            j = i - 1
+            while j >= 0 and (lines[j].startswith("#") or lines[j].startswith(HARDENING)):
+                block.append(lines[j])
+                j -= 1
+            comment = " ".join(b for b in block if b.startswith("#"))
+            assert re.search(r"Relax|relax|Cannot be enabled|Enable only", comment), line
+
+
+def test_units_render_every_value():
+    settings = sr.UnitSettings(user="svc", group="svcgrp", kvp_admin="/x/bin/kvp-admin",
+                               config_dir="/cfg", state_dir="/st", log_dir="/lg",
+                               stop_timeout_sec=300)
+    units = sr.render_units(settings, stamp="STAMP")
+    lmcache = units["kvp-lmcache@.service"]
+    assert lmcache.startswith("#\n# STAMP\n#\n")
+    assert "User=svc\nGroup=svcgrp\n" in lmcache
+    assert "ExecStart=/x/bin/kvp-admin launch /cfg/%i/identity.env --foreground --no-vllm" \
+        in lmcache
+    assert "ReadWritePaths=/st/%i /lg/%i\n" in lmcache
+    assert "TimeoutStopSec=300\n" in lmcache
+    assert "{{" not in "".join(units.values())
+    assert set(units) == set(sr.UNIT_TEMPLATES.values())
+    assert not [u for u in units if "prune" in u]
+
+
+def test_vllm_unit_is_ordered_but_not_bound():
+    vllm = sr.render_units(sr.UnitSettings())["kvp-vllm@.service"]
+    settings = [ln for ln in vllm.splitlines() if ln and not ln.startswith("#")]
+    assert "After=network-online.target docker.service kvp-lmcache@%i.service" in settings
+    assert not [ln for ln in settings
+                if ln.startswith(("Requires=", "BindsTo=", "PartOf=", "Requisite="))
+                and "kvp-lmcache" in ln]
+
+
+def test_dropins_per_instance():
+    gpu = sr.InstanceSettings(name="m-1", cache_root="/nvme/m-1", vllm=True, gpu_devices=True,
+                              allow_networks=("10.1.0.0/16",))
+    files = sr.render_instance_dropins(gpu)
+    lm = files["kvp-lmcache@m-1.service.d/10-kvpersist.conf"]
+    assert "ReadWritePaths=/nvme/m-1\n" in lm
+    assert "PrivateDevices=no" in lm and "DeviceAllow=char-nvidia-frontend rw" in lm
+    assert "IPAddressAllow=10.1.0.0/16" in lm
+    assert "Environment=KVP_HEALTH_ARGS=\n" in files["kvp-health@m-1.service.d/10-kvpersist.conf"]
+    cpu = sr.render_instance_dropins(replace(gpu, vllm=False, gpu_devices=False,
+                                             allow_networks=()))
+    lm = cpu["kvp-lmcache@m-1.service.d/10-kvpersist.conf"]
+    assert "PrivateDevices" not in lm and "IPAddressAllow" not in lm
+    assert "--no-vllm" in cpu["kvp-health@m-1.service.d/10-kvpersist.conf"]
+
+
+def test_invalid_values_are_all_reported():
+    bad = sr.UnitSettings(user="Root!", kvp_admin="bin/kvp-admin", config_dir="/a b",
+                          stop_timeout_sec=0)
+    with pytest.raises(sr.UnitRenderError) as err:
+        sr.render_units(bad)
+    message = str(err.value)
+    for field in ("'user'", "'kvp_admin'", "'config_dir'", "'stop_timeout_sec'"):
+        assert f"At {field}" in message
+    with pytest.raises(sr.UnitRenderError) as err:
+        sr.render_instance_dropins(sr.InstanceSettings(name="../x", cache_root="relative"))
+    assert "At 'name'" in str(err.value) and "At 'cache_root'" in str(err.value)
+
+
+def test_unknown_template_value_is_an_error(tmp_path):
+    (tmp_path / "kvp-lmcache@.service.j2").write_text("{{ kvp_unit.nope }}\n")
+    with pytest.raises(sr.UnitRenderError, match="nope"):
+        sr.render_units(sr.UnitSettings(), template_dir=tmp_path)

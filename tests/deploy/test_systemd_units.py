@@ -1,0 +1,102 @@
+"""Gates on the systemd units: ``systemd-analyze verify`` clean on every unit and drop-in,
+``systemd-analyze security --offline=true`` exposure <= 3.0 for the cache server.
+
+Checked twice: the units rendered by kvpersist.systemd_render (the templates that also
+produce systemd/ and the Ansible role's files) and the units the playbook installed into
+the converged prefix. ``verify`` checks that every Exec binary exists, so the rendered set
+points at stand-in executables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpersist.systemd_render import UnitSettings, render_instance_dropins, render_units
+
+from .conftest import MAX_EXPOSURE, exposure, verify
+from .unit_examples import EXAMPLE_INSTANCES, example_files
+
+pytestmark = pytest.mark.deploy
+
+INSTANCES = [i.name for i in EXAMPLE_INSTANCES]
+UNIT_NAMES = ["kvp-lmcache@{}.service", "kvp-vllm@{}.service", "kvp-health@{}.service",
+              "kvp-health@{}.timer"]
+
+
+@pytest.fixture(scope="module")
+def rendered_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example units rendered with stand-in executables, ready for systemd-analyze."""
+    base = tmp_path_factory.mktemp("units")
+    bin_dir = base / "bin"
+    bin_dir.mkdir()
+    for name in ("kvp-admin", "docker", "run-vllm-with-persist.sh"):
+        exe = bin_dir / name
+        exe.write_text("#!/bin/sh\nexit 0\n")
+        exe.chmod(0o755)
+    settings = UnitSettings(kvp_admin=str(bin_dir / "kvp-admin"), docker=str(bin_dir / "docker"),
+                            scripts_dir=str(bin_dir))
+    unit_dir = base / "system"
+    files = dict(render_units(settings))
+    for instance in EXAMPLE_INSTANCES:
+        files.update(render_instance_dropins(instance))
+    for rel, text in files.items():
+        path = unit_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return unit_dir
+
+
+@pytest.mark.parametrize("instance", INSTANCES)
+@pytest.mark.parametrize("unit", UNIT_NAMES)
+def test_rendered_units_verify_clean(rendered_dir, unit, instance):
+    proc = verify(unit.format(instance), rendered_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert (proc.stdout + proc.stderr).strip() == "", proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("instance", INSTANCES)
+def test_cache_server_exposure_at_most_3(rendered_dir, instance, record_property):
+    level, report = exposure(f"kvp-lmcache@{instance}.service", rendered_dir)
+    record_property(f"exposure_{instance}", level)
+    print(f"kvp-lmcache@{instance}.service exposure {level}")
+    assert level <= MAX_EXPOSURE, report
+
+
+def test_exposure_of_committed_examples_matches(tmp_path):
+    """systemd/ as committed (no stand-ins): the security score needs no executables."""
+    for rel, text in example_files().items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for instance in INSTANCES:
+        level, report = exposure(f"kvp-lmcache@{instance}.service", tmp_path)
+        assert level <= MAX_EXPOSURE, report
+
+
+def test_broken_unit_is_caught(tmp_path):
+    """The gate is real: an unknown directive and a missing binary are reported."""
+    (tmp_path / "kvp-broken@.service").write_text(
+        "[Service]\nExecStart=/nonexistent/kvp-admin x\nBogusSetting=1\n")
+    proc = verify("kvp-broken@x.service", tmp_path)
+    out = proc.stdout + proc.stderr
+    assert "BogusSetting" in out and "/nonexistent/kvp-admin" in out
+
+
+def test_installed_units_verify_clean(converged):
+    assert converged.first.returncode == 0, converged.first.output[-4000:]
+    unit_dir = converged.prefix / "etc/systemd/system"
+    for dep in converged.vars["kvp_deployments"]:
+        for unit in UNIT_NAMES:
+            proc = verify(unit.format(dep["name"]), unit_dir)
+            assert proc.returncode == 0, proc.stderr
+            assert (proc.stdout + proc.stderr).strip() == "", proc.stdout + proc.stderr
+
+
+def test_installed_cache_server_exposure(converged):
+    assert converged.first.returncode == 0, converged.first.output[-4000:]
+    unit_dir = converged.prefix / "etc/systemd/system"
+    for dep in converged.vars["kvp_deployments"]:
+        level, report = exposure(f"kvp-lmcache@{dep['name']}.service", unit_dir)
+        assert level <= MAX_EXPOSURE, report
