@@ -477,6 +477,9 @@ class _Walker:
 
 
 def _want_workers(root: str, workers: int | None) -> int:
+    """How many processes to scan with: one for a small tree; for a big one, as many as there
+    are idle CPUs (by the 1-minute load average), at most 4. A forked worker on a busy CPU
+    makes the scan slower, not faster (measured: docs/benchmarks.md)."""
     if workers is not None:
         return max(1, workers)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -487,7 +490,10 @@ def _want_workers(root: str, workers: int | None) -> int:
     except OSError:
         return 1
     big = st.st_size >= PARALLEL_MIN_DIR_BYTES or st.st_nlink >= 2 + 64
-    return min(cpus, 4) if big else 1
+    if not big:
+        return 1
+    idle = cpus - os.getloadavg()[0]
+    return max(1, min(cpus, 4, int(idle + 0.5)))
 
 
 def scan_root(
