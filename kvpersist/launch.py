@@ -194,6 +194,8 @@ def preflight(dep: Deployment, plan: LaunchPlan, *, with_vllm: bool,
                                         "free space or prune stale namespaces"))
     elif root.exists():
         problems.append(Problem("KVP_CACHE_ROOT", f"{root} is not a directory"))
+    if root.is_dir():
+        notes += budget_notes(dep)
     ports = [("KVP_LMCACHE_PORT", *plan.listen["lmcache"]),
              ("KVP_LMCACHE_HTTP_PORT", *plan.listen["lmcache_http"])]
     if with_vllm:
@@ -213,6 +215,21 @@ def preflight(dep: Deployment, plan: LaunchPlan, *, with_vllm: bool,
         problems.append(Problem("KVP_IMAGE", "docker is not installed",
                                 "install Docker or set KVP_DEVICE=cpu for a direct process"))
     return Preflight(tuple(problems), tuple(notes))
+
+
+def budget_notes(dep: Deployment) -> list[str]:
+    """The budget plan's verdict as notes: over budget is not a reason to refuse a launch
+    (the server still serves what is on disk; health reports it degraded)."""
+    try:
+        from kvpersist.scan import measure_and_plan
+
+        plan = measure_and_plan(dep)
+    except Exception as exc:  # the plan is advisory here; render sized the server already
+        return [f"budget plan unavailable: {exc}"]
+    out = [f"budget: {r}" for r in getattr(plan, "reasons", ())[:2]]
+    out += [f"budget warning: {w}" for w in getattr(plan, "warnings", ())]
+    out += [f"budget problem: {p}" for p in getattr(plan, "problems", ())]
+    return out
 
 
 # --------------------------------------------------------------------------- starting (I/O)
