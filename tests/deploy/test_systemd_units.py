@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.systemd_render import UnitSettings, render_instance_dropins, render_units
+from kvpersist.systemd_render import (
+    InstanceSettings,
+    UnitSettings,
+    render_instance_dropins,
+    render_units,
+)
 
 from .conftest import MAX_EXPOSURE, exposure, verify
 from .unit_examples import EXAMPLE_INSTANCES, example_files
@@ -100,3 +105,25 @@ def test_installed_cache_server_exposure(converged):
     for dep in converged.vars["kvp_deployments"]:
         level, report = exposure(f"kvp-lmcache@{dep['name']}.service", unit_dir)
         assert level <= MAX_EXPOSURE, report
+
+
+def test_role_and_python_render_the_same_bytes(converged):
+    """The role's template module and kvpersist.systemd_render produce identical files from
+    the same values (same templates, same `comment` filter, same whitespace control)."""
+    assert converged.first.returncode == 0, converged.first.output[-4000:]
+    v = converged.vars
+    prefix = v["kvp_root_prefix"]
+    settings = UnitSettings(
+        user=v["kvp_user"], group=v["kvp_group"], kvp_admin=f"{v['kvp_venv']}/bin/kvp-admin",
+        config_dir=f"{prefix}/etc/kvpersist", state_dir=f"{prefix}/var/lib/kvpersist",
+        log_dir=f"{prefix}/var/log/kvpersist", scripts_dir=f"{prefix}/opt/kvpersist/scripts",
+        docker=v["kvp_docker_bin"])
+    expected = dict(render_units(settings, stamp="Ansible managed"))
+    for dep in v["kvp_deployments"]:
+        expected.update(render_instance_dropins(InstanceSettings(
+            name=dep["name"], cache_root=prefix + dep["cache_root"],
+            vllm=bool(dep.get("vllm", False)), gpu_devices=bool(dep.get("gpu_devices", False)),
+            allow_networks=tuple(dep.get("allow_networks", ()))), stamp="Ansible managed"))
+    unit_dir = converged.prefix / "etc/systemd/system"
+    for rel, text in expected.items():
+        assert (unit_dir / rel).read_text() == text, rel

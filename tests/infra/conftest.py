@@ -106,7 +106,7 @@ def layout_from_vars(given: dict[str, Any], *, local_converge: bool) -> Layout:
 @pytest.fixture(scope="session")
 def kvp_layout(request: pytest.FixtureRequest) -> Layout:
     """The layout the target host must have."""
-    path = request.config.getoption("--kvp-vars")
+    path = request.config.getoption("--kvp-vars", default=None)
     if path:
         return layout_from_vars(yaml.safe_load(Path(path).read_text()) or {},
                                 local_converge=False)
