@@ -202,3 +202,38 @@ def test_demo_identity_matches_the_shipped_config() -> None:
                 "KVP_TENSOR_PARALLEL_SIZE", "KVP_MAX_MODEL_LEN", "KVP_CHAT_TEMPLATE_SHA256"):
         assert env[key] == mine[key], key
     assert 170e6 < SPECS["bench"].param_count() < 200e6
+
+
+def test_run_vllm_with_persist_script_execs_rendered_args(tmp_path: Path) -> None:
+    """The launcher script asks `kvp-admin render --json` (never sources identity.env), links
+    the namespace to the weights and execs vLLM there with the rendered arguments."""
+    import sys
+
+    real = sys.executable
+    fake = tmp_path / "python"
+    out = tmp_path / "exec.txt"
+    fake.write_text(f"""#!/bin/bash
+if [ "$1" = "-m" ]; then printf '%s\\0' "$PWD" "$@" > {out}; exit 0; fi
+exec {real} "$@"
+""")
+    fake.chmod(0o755)
+    admin = tmp_path / "kvp-admin"
+    admin.write_text(f"#!/bin/bash\nexec {real} -m kvpersist.cli \"$@\"\n")
+    admin.chmod(0o755)
+    model = tmp_path / "weights"
+    model.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
+    env.update(KVP_CACHE_ROOT=str(tmp_path / "cache"), KVP_MODEL_PATH=str(model),
+               KVP_ADMIN=str(admin), KVP_PYTHON=str(fake), PYTHONPATH=str(REPO))
+    subprocess.run(["bash", str(REPO / "scripts" / "run-vllm-with-persist.sh"), "cpu-demo",
+                    "--extra"], env=env, check=True, cwd=tmp_path, capture_output=True)
+    got = out.read_bytes().split(b"\0")[:-1]
+    rendered = json.loads(subprocess.run([real, "-m", "kvpersist.cli", "render", "cpu-demo",
+                                          "--json"], env=env, check=True, cwd=REPO,
+                                         capture_output=True).stdout)
+    cwd, argv = got[0].decode(), [a.decode() for a in got[1:]]
+    assert cwd == rendered["model_link"]["dir"]
+    assert argv == ["-m", "vllm.entrypoints.openai.api_server", *rendered["vllm_argv"],
+                    "--extra"]
+    link = Path(cwd) / rendered["namespace"]
+    assert link.is_symlink() and link.resolve() == model.resolve()
