@@ -53,6 +53,7 @@ INSTANCE_DROPIN_TEMPLATES: dict[str, str] = {
 INSTANCE_DROPIN_NAME = "10-kvpersist.conf"
 
 _INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_SETTING = re.compile(r"[A-Z][A-Za-z0-9]*=[^\n\r]*")
 
 
 class UnitRenderError(ValueError):
@@ -89,7 +90,9 @@ class InstanceSettings:
     ``name`` is the deployment config name (the unit instance), ``cache_root``
     its KVP_CACHE_ROOT, ``gpu_devices`` whether the server may open the nvidia
     devices (CUDA IPC), ``allow_networks`` extra peers beyond localhost, ``vllm``
-    whether this host runs the deployment's vLLM unit (the health check covers it).
+    whether this host runs the deployment's vLLM unit (the health check covers it),
+    ``extra_settings`` further ``Key=value`` lines for the cache server's [Service]
+    (site-specific relaxations, e.g. ``PrivateUsers=no``).
     """
 
     name: str
@@ -97,6 +100,7 @@ class InstanceSettings:
     vllm: bool = False
     gpu_devices: bool = False
     allow_networks: tuple[str, ...] = field(default_factory=tuple)
+    extra_settings: tuple[str, ...] = field(default_factory=tuple)
 
 
 def _comment(text: str) -> str:
@@ -154,6 +158,12 @@ def validate_instance(instance: InstanceSettings) -> list[str]:
         errors.append(
             f"At 'cache_root': {instance.cache_root!r} must be an absolute path without whitespace"
         )
+    for index, setting in enumerate(instance.extra_settings):
+        if not _SETTING.fullmatch(setting):
+            errors.append(f"At 'extra_settings[{index}]': {setting!r} must be one Key=value line")
+    for index, network in enumerate(instance.allow_networks):
+        if not network or any(ch.isspace() for ch in network):
+            errors.append(f"At 'allow_networks[{index}]': {network!r} must be one address/prefix")
     return errors
 
 
@@ -198,7 +208,8 @@ def render_instance_dropins(
         raise UnitRenderError("; ".join(errors))
     env = _environment(template_dir)
     context = {
-        "kvp_instance": {**asdict(instance), "allow_networks": list(instance.allow_networks)},
+        "kvp_instance": {**asdict(instance), "allow_networks": list(instance.allow_networks),
+                         "extra_settings": list(instance.extra_settings)},
         "ansible_managed": stamp,
     }
     rendered: dict[str, str] = {}

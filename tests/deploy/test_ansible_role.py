@@ -105,6 +105,8 @@ def test_identity_change_restarts_only_that_deployment_and_keeps_cache_data(conv
     (lambda d: d["kvp_deployments"][1].update(name="bad name"), "At 'kvp_deployments[1]'"),
     (lambda d: d["kvp_deployments"][1].update(name=d["kvp_deployments"][0]["name"]),
      "share a name"),
+    (lambda d: d["kvp_deployments"][1].update(extra_settings=["PrivateUsers=no\n[Install]"]),
+     "At 'kvp_deployments[1]'"),
 ])
 def test_invalid_deployments_are_refused(converged, mutate, message):
     data = copy.deepcopy(converged.vars)

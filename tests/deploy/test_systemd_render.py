@@ -102,6 +102,9 @@ def test_dropins_per_instance():
     assert "PrivateDevices=no" in lm and "DeviceAllow=char-nvidia-frontend rw" in lm
     assert "IPAddressAllow=10.1.0.0/16" in lm
     assert "Environment=KVP_HEALTH_ARGS=\n" in files["kvp-health@m-1.service.d/10-kvpersist.conf"]
+    assert "Nice=5" not in lm
+    relaxed = sr.render_instance_dropins(replace(gpu, extra_settings=("PrivateUsers=no",)))
+    assert "\nPrivateUsers=no\n" in relaxed["kvp-lmcache@m-1.service.d/10-kvpersist.conf"]
     cpu = sr.render_instance_dropins(replace(gpu, vllm=False, gpu_devices=False,
                                              allow_networks=()))
     lm = cpu["kvp-lmcache@m-1.service.d/10-kvpersist.conf"]
@@ -118,8 +121,11 @@ def test_invalid_values_are_all_reported():
     for field in ("'user'", "'kvp_admin'", "'config_dir'", "'stop_timeout_sec'"):
         assert f"At {field}" in message
     with pytest.raises(sr.UnitRenderError) as err:
-        sr.render_instance_dropins(sr.InstanceSettings(name="../x", cache_root="relative"))
-    assert "At 'name'" in str(err.value) and "At 'cache_root'" in str(err.value)
+        sr.render_instance_dropins(sr.InstanceSettings(
+            name="../x", cache_root="relative", allow_networks=("a b",),
+            extra_settings=("PrivateUsers=no\n[Install]",)))
+    for field in ("'name'", "'cache_root'", "'allow_networks[0]'", "'extra_settings[0]'"):
+        assert f"At {field}" in str(err.value)
 
 
 def test_unknown_template_value_is_an_error(tmp_path):

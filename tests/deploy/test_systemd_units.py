@@ -123,7 +123,8 @@ def test_role_and_python_render_the_same_bytes(converged):
         expected.update(render_instance_dropins(InstanceSettings(
             name=dep["name"], cache_root=prefix + dep["cache_root"],
             vllm=bool(dep.get("vllm", False)), gpu_devices=bool(dep.get("gpu_devices", False)),
-            allow_networks=tuple(dep.get("allow_networks", ()))), stamp="Ansible managed"))
+            allow_networks=tuple(dep.get("allow_networks", ())),
+            extra_settings=tuple(dep.get("extra_settings", ()))), stamp="Ansible managed"))
     unit_dir = converged.prefix / "etc/systemd/system"
     for rel, text in expected.items():
         assert (unit_dir / rel).read_text() == text, rel

@@ -79,6 +79,7 @@ def ci_vars(base: Path, stand_in_bin: Path) -> dict[str, Any]:
         })
         deployments.append({"name": name, "cache_root": f"/srv/nvme0/kvp/{name}", "env": env})
     deployments[1]["vllm"] = True
+    deployments[1]["extra_settings"] = ["Nice=5"]
     return {
         "kvp_root_prefix": str(base / "root"),
         "kvp_user": CI_USER,
