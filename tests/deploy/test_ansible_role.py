@@ -60,6 +60,7 @@ def test_check_diff_on_fresh_host_writes_nothing():
     try:
         stand_in = base / "bin"
         data = kvp_converge.ci_vars(base, stand_in)
+        data["kvp_deployments"] = data["kvp_deployments"][:1]  # one is enough here
         vars_file = base / "vars.yml"
         vars_file.write_text(yaml.safe_dump(data))
         run = kvp_converge.run_playbook(base, vars_file, "--check", "--diff")
