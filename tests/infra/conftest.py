@@ -110,6 +110,10 @@ def kvp_layout(request: pytest.FixtureRequest) -> Layout:
     if path:
         return layout_from_vars(yaml.safe_load(Path(path).read_text()) or {},
                                 local_converge=False)
+    hosts = request.config.getoption("hosts", default=None) or ""
+    if hosts and not all(h.startswith("local://") for h in hosts.split(",")):
+        pytest.fail("--hosts names another machine: give --kvp-vars FILE (the role vars it "
+                    "was deployed with)")
     converged = kvp_converge.converge()
     if converged.first.returncode != 0:
         pytest.fail("the playbook run failed; see tests/deploy/test_ansible_role.py:\n"
