@@ -102,7 +102,8 @@ def bench_prune(root: Path, ns: str, files: int, rounds: int, shard: bool,
     prune = [*KVP, "prune", "--root", str(root), "--namespace", ns, "--apply", "--json"]
     find = ["find", str(root), *([] if shard else ["-maxdepth", "1"]), "-name", f"{ns}_*",
             "-type", "f", "-delete"]
-    kvp_t, find_t = [], []
+    kvp_t: list[float] = []
+    find_t: list[float] = []
     for _ in range(rounds):
         for argv, acc in ((prune, kvp_t), (find, find_t)):
             generate(root, files, n_namespaces=4, shard_dirs=shard, jobs=jobs, only=ns)

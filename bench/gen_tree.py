@@ -58,8 +58,8 @@ def plan_names(files: int, nss: list[tuple[str, int]], shard_dirs: bool,
             # a handful of in-flight / crashed writes
             for t in range(max(1, files // 20000)):
                 digest = hashlib.blake2b(f"tmp/{t}".encode(), digest_size=32).hexdigest()
-                c = ChunkName(prefix, 0x01000100, 0, digest)
-                rel = temp_name(c, f"{t:032x}")
+                tmp_chunk = ChunkName(prefix, 0x01000100, 0, digest)
+                rel = temp_name(tmp_chunk, f"{t:032x}")
                 out.append(f"{digest[:2]}/{digest[2:4]}/{rel}" if shard_dirs else rel)
     if only is None:
         out += [f"foreign-{i}.txt" for i in range(max(1, files // 50000))]

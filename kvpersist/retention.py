@@ -43,9 +43,14 @@ ACTIVE = "active"
 class UsageView(Protocol):
     """What retention needs to know about a group of files (see kvpersist.scan.Usage)."""
 
-    files: int
-    bytes: int
-    use_hist: dict[int, list[int]]
+    @property
+    def files(self) -> int: ...
+
+    @property
+    def bytes(self) -> int: ...
+
+    @property
+    def use_hist(self) -> dict[int, list[int]]: ...
 
     @property
     def last_use_ns(self) -> int: ...

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,8 @@ def test_report_and_prune_on_real_lmcache_files(tmp_path: Path, shard_dirs: bool
     srv = start_lmcache_server(root, l1_size_gb=1, max_capacity_gb="2", shard_dirs=shard_dirs)
     try:
         srv.bench(start=0, end=4)
-        stored = srv.status()["storage_manager"]["l2_adapters"][0]["stored_object_count"]
+        status: Any = srv.status()
+        stored = status["storage_manager"]["l2_adapters"][0]["stored_object_count"]
     finally:
         srv.stop()
     files = bin_files(root)

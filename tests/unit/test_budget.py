@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpersist.budget import MIN_CAPACITY_BYTES, capacity_gb, plan_budget, resolve_size
+from kvpersist.budget import (
+    MIN_CAPACITY_BYTES,
+    BudgetPlan,
+    capacity_gb,
+    plan_budget,
+    resolve_size,
+)
 from kvpersist.errors import ConfigError
 
 GIB = 1024**3
@@ -15,8 +23,8 @@ OLD = "kvp-" + "b" * 32
 TB = 1024 * GIB
 
 
-def plan(**kw):  # type: ignore[no-untyped-def]
-    args = dict(namespace=NS, fs_total_bytes=TB, fs_avail_bytes=TB // 2, on_disk={},
+def plan(**kw: Any) -> BudgetPlan:
+    args: dict[str, Any] = dict(namespace=NS, fs_total_bytes=TB, fs_avail_bytes=TB // 2, on_disk={},
                 l1_size_gb=8, host_ram_bytes=64 * GIB, l2_budget="100G", l2_reserve="5%")
     args.update(kw)
     return plan_budget(**args)
