@@ -603,35 +603,55 @@ def parse_manifest(text: str, source: str = "") -> Manifest:
     )
 
 
-def read_manifests(root: str | os.PathLike[str]) -> tuple[dict[str, Manifest], list[str]]:
-    """All readable manifests under ``root`` by namespace, and messages about bad ones."""
-    mdir = Path(root) / META_DIR / MANIFESTS_DIR
+def read_manifests(
+    root: str | os.PathLike[str], extra_dirs: tuple[str, ...] | list[str] = ()
+) -> tuple[dict[str, Manifest], list[str]]:
+    """All readable manifests by namespace, and messages about bad ones.
+
+    Reads ``<root>/.kvpersist/manifests/`` and any ``extra_dirs`` (the manifest directories of
+    deployments whose KVP_STATE_DIR is elsewhere); the newest manifest of a namespace wins.
+    """
     found: dict[str, Manifest] = {}
     problems: list[str] = []
-    try:
-        entries = list(os.scandir(mdir))
-    except FileNotFoundError:
-        return found, problems
-    except OSError as exc:
-        return found, [f"{mdir}: {exc.strerror}"]
-    for e in entries:
-        if not e.name.endswith(".json") or not e.is_file(follow_symlinks=False):
-            continue
+    dirs = [str(Path(root) / META_DIR / MANIFESTS_DIR), *extra_dirs]
+    for mdir in dict.fromkeys(os.path.realpath(d) for d in dirs):
         try:
-            st = e.stat(follow_symlinks=False)
-            with open(e.path, encoding="utf-8") as f:
-                m = parse_manifest(f.read(), e.path)
-        except (OSError, ValueError) as exc:
-            problems.append(str(exc))
+            entries = list(os.scandir(mdir))
+        except FileNotFoundError:
             continue
-        if e.name != f"{m.namespace}.json":
-            problems.append(f"{e.path}: namespace {m.namespace} does not match the file name")
+        except OSError as exc:
+            problems.append(f"{mdir}: {exc.strerror}")
             continue
-        found[m.namespace] = Manifest(
-            m.namespace, m.lmcache_model_name, m.pinned, m.identity, m.deployment,
-            st.st_mtime_ns,
-        )
+        for e in entries:
+            if not e.name.endswith(".json") or not e.is_file(follow_symlinks=False):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+                with open(e.path, encoding="utf-8") as f:
+                    m = parse_manifest(f.read(), e.path)
+            except (OSError, ValueError) as exc:
+                problems.append(str(exc))
+                continue
+            if e.name != f"{m.namespace}.json":
+                problems.append(f"{e.path}: namespace {m.namespace} does not match the file name")
+                continue
+            old = found.get(m.namespace)
+            if old is None or old.mtime_ns < st.st_mtime_ns:
+                found[m.namespace] = Manifest(
+                    m.namespace, m.lmcache_model_name, m.pinned, m.identity, m.deployment,
+                    st.st_mtime_ns,
+                )
     return found, problems
+
+
+def manifest_dirs(deployments: list[Any]) -> list[str]:
+    """The manifest directories of deployments (``<KVP_STATE_DIR>/manifests``)."""
+    out = []
+    for d in deployments:
+        state = getattr(getattr(d, "settings", None), "state_dir", "")
+        if state:
+            out.append(os.path.join(str(state), MANIFESTS_DIR))
+    return out
 
 
 # --------------------------------------------------------------------------- context
@@ -705,7 +725,7 @@ def resolve_inventory(
     for d in deps:
         if d not in on_root and configs:
             notes.append(f"config {d.name} uses another cache root ({d.cache_root})")
-    manifests, _ = read_manifests(root)
+    manifests, _ = read_manifests(root, manifest_dirs(on_root))
     active: set[str] = set()
     for d in on_root:
         if d.pinned:

@@ -19,6 +19,7 @@ from kvpersist.scan import (
     PrefixUsage,
     ScanResult,
     Usage,
+    manifest_dirs,
     read_manifests,
     resolve_inventory,
     scan_root,
@@ -237,7 +238,7 @@ def report(root: str | None, configs: tuple[str, ...], as_json: bool) -> None:
         raise UsageError(f"cannot scan {inv.root}: {exc}") from exc
     finally:
         end_progress(cb)
-    manifests, bad = read_manifests(inv.root)
+    manifests, bad = read_manifests(inv.root, manifest_dirs(inv.deployments))
     inv.notes.extend(bad)
     assert res.fs is not None
     doc = build_report(res, inv, manifests, budget_bytes(inv, res.fs.total_bytes))

@@ -464,3 +464,24 @@ def test_a_symlinked_root_is_scanned_but_nothing_below_is_followed(tree: Any,
     assert res.root == str(root.resolve())
     assert res.total_bytes == du_bytes(root)
     assert res.prefixes[NS_B].files == len(g[NS_B])
+
+
+def test_report_joins_the_manifest_render_writes(tmp_path: Path, tree: Any) -> None:
+    """The manifest kvpersist.render produces (as launch writes it, here into a state dir
+    outside the cache root) is what the report joins on."""
+    from kvpersist.deployment import load_deployment
+    from kvpersist.render import manifest
+
+    root, _, _ = tree
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path, root, KVP_STATE_DIR=str(state))
+    dep = load_deployment(str(cfg), clean_env())
+    (state / "manifests").mkdir(parents=True)
+    (state / "manifests" / f"{dep.namespace}.json").write_text(json.dumps(manifest(dep)))
+    write(root / chunk(dep.namespace, 1).filename(), 10)
+    doc = json.loads(kvp("report", "--config", str(cfg), "--json").stdout)
+    row = next(n for n in doc["namespaces"] if n["prefix"] == dep.namespace)
+    assert row["active"] is True
+    assert row["manifest"]["model_id"] == "kvpersist/cpu-demo-llama"
+    assert row["manifest"]["kv_cache_dtype"] == "bfloat16"
+    assert row["manifest"]["config"] == dep.name
