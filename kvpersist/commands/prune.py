@@ -55,7 +55,7 @@ def _select(res: ScanResult, inv: Inventory, *, namespaces: tuple[str, ...], sta
 
 def format_result(res: PruneResult, plan: RetentionPlan) -> str:
     verb = "would delete" if res.dry_run else "deleted"
-    lines = []
+    lines = list(res.deleted_paths or [])
     for s in res.per_selection:
         what = s["prefix"] or "temp files"
         cut = ""
