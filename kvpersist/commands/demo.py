@@ -9,10 +9,11 @@ import click
 @click.option("--dir", "workdir", default="kvp-demo", show_default=True,
               type=click.Path(file_okay=False),
               help="Working directory: demo model, cache root, logs.")
-@click.option("--size", type=click.Choice(["tiny", "bench"]), default="bench",
+@click.option("--size", type=click.Choice(["tiny", "bench"]), default="tiny",
               show_default=True,
-              help="Demo model: bench (~180M parameters: prefill cost is visible) or tiny (fastest).")
-@click.option("--turns", type=int, default=16, show_default=True,
+              help="Demo model: tiny (7M parameters, fast, stable greedy output) or "
+                   "bench (~180M: prefill cost visible; see docs/persistence.md).")
+@click.option("--turns", type=int, default=12, show_default=True,
               help="Turns of chat history in the long request.")
 @click.option("--keep-running", is_flag=True,
               help="Leave the cache server and vLLM running after the second request.")
