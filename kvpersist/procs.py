@@ -16,7 +16,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,8 +222,8 @@ def stop_process(pid: int, *, timeout: float = 30.0, kill_group: bool = True) ->
     return StopResult(pid, how, time.monotonic() - t0)
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.5,  # type: ignore[no-untyped-def]
-             should_abort=None) -> bool:
+def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.5,
+             should_abort: Callable[[], bool] | None = None) -> bool:
     """Poll ``predicate()`` until true (True) or ``timeout`` passes (False). If
     ``should_abort()`` becomes true, return False early."""
     deadline = time.monotonic() + timeout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from kvpersist.commands.common import config_argument, echo_json, json_option, table
@@ -45,7 +47,7 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
     click.echo(f"launching {dep.name} (namespace {dep.namespace})", err=True)
     result = lc.launch(dep, rendered, plan, with_vllm=not no_vllm, server_timeout=timeout,
                        vllm_timeout=vllm_timeout, progress=_progress)
-    info = {
+    info: dict[str, Any] = {
         "config": dep.name,
         "namespace": dep.namespace,
         "cache_root": plan.cache_root,
@@ -107,7 +109,7 @@ def status(config: str, as_json: bool) -> None:
     srv_ok = lc.http_ok(f"{plan.server_http_url}/healthcheck", 2.0) if srv.running else False
     vst = lc.vllm_state(plan) if plan.vllm_mode == "process" else None
     vllm_ok = lc.vllm_ready(plan, 2.0)
-    out = {
+    out: dict[str, Any] = {
         "config": dep.name,
         "namespace": dep.namespace,
         "cache_root": plan.cache_root,

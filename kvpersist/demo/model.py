@@ -191,7 +191,7 @@ def _build_weights(spec: ModelSpec, vocab_size: int) -> tuple[Any, dict[str, Any
     import torch
     from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -208,6 +208,7 @@ def _build_weights(spec: ModelSpec, vocab_size: int) -> tuple[Any, dict[str, Any
         pad_token_id=2,
         torch_dtype=spec.dtype,
     )
+    config = LlamaConfig(**kwargs)
     h, kv, inter = spec.hidden_size, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (vocab_size, h),

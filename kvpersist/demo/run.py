@@ -177,8 +177,11 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
             if i == 0 or not keep_running:
                 if i == 0:
                     want = ph.prompt_tokens // dep.generic.chunk_size
-                    procs.wait_for(lambda w=want: _count(plan.cache_root,
-                                                         dep.namespace)[0] >= w, 20, 0.5)
+
+                    def stored(w: int = want) -> bool:
+                        return _count(plan.cache_root, dep.namespace)[0] >= w
+
+                    procs.wait_for(stored, 20, 0.5)
                 progress("      stopping vLLM, then the cache server (L2 files stay)")
                 lc.stop_deployment(plan)
     except BaseException:
