@@ -43,10 +43,13 @@ def test_check_pid_file_states(tmp_path: Path) -> None:
     assert procs.check_pid_file(p, ["x"]).state == "absent"
     p.write_text("garbage")
     assert procs.check_pid_file(p, ["x"]).state == "stale"
-    proc = subprocess.Popen(["bash", "-c", "sleep 30", "marker-xyz"])
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)",
+                             "marker-xyz"])
     try:
         procs.write_pid_file(p, proc.pid)
-        assert procs.check_pid_file(p, ["bash", "marker-xyz"]).running
+        assert procs.check_pid_file(p, ["python", "marker-xyz"]).running
         st = procs.check_pid_file(p, ["lmcache"])
         assert st.state == "stale" and "another program" in st.reason
         res = procs.stop_process(proc.pid, timeout=5)
@@ -54,7 +57,7 @@ def test_check_pid_file_states(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
-    assert procs.check_pid_file(p, ["sleep"]).state == "stale"
+    assert procs.check_pid_file(p, ["python"]).state == "stale"
 
 
 def test_stop_process_escalates_to_sigkill(tmp_path: Path) -> None:
