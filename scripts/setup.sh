@@ -14,6 +14,7 @@ say() { printf '[setup] %s\n' "$*" >&2; }
 need_apt=()
 command -v jq >/dev/null || need_apt+=(jq)
 command -v systemd-analyze >/dev/null || need_apt+=(systemd)
+command -v ss >/dev/null || need_apt+=(iproute2)      # testinfra socket checks
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     say "installing ${need_apt[*]} with apt-get"
