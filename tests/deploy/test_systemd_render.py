@@ -47,10 +47,18 @@ def test_role_ships_the_same_unit_templates():
 
 
 def test_comment_filter_matches_ansible():
-    from ansible.plugins.filter.core import comment
+    # In a subprocess: importing ansible patches sys.intern process-wide, which later breaks
+    # torch's dynamo import (vLLM) in the same pytest process.
+    import json
+    import subprocess
+    import sys
 
-    for text in ("Ansible managed", sr.GENERATED_STAMP):
-        assert sr._comment(text) == comment(text)
+    texts = ["Ansible managed", sr.GENERATED_STAMP]
+    code = ("import json, sys\nfrom ansible.plugins.filter.core import comment\n"
+            "print(json.dumps([comment(t) for t in json.loads(sys.argv[1])]))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(texts)], capture_output=True,
+                         text=True, check=True).stdout
+    assert [sr._comment(t) for t in texts] == json.loads(out)
 
 
 def test_every_hardening_line_says_when_it_may_be_relaxed():
