@@ -24,14 +24,31 @@ def _progress(msg: str) -> None:
               help="Seconds to wait for vLLM to serve the namespace.")
 @click.option("--allow-unpinned", is_flag=True,
               help="Launch with an incomplete identity: a one-off namespace.")
+@click.option("--check", is_flag=True,
+              help="Preflight only (identity, budget, cache root, ports, weights); start "
+                   "nothing. Exit 0 if a launch could proceed, 2 listing every problem.")
 @json_option
 def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_timeout: float,
-           allow_unpinned: bool, as_json: bool) -> None:
+           allow_unpinned: bool, check: bool, as_json: bool) -> None:
     """Preflight CONFIG, start its lmcache server (and vLLM), wait until healthy."""
     from kvpersist import launch as lc
     from kvpersist.errors import ConfigError
 
     dep, rendered, plan = lc.load_plan(config, allow_unpinned=allow_unpinned)
+    if check:
+        pre = lc.preflight(dep, plan, with_vllm=not (no_vllm or foreground))
+        if as_json:
+            echo_json({"config": dep.name, "namespace": dep.namespace, "ok": not pre.problems,
+                       "problems": [str(p) for p in pre.problems],
+                       "notes": list(pre.notes)})
+        else:
+            for note in pre.notes:
+                click.echo(f"note: {note}", err=True)
+        if pre.problems:
+            raise ConfigError(list(pre.problems), "preflight")
+        if not as_json:
+            click.echo(f"preflight ok: {dep.name} (namespace {dep.namespace})")
+        return
     if foreground:
         srv = lc.server_state(plan)
         if srv.running:

@@ -141,3 +141,15 @@ def test_console_script_and_module_agree() -> None:
                        text=True, env=clean_env())
     b = kvp("identity", "namespace", "cpu-demo")
     assert a.returncode == 0 and a.stdout == b.stdout
+
+
+def test_launch_check_is_preflight_only(tmp_path: Path) -> None:
+    env = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"),
+               KVP_MODEL_PATH=str(tmp_path / "no-weights"))
+    res = kvp("launch", "cpu-demo", "--check", "--json", env=env)
+    assert res.returncode == 2 and "KVP_MODEL_PATH" in res.stderr
+    assert json.loads(res.stdout)["ok"] is False
+    res = kvp("launch", "cpu-demo", "--check", "--no-vllm", env=env)
+    assert res.returncode == 0, res.stderr
+    assert "preflight ok" in res.stdout
+    assert not (tmp_path / "cache" / "lmcache-server.pid").exists()  # nothing started
