@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kvpersist.identity import NAMESPACE_RE, PINNED_NAMESPACE_RE
+
 BIN_SUFFIX = ".bin"
 TEMP_MARKER = ".tmp."
 #: Directory in the cache root that holds kvpersist's own metadata (manifests, locks, logs).
@@ -34,8 +36,6 @@ MANIFESTS_DIR = "manifests"
 PRUNE_LOCK = "prune.lock"
 
 _HEX = "0123456789abcdef"
-_NAMESPACE_RE = re.compile(r"kvp-(?:unpinned-)?[0-9a-f]{32}")
-_PINNED_RE = re.compile(r"kvp-[0-9a-f]{32}")
 _CHUNK_RE = re.compile(
     r"(?P<prefix>.+)_(?P<rank>[0-9a-f]{8})_(?P<group>[0-9a-f]+)_(?P<hash>[0-9a-f]+)"
     r"(?:@(?P<salt>[^/\x00]+))?\.bin"
@@ -127,12 +127,12 @@ def prefix_for_model_name(model_name: str) -> str:
 
 def is_namespace(text: str) -> bool:
     """True for ``kvp-<32 hex>`` and ``kvp-unpinned-<32 hex>``."""
-    return _NAMESPACE_RE.fullmatch(text) is not None
+    return NAMESPACE_RE.fullmatch(text) is not None
 
 
 def is_pinned_namespace(text: str) -> bool:
     """True for ``kvp-<32 hex>`` (a namespace computed from a full identity)."""
-    return _PINNED_RE.fullmatch(text) is not None
+    return PINNED_NAMESPACE_RE.fullmatch(text) is not None
 
 
 def namespace_of_prefix(prefix: str) -> str | None:
