@@ -3,9 +3,6 @@ deployment's namespace, against a real server started by ``kvp-admin launch``.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from kvpersist.demo.kvdriver import connect
@@ -17,15 +14,6 @@ pytestmark = pytest.mark.integration
 #: tiny demo geometry: 4 layers x 2 (K,V) x 256 tokens x 2 heads x 64 dims x 2 bytes
 PLAIN_CHUNK = 4 * 2 * 256 * 2 * 64 * 2
 AESGCM_FRAME = 1 + 12 + 16
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    s = Stack(tmp_path)
-    try:
-        yield s
-    finally:
-        s.cleanup()
 
 
 def test_store_restart_hit_tp_and_prune(stack: Stack) -> None:

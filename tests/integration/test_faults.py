@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -24,15 +23,6 @@ from ..fullstack._stack import Stack, wait_until
 pytestmark = pytest.mark.integration
 
 FRAME_SIZE = 528384  # tiny geometry chunk + aesgcm frame, padded to 4 KiB
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    s = Stack(tmp_path)
-    try:
-        yield s
-    finally:
-        s.cleanup()
 
 
 def _burst(stack: Stack, ns: str, first: int) -> subprocess.Popen[str]:

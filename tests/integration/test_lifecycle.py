@@ -8,7 +8,6 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -19,15 +18,6 @@ from ..conftest import REPO
 from ..fullstack._stack import KVP_ADMIN, Stack, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    s = Stack(tmp_path)
-    try:
-        yield s
-    finally:
-        s.cleanup()
 
 
 def test_launch_status_health_refuse_stop(stack: Stack) -> None:
