@@ -329,23 +329,35 @@ def start_server(plan: LaunchPlan, *, timeout: float = 60.0,
     ``timeout`` seconds (the half-started process is stopped).
     """
     _refuse_if_running(server_state(plan), "the cache server", progress)
-    t0 = time.monotonic()
     progress(f"starting lmcache server (log {plan.server_log})")
-    proc = procs.start_background(plan.server_argv, log_path=plan.server_log,
-                                  env=plan.server_env, cwd=plan.state_dir, umask=0o077)
-    procs.write_pid_file(plan.server_pid_file, proc.pid)
-    ok = procs.wait_for(lambda: http_ok(f"{plan.server_http_url}/healthcheck", 1.0),
-                        timeout, 0.5, should_abort=lambda: proc.poll() is not None)
+    return _start_and_wait(
+        "lmcache server", plan.server_argv, log=plan.server_log, env=plan.server_env,
+        cwd=plan.state_dir, pid_file=plan.server_pid_file,
+        ready=lambda: http_ok(f"{plan.server_http_url}/healthcheck", 1.0),
+        timeout=timeout, interval=0.5, stop_timeout=10, not_ready="not healthy")
+
+
+def _start_and_wait(name: str, argv: list[str], *, log: str, env: Mapping[str, str],
+                    cwd: str, pid_file: str | None, ready: Callable[[], bool], timeout: float,
+                    interval: float, stop_timeout: float, not_ready: str) -> Started:
+    """Start ``argv`` in the background (umask 077), write its pid file, wait until
+    ``ready()``; on failure stop it, remove the pid file and raise KvpError with the log's
+    tail."""
+    t0 = time.monotonic()
+    proc = procs.start_background(argv, log_path=log, env=env, cwd=cwd, umask=0o077)
+    if pid_file:
+        procs.write_pid_file(pid_file, proc.pid)
+    ok = procs.wait_for(ready, timeout, interval, should_abort=lambda: proc.poll() is not None)
     if not ok:
         code = proc.poll()
-        procs.stop_process(proc.pid, timeout=10)
+        procs.stop_process(proc.pid, timeout=stop_timeout)
         proc.wait(timeout=10)
-        procs.remove_pid_file(plan.server_pid_file, proc.pid)
+        if pid_file:
+            procs.remove_pid_file(pid_file, proc.pid)
         why = f"exited with status {code}" if code is not None else \
-            f"not healthy after {timeout:.0f} s"
-        raise KvpError(f"lmcache server {why}; last lines of {plan.server_log}:\n"
-                       f"{_log_tail(plan.server_log)}")
-    return Started("lmcache server", proc.pid, time.monotonic() - t0, log=plan.server_log)
+            f"{not_ready} after {timeout:.0f} s"
+        raise KvpError(f"{name} {why}; last lines of {log}:\n{_log_tail(log)}")
+    return Started(name, proc.pid, time.monotonic() - t0, log=log)
 
 
 def ensure_model_link(plan: LaunchPlan) -> None:
@@ -389,24 +401,12 @@ def start_vllm(plan: LaunchPlan, *, timeout: float = 300.0,
     if plan.vllm_mode == "process":
         _refuse_if_running(vllm_state(plan), "vLLM", progress)
     ensure_model_link(plan)
-    t0 = time.monotonic()
     progress(f"starting vLLM ({plan.vllm_mode}, log {plan.vllm_log})")
-    proc = procs.start_background(plan.vllm_argv, log_path=plan.vllm_log, env=plan.vllm_env,
-                                  cwd=plan.model_link_dir, umask=0o077)
-    if plan.vllm_mode == "process":
-        procs.write_pid_file(plan.vllm_pid_file, proc.pid)
-    ok = procs.wait_for(lambda: vllm_ready(plan, 2.0), timeout, 1.0,
-                        should_abort=lambda: proc.poll() is not None)
-    if not ok:
-        code = proc.poll()
-        procs.stop_process(proc.pid, timeout=15)
-        proc.wait(timeout=10)
-        procs.remove_pid_file(plan.vllm_pid_file, proc.pid)
-        why = f"exited with status {code}" if code is not None else \
-            f"not ready after {timeout:.0f} s"
-        raise KvpError(f"vLLM {why}; last lines of {plan.vllm_log}:\n"
-                       f"{_log_tail(plan.vllm_log)}")
-    return Started("vLLM", proc.pid, time.monotonic() - t0, log=plan.vllm_log)
+    return _start_and_wait(
+        "vLLM", plan.vllm_argv, log=plan.vllm_log, env=plan.vllm_env, cwd=plan.model_link_dir,
+        pid_file=plan.vllm_pid_file if plan.vllm_mode == "process" else None,
+        ready=lambda: vllm_ready(plan, 2.0), timeout=timeout, interval=1.0, stop_timeout=15,
+        not_ready="not ready")
 
 
 def exec_server_foreground(plan: LaunchPlan) -> None:
