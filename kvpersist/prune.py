@@ -22,7 +22,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import pickle
 import stat as stat_mod
 import time
 from array import array
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpersist.errors import KvpError
+from kvpersist.forked import run_parts
 from kvpersist.layout import (
     META_DIR,
     PRUNE_LOCK,
@@ -639,32 +639,6 @@ def prune_stream(
 
 def _run_parts(root: str, selections: tuple[Selection, ...], n: int, dry_run: bool,
                list_paths: bool, progress: Callable[[int], None] | None) -> list[dict[str, Any]]:
-    if n == 1:
-        return [_stream_part(root, selections, 0, 1, dry_run, list_paths, progress)]
-    children: list[tuple[int, int]] = []
-    for part in range(1, n):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            code = 0
-            try:
-                os.close(r)
-                out = _stream_part(root, selections, part, n, dry_run, list_paths, None)
-                with os.fdopen(w, "wb") as f:
-                    f.write(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
-            except BaseException:
-                code = 1
-            finally:
-                os._exit(code)
-        os.close(w)
-        children.append((pid, r))
-    scaled = (lambda k: progress(k * n)) if progress is not None else None
-    parts = [_stream_part(root, selections, 0, n, dry_run, list_paths, scaled)]
-    for pid, r in children:
-        with os.fdopen(r, "rb") as f:
-            data = f.read()
-        _, status = os.waitpid(pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0 or not data:
-            raise OSError(f"prune worker {pid} failed")
-        parts.append(pickle.loads(data))
-    return parts
+    return run_parts(
+        n, lambda part, prog: _stream_part(root, selections, part, n, dry_run, list_paths, prog),
+        progress, "prune")

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpersist.forked import run_parts
 from kvpersist.layout import (
     _HEX,
     MANIFESTS_DIR,
@@ -533,33 +533,11 @@ def scan_root(
 
 def _scan_forked(root: str, n: int, progress: ProgressFn | None, hist: bool) -> ScanResult:
     """Scan with ``n`` processes: this one takes part 0, forked children the rest."""
-    children: list[tuple[int, int]] = []
-    for part in range(1, n):
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            code = 0
-            try:
-                os.close(r)
-                res = _Walker(root, part, n, None, hist).walk_root()
-                data = pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL)
-                with os.fdopen(w, "wb") as f:
-                    f.write(data)
-            except BaseException:
-                code = 1
-            finally:
-                os._exit(code)
-        os.close(w)
-        children.append((pid, r))
-    scaled = (lambda k: progress(k * n)) if progress is not None else None
-    result = _Walker(root, 0, n, scaled, hist).walk_root()
-    for pid, r in children:
-        with os.fdopen(r, "rb") as f:
-            data = f.read()
-        _, status = os.waitpid(pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0 or not data:
-            raise OSError(f"scan worker {pid} failed")
-        result.merge(pickle.loads(data))
+    parts = run_parts(n, lambda part, prog: _Walker(root, part, n, prog, hist).walk_root(),
+                      progress, "scan")
+    result = parts[0]
+    for other in parts[1:]:
+        result.merge(other)
     return result
 
 
