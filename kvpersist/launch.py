@@ -439,28 +439,25 @@ def stop_vllm(plan: LaunchPlan, *, timeout: float = 60.0) -> Stopped:
                            capture_output=True, text=True, timeout=timeout + 30)
         how = "terminated" if r.returncode == 0 else "not-running"
         return Stopped("vLLM", None, how, detail=plan.container_name)
-    st = vllm_state(plan)
-    if st.state == "stale":
-        procs.remove_pid_file(plan.vllm_pid_file)
-        return Stopped("vLLM", st.pid, "stale", detail=st.reason)
-    if not st.running or st.pid is None:
-        return Stopped("vLLM", None, "not-running")
-    res = procs.stop_process(st.pid, timeout=timeout)
-    procs.remove_pid_file(plan.vllm_pid_file, st.pid)
-    return Stopped("vLLM", st.pid, res.how, res.seconds)
+    return _stop_by_pid_file("vLLM", vllm_state(plan), plan.vllm_pid_file, timeout)
 
 
 def stop_server(plan: LaunchPlan, *, timeout: float = 30.0) -> Stopped:
     """Stop the cache server: SIGTERM, wait ``timeout``, then SIGKILL. L2 files stay."""
-    st = server_state(plan)
+    return _stop_by_pid_file("lmcache server", server_state(plan), plan.server_pid_file,
+                             timeout)
+
+
+def _stop_by_pid_file(name: str, st: Any, pid_file: str, timeout: float) -> Stopped:
+    """Stop the process a checked pid file names (a stale pid file is only removed)."""
     if st.state == "stale":
-        procs.remove_pid_file(plan.server_pid_file)
-        return Stopped("lmcache server", st.pid, "stale", detail=st.reason)
+        procs.remove_pid_file(pid_file)
+        return Stopped(name, st.pid, "stale", detail=st.reason)
     if not st.running or st.pid is None:
-        return Stopped("lmcache server", None, "not-running")
+        return Stopped(name, None, "not-running")
     res = procs.stop_process(st.pid, timeout=timeout)
-    procs.remove_pid_file(plan.server_pid_file, st.pid)
-    return Stopped("lmcache server", st.pid, res.how, res.seconds)
+    procs.remove_pid_file(pid_file, st.pid)
+    return Stopped(name, st.pid, res.how, res.seconds)
 
 
 def stop_deployment(plan: LaunchPlan, *, timeout: float = 30.0,
