@@ -2,7 +2,7 @@
 """Generate a realistic synthetic LMCache L2 tree for inventory benchmarks.
 
 Files are named exactly as LMCache 0.5.6's nixl_store_dynamic adapter names them (via
-kvpersist.layout.ChunkName, which the unit tests cross-check against LMCache's own functions):
+kvpersist.l2.layout.ChunkName, which the unit tests cross-check against LMCache's own functions):
 several namespaces with different TP degrees (one file per rank per chunk), an unpinned
 namespace, a ``test-model`` prefix, a few salted chunks, in-flight temp files and foreign files.
 Chunk files are sparse (``ftruncate`` to the chunk size): the apparent sizes are realistic and
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvpersist.layout import ChunkName, temp_name  # noqa: E402
+from kvpersist.l2.layout import ChunkName, temp_name  # noqa: E402
 
 CHUNK_BYTES = 4 * 1024 * 1024  # 256 tokens of a mid-size model: ~4 MiB per rank
 

@@ -35,8 +35,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvpersist import procs  # noqa: E402
 from kvpersist.demo.kvdriver import connect, shape_spec  # noqa: E402
+from kvpersist.system import procs  # noqa: E402
 
 PY = sys.executable
 KVP = [PY, "-m", "kvpersist.cli"]

@@ -7,7 +7,7 @@ Prints, per stage (best of the rounds, seconds):
   du            du -s --apparent-size -b ROOT (subprocess, for reference)
   names         os.scandir over the root only (getdents + one DirEntry per entry)
   names+lstat   the same plus one lstat per regular file (what du does, from Python)
-  scan w=1      kvpersist.scan.scan_root, one process, no histogram (what report runs)
+  scan w=1      kvpersist.l2.scan.scan_root, one process, no histogram (what report runs)
   scan w=2      the same split over two processes
   scan+hist     one process with the last-use histogram (what prune --to-budget runs)
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvpersist.scan import scan_root  # noqa: E402
+from kvpersist.l2.scan import scan_root  # noqa: E402
 
 
 def best(fn: Callable[[], object], rounds: int) -> float:

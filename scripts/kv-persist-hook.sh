@@ -52,7 +52,7 @@ kvp_persist_apply() {
   fi
   local -n __cmd=$__name
   local -a __new=()
-  mapfile -d '' __new < <("$py" -m kvpersist.hook "$render_file" -- "${__cmd[@]}"; \
+  mapfile -d '' __new < <("$py" -m kvpersist.deploy.hook "$render_file" -- "${__cmd[@]}"; \
                            echo -n "$?" >"$render_file.rc")
   rc=$(cat "$render_file.rc" 2>/dev/null || echo 1)
   local link_dir link_name link_target

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import click
 
-from kvpersist.budget import BudgetPlan
 from kvpersist.commands.common import config_argument, echo_json, json_option
+from kvpersist.config.values import GIB, format_size
 from kvpersist.errors import EXIT_PROBLEM
-from kvpersist.scan import measure_and_plan, resolve_inventory
-from kvpersist.units import GIB, format_size
+from kvpersist.l2.budget import BudgetPlan
+from kvpersist.l2.scan import measure_and_plan, resolve_inventory
 
 
 def format_plan(plan: BudgetPlan) -> str:

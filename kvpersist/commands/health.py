@@ -17,8 +17,8 @@ from kvpersist.commands.common import config_argument, echo_json, json_option, t
 @click.option("--no-vllm", is_flag=True, help="Check only the cache server and cache root.")
 def health(config: str, as_json: bool, wait: float, timeout: float, no_vllm: bool) -> None:
     """Check CONFIG's cache server, cache root and vLLM. Exit 0 healthy, 1 degraded, 2 down."""
-    from kvpersist import launch as lc
-    from kvpersist.health import health_report
+    from kvpersist.stack import launch as lc
+    from kvpersist.stack.health import health_report
 
     dep, _, plan = lc.load_plan(config, allow_unpinned=True)
     report = health_report(dep, plan, timeout=timeout, expect_vllm=not no_vllm, wait=wait)

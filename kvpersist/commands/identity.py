@@ -6,11 +6,11 @@ from pathlib import Path
 
 import click
 
-from kvpersist.chat_template import extract_template, template_sha256
 from kvpersist.commands.common import config_argument, echo_json, json_option, table
-from kvpersist.deployment import load_deployment
+from kvpersist.config.chat_template import extract_template, template_sha256
+from kvpersist.config.identity import IDENTITY_KEYS, diff_identities
+from kvpersist.config.loader import load_deployment
 from kvpersist.errors import CheckFailed, ConfigError, Problem
-from kvpersist.identity import IDENTITY_KEYS, diff_identities
 
 
 @click.group()

@@ -1,4 +1,4 @@
-"""``kvp-admin launch``, ``stop`` and ``status``: parse, call :mod:`kvpersist.launch`, format."""
+"""``kvp-admin launch``, ``stop`` and ``status``: parse, call the lifecycle actions, format."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def _progress(msg: str) -> None:
 def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_timeout: float,
            allow_unpinned: bool, check: bool, as_json: bool) -> None:
     """Preflight CONFIG, start its lmcache server (and vLLM), wait until healthy."""
-    from kvpersist import launch as lc
     from kvpersist.errors import ConfigError
+    from kvpersist.stack import launch as lc
 
     dep, rendered, plan = lc.load_plan(config, allow_unpinned=allow_unpinned)
     if check:
@@ -101,7 +101,7 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
 @json_option
 def stop(config: str, timeout: float, no_vllm: bool, as_json: bool) -> None:
     """Stop CONFIG's vLLM, then its cache server. L2 files stay on disk."""
-    from kvpersist import launch as lc
+    from kvpersist.stack import launch as lc
 
     _, _, plan = lc.load_plan(config, allow_unpinned=True)
     results = lc.stop_deployment(plan, timeout=timeout, vllm=not no_vllm)
@@ -119,7 +119,7 @@ def stop(config: str, timeout: float, no_vllm: bool, as_json: bool) -> None:
 @json_option
 def status(config: str, as_json: bool) -> None:
     """Show whether CONFIG's cache server and vLLM run (pid files checked, not trusted)."""
-    from kvpersist import launch as lc
+    from kvpersist.stack import launch as lc
 
     dep, _, plan = lc.load_plan(config, allow_unpinned=True)
     srv = lc.server_state(plan)

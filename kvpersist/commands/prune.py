@@ -10,14 +10,14 @@ from typing import Any
 
 import click
 
-from kvpersist.budget import plan_for_deployment
 from kvpersist.commands.common import echo_json, json_option
 from kvpersist.commands.report import end_progress, inventory_options, progress_printer
+from kvpersist.config.values import format_size, parse_duration
 from kvpersist.errors import EXIT_PROBLEM, UsageError
-from kvpersist.prune import PruneResult, prune_lock, prune_stream
-from kvpersist.retention import RetentionPlan, plan_explicit, plan_retention, select_named
-from kvpersist.scan import Inventory, ScanResult, host_ram_bytes, resolve_inventory, scan_root
-from kvpersist.units import format_size, parse_duration
+from kvpersist.l2.budget import plan_for_deployment
+from kvpersist.l2.prune import PruneResult, prune_lock, prune_stream
+from kvpersist.l2.retention import RetentionPlan, plan_explicit, plan_retention, select_named
+from kvpersist.l2.scan import Inventory, ScanResult, host_ram_bytes, resolve_inventory, scan_root
 
 
 def _select(res: ScanResult, inv: Inventory, *, namespaces: tuple[str, ...], stale: bool,

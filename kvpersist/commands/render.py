@@ -9,18 +9,20 @@ from pathlib import Path
 import click
 
 from kvpersist.commands.common import config_argument, echo_json, json_option
-from kvpersist.deployment import load_deployment
-from kvpersist.fsio import atomic_write, load_templates
-from kvpersist.planning import sizing_for
-from kvpersist.render import GENERATED_STAMP, Rendered
-from kvpersist.render import render as render_deployment
+from kvpersist.config.loader import load_deployment
+from kvpersist.l2.inventory import sizing_for
+from kvpersist.stack.render import GENERATED_STAMP, Rendered
+from kvpersist.stack.render import render as render_deployment
+from kvpersist.stack.render import TEMPLATE_NAMES
+from kvpersist.system.files import atomic_write
+from kvpersist.system.templates import read_templates
 
 
 def render_config(config: str, allow_unpinned: bool = False) -> Rendered:
     """Load CONFIG, plan its budget and render it (used by launch too)."""
     dep = load_deployment(config, allow_unpinned=allow_unpinned)
     sizing = sizing_for(dep)
-    return render_deployment(dep, load_templates(), l1_size_gb=sizing.l1_size_gb,
+    return render_deployment(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=sizing.l1_size_gb,
                   l2_capacity_gb=sizing.l2_capacity_gb)
 
 

@@ -11,9 +11,10 @@ from typing import Any
 import click
 
 from kvpersist.commands.common import echo_json, json_option, table
-from kvpersist.layout import KvRank, is_namespace
-from kvpersist.retention import category
-from kvpersist.scan import (
+from kvpersist.config.values import format_size, parse_size_or_percent
+from kvpersist.l2.layout import KvRank, is_namespace
+from kvpersist.l2.retention import category
+from kvpersist.l2.scan import (
     Inventory,
     Manifest,
     PrefixUsage,
@@ -24,7 +25,6 @@ from kvpersist.scan import (
     resolve_inventory,
     scan_root,
 )
-from kvpersist.units import format_size, parse_size_or_percent
 
 REPORT_SCHEMA = "kvpersist.report/1"
 MANIFEST_FIELDS = ("model_id", "model_revision", "tensor_parallel_size", "kv_cache_dtype",

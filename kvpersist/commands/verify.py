@@ -25,9 +25,9 @@ def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
            temp_age: float, as_json: bool) -> None:
     """Check CONFIG's cache root: wrong sizes, frames failing authentication with the
     deployment's key, stale temp files. Exit 0 clean (or all quarantined), 1 findings left."""
-    from kvpersist import keys
-    from kvpersist.deployment import load_deployment
-    from kvpersist.verify import verify_root
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.l2 import keys
+    from kvpersist.l2.verify import verify_root
 
     dep = load_deployment(config, allow_unpinned=True)
     s = dep.settings

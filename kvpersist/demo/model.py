@@ -308,7 +308,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 def identity_env_values(size: str) -> dict[str, str]:
     """The compatibility identity (``KVP_*`` keys of identity.env) of demo model ``size``
     served by vLLM's CPU build 0.32.0 with LMCache 0.5.6 (pure; block size 128 on CPU)."""
-    from kvpersist.chat_template import template_sha256
+    from kvpersist.config.chat_template import template_sha256
 
     spec = get_spec(size)
     return {

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpersist import procs
+from kvpersist.system import procs
 
 Progress = Callable[[str], None]
 HITS_METRIC = "vllm:external_prefix_cache_hits_total"
@@ -67,8 +67,8 @@ def _identity_file(workdir: Path, size: str) -> str:
     identity.env written beside the model with that model's geometry and revisions."""
     if size == "tiny":
         return "cpu-demo"
+    from kvpersist.config.loader import resolve_config
     from kvpersist.demo.model import identity_env_values
-    from kvpersist.deployment import resolve_config
 
     _, src = resolve_config("cpu-demo")
     values = identity_env_values(size)
@@ -122,9 +122,9 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
              keep_running: bool = False, progress: Progress = print) -> DemoResult:
     """Run the demo (see module docstring). Raises KvpError if a process fails to start;
     whatever it started is stopped in every case unless ``keep_running``."""
-    from kvpersist import launch as lc
     from kvpersist.demo.chat import chat_completion, long_chat
     from kvpersist.demo.model import generate_model
+    from kvpersist.stack import launch as lc
 
     t_start = time.monotonic()
     wd = Path(workdir).resolve()
@@ -192,7 +192,7 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
     n, b = _count(plan.cache_root, dep.namespace)
     report: dict[str, Any] = {}
     try:
-        from kvpersist.scan import scan_root
+        from kvpersist.l2.scan import scan_root
 
         res = scan_root(plan.cache_root, hist=False)
         report = {p: {"files": u.files, "bytes": u.bytes} for p, u in res.prefixes.items()}

@@ -1,4 +1,4 @@
-"""kvpersist.systemd_render: pure rendering, validation, and the copies kept in sync."""
+"""kvpersist.deploy.systemd: pure rendering, validation, and the copies kept in sync."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvpersist import systemd_render as sr
+from kvpersist.deploy import systemd as sr
 
 from .unit_examples import REPO, SYSTEMD_DIR, example_files
 

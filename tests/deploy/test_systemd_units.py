@@ -1,7 +1,7 @@
 """Gates on the systemd units: ``systemd-analyze verify`` clean on every unit and drop-in,
 ``systemd-analyze security --offline=true`` exposure <= 3.0 for the cache server.
 
-Checked twice: the units rendered by kvpersist.systemd_render (the templates that also
+Checked twice: the units rendered by kvpersist.deploy.systemd (the templates that also
 produce systemd/ and the Ansible role's files) and the units the playbook installed into
 the converged prefix. ``verify`` checks that every Exec binary exists, so the rendered set
 points at stand-in executables.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.systemd_render import (
+from kvpersist.deploy.systemd import (
     InstanceSettings,
     UnitSettings,
     render_instance_dropins,
@@ -108,7 +108,7 @@ def test_installed_cache_server_exposure(converged):
 
 
 def test_role_and_python_render_the_same_bytes(converged):
-    """The role's template module and kvpersist.systemd_render produce identical files from
+    """The role's template module and kvpersist.deploy.systemd produce identical files from
     the same values (same templates, same `comment` filter, same whitespace control)."""
     assert converged.first.returncode == 0, converged.first.output[-4000:]
     v = converged.vars

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvpersist.systemd_render import (
+from kvpersist.deploy.systemd import (
     InstanceSettings,
     UnitSettings,
     render_instance_dropins,

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist import health, hook, keys, procs, verify
+from kvpersist.deploy import hook
+from kvpersist.l2 import keys, verify
+from kvpersist.stack import health
+from kvpersist.system import procs
 
 REPO = Path(__file__).resolve().parent.parent.parent
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.chat_template import template_sha256
+from kvpersist.config.chat_template import template_sha256
 
 from ..conftest import REPO, clean_env
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.layout import Kind, classify
+from kvpersist.l2.layout import Kind, classify
 from tests.conftest import REPO, clean_env
 
 from ._lmcache_server import start_lmcache_server

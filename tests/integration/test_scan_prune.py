@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from kvpersist.layout import ChunkName, temp_name
-from kvpersist.prune import PruneLocked, execute_prune, plan_prune, prune_lock
-from kvpersist.retention import plan_explicit
-from kvpersist.scan import scan_root
+from kvpersist.l2.layout import ChunkName, temp_name
+from kvpersist.l2.prune import PruneLocked, execute_prune, plan_prune, prune_lock
+from kvpersist.l2.retention import plan_explicit
+from kvpersist.l2.scan import scan_root
 from tests.conftest import REPO, clean_env
 
 NS_A = "kvp-" + "a1" * 16          # will be the active namespace (when a config is given)
@@ -138,7 +138,7 @@ def write_config(tmp_path: Path, root: Path, **extra: str) -> Path:
 
 
 def namespace_of(cfg: Path) -> str:
-    from kvpersist.deployment import load_deployment
+    from kvpersist.config.loader import load_deployment
 
     return load_deployment(str(cfg), clean_env()).namespace
 
@@ -303,7 +303,7 @@ def test_file_replaced_between_plan_and_apply_is_not_deleted(tree: Any) -> None:
 def test_file_used_since_planned_is_kept_for_an_lru_prune(tree: Any) -> None:
     root, g, _ = tree
     scan = scan_root(root)
-    from kvpersist.retention import plan_retention
+    from kvpersist.l2.retention import plan_retention
 
     rp = plan_retention(scan.prefixes, scan.temp, active={NS_A}, need_bytes=10**9,
                         now_ns=time.time_ns(), allow_active=True)
@@ -412,8 +412,8 @@ def test_budget_command(tmp_path: Path, tree: Any) -> None:
 def test_one_pass_prune_skips_files_replaced_after_they_were_listed(tmp_path: Path) -> None:
     """prune_stream (what the CLI runs) checks each file's inode against the directory listing
     right before unlinking: files replaced mid-run survive, nothing is deleted twice."""
-    from kvpersist.prune import PROGRESS_EVERY, prune_stream
-    from kvpersist.retention import select_named
+    from kvpersist.l2.prune import PROGRESS_EVERY, prune_stream
+    from kvpersist.l2.retention import select_named
 
     root = tmp_path / "c"
     n = PROGRESS_EVERY + 500
@@ -441,8 +441,8 @@ def test_one_pass_prune_skips_files_replaced_after_they_were_listed(tmp_path: Pa
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_one_pass_prune_dry_run_equals_apply(tree: Any, workers: int) -> None:
-    from kvpersist.prune import prune_stream
-    from kvpersist.retention import select_named
+    from kvpersist.l2.prune import prune_stream
+    from kvpersist.l2.retention import select_named
 
     root, g, _ = tree
     sels = select_named(active=set(), now_ns=time.time_ns(), namespaces=(NS_B, UNP),
@@ -467,10 +467,10 @@ def test_a_symlinked_root_is_scanned_but_nothing_below_is_followed(tree: Any,
 
 
 def test_report_joins_the_manifest_render_writes(tmp_path: Path, tree: Any) -> None:
-    """The manifest kvpersist.render produces (as launch writes it, here into a state dir
+    """The manifest kvpersist.stack.render produces (as launch writes it, here into a state dir
     outside the cache root) is what the report joins on."""
-    from kvpersist.deployment import load_deployment
-    from kvpersist.render import manifest
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.stack.render import manifest
 
     root, _, _ = tree
     state = tmp_path / "state"

@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpersist.budget import (
+from kvpersist.errors import ConfigError
+from kvpersist.l2.budget import (
     MIN_CAPACITY_BYTES,
     BudgetPlan,
     capacity_gb,
     plan_budget,
     resolve_size,
 )
-from kvpersist.errors import ConfigError
 
 GIB = 1024**3
 NS = "kvp-" + "a" * 32

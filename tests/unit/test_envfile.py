@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpersist.envfile import format_env, parse_env
+from kvpersist.config.envfile import format_env, parse_env
 from kvpersist.errors import ConfigError
 
 

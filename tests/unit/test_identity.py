@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpersist.errors import ConfigError
-from kvpersist.identity import (
+from kvpersist.config.identity import (
     IDENTITY_KEYS,
     CacheIdentity,
     identity_from_dict,
@@ -21,6 +20,7 @@ from kvpersist.identity import (
     is_namespace,
     unpinned_namespace,
 )
+from kvpersist.errors import ConfigError
 
 BASE = {
     "KVP_MODEL_ID": "meta-llama/Llama-3.1-8B-Instruct",

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpersist.layout import (
+from kvpersist.l2.layout import (
     ChunkName,
     Kind,
     KvRank,

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from kvpersist.config.deployment import GenericConfig, build_deployment
 from kvpersist.errors import ConfigError
-from kvpersist.render import TEMPLATE_NAMES, render
-from kvpersist.settings import GenericConfig, build_deployment
+from kvpersist.stack.render import TEMPLATE_NAMES, render
 
 from ..conftest import REPO
 from .test_identity import BASE

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvpersist.errors import UsageError
-from kvpersist.retention import (
+from kvpersist.l2.retention import (
     ACTIVE,
     BUCKET_NS,
     OTHER,
@@ -29,7 +29,7 @@ UNP = "kvp-unpinned-" + "d" * 32
 
 @dataclass
 class U:
-    """A stand-in for kvpersist.scan.Usage: hist = {hour bucket: [files, bytes]}."""
+    """A stand-in for kvpersist.l2.scan.Usage: hist = {hour bucket: [files, bytes]}."""
 
     use_hist: dict[int, list[int]] = field(default_factory=dict)
 

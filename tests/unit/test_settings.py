@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from kvpersist.deployment import load_deployment
+from kvpersist.config.deployment import GenericConfig, build_deployment, generic_from_dict
+from kvpersist.config.loader import load_deployment
 from kvpersist.errors import ConfigError
-from kvpersist.settings import GenericConfig, build_deployment, generic_from_dict
 
 from .test_identity import BASE
 

@@ -13,10 +13,15 @@ from pathlib import Path
 
 import yaml
 
-from kvpersist import resources
-from kvpersist.envfile import parse_env
+from kvpersist.config.deployment import (
+    Deployment,
+    GenericConfig,
+    build_deployment,
+    generic_from_dict,
+)
+from kvpersist.config.envfile import parse_env
 from kvpersist.errors import ConfigError, Problem
-from kvpersist.settings import Deployment, GenericConfig, build_deployment, generic_from_dict
+from kvpersist.system import resources
 
 ENV_FILE = "identity.env"
 GENERIC_FILE = "lmcache.yaml"

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvpersist import procs
+from kvpersist.system import procs
 
 SCHEMA = "kvpersist.health/1"
 EXIT = {"healthy": 0, "degraded": 1, "down": 2}
@@ -101,8 +101,8 @@ def _with_deadline(fn: Callable[[], Any], timeout: float) -> tuple[bool, Any]:
 def probe_all(dep: Any, plan: Any, *, timeout: float = 3.0, expect_vllm: bool = True,
               scan_timeout: float = 10.0) -> Facts:
     """Probe the cache server, the cache root and vLLM of a deployment (launch plan)."""
-    from kvpersist import launch as lc
-    from kvpersist.units import parse_size_or_percent
+    from kvpersist.config.values import parse_size_or_percent
+    from kvpersist.stack import launch as lc
 
     s = dep.settings
     f = Facts(expect_vllm=expect_vllm, served_model_name=s.served_model_name,
@@ -140,7 +140,7 @@ def probe_all(dep: Any, plan: Any, *, timeout: float = 3.0, expect_vllm: bool = 
     except OSError as exc:
         f.errors.append(f"cache root: {exc}")
     if f.root_exists:
-        from kvpersist.scan import measure_and_plan
+        from kvpersist.l2.scan import measure_and_plan
 
         done, res = _with_deadline(lambda: measure_and_plan(dep), scan_timeout)
         if not done:

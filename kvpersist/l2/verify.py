@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpersist import layout
+from kvpersist.l2 import layout
 
 SCHEMA = "kvpersist.verify/1"
 QUARANTINE_DIR = "quarantine"

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpersist import procs
+from kvpersist.config.deployment import Deployment
 from kvpersist.errors import CheckFailed, ConfigError, KvpError, Problem
-from kvpersist.render import Rendered
-from kvpersist.settings import Deployment
+from kvpersist.stack.render import Rendered
+from kvpersist.system import procs
 
 SERVER_PID_FILE = "lmcache-server.pid"
 VLLM_PID_FILE = "vllm.pid"
@@ -221,7 +221,7 @@ def budget_notes(dep: Deployment) -> list[str]:
     """The budget plan's verdict as notes: over budget is not a reason to refuse a launch
     (the server still serves what is on disk; health reports it degraded)."""
     try:
-        from kvpersist.scan import measure_and_plan
+        from kvpersist.l2.scan import measure_and_plan
 
         plan = measure_and_plan(dep)
     except Exception as exc:  # the plan is advisory here; render sized the server already
@@ -251,7 +251,7 @@ def prepare_state(plan: LaunchPlan, rendered: Rendered, *, progress: Progress = 
                   ) -> list[str]:
     """Create state/log directories (0700), write the manifest, ensure the serde key.
     Returns notes (e.g. a new key, a changed key fingerprint)."""
-    from kvpersist import keys
+    from kvpersist.l2 import keys
 
     notes: list[str] = []
     for d in (plan.state_dir, str(Path(plan.server_log).parent)):
@@ -483,15 +483,15 @@ class LaunchResult:
 def load_plan(config: str, *, environ: Mapping[str, str] | None = None,
               allow_unpinned: bool = False) -> tuple[Deployment, Rendered, LaunchPlan]:
     """Load ``config``, size and render it, and build its launch plan."""
-    from kvpersist.deployment import load_deployment
-    from kvpersist.fsio import load_templates
-    from kvpersist.planning import sizing_for
-    from kvpersist.render import render
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.l2.inventory import sizing_for
+    from kvpersist.stack.render import render
+    from kvpersist.system.templates import read_templates
 
     env = dict(os.environ if environ is None else environ)
     dep = load_deployment(config, env, allow_unpinned=allow_unpinned)
     sizing = sizing_for(dep)
-    rendered = render(dep, load_templates(), l1_size_gb=sizing.l1_size_gb,
+    rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=sizing.l1_size_gb,
                       l2_capacity_gb=sizing.l2_capacity_gb, lmcache_bin=lmcache_bin())
     return dep, rendered, plan_launch(dep, rendered, env)
 

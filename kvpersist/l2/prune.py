@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpersist.errors import KvpError
-from kvpersist.forked import run_parts
-from kvpersist.layout import (
+from kvpersist.l2.layout import (
     META_DIR,
     PRUNE_LOCK,
     Kind,
@@ -41,7 +40,8 @@ from kvpersist.layout import (
     manifest_relpath,
     parse_chunk_name,
 )
-from kvpersist.retention import Selection
+from kvpersist.l2.retention import Selection
+from kvpersist.system.forked import run_parts
 
 ProgressFn = Callable[[int, int], None]
 PROGRESS_EVERY = 4096

@@ -16,7 +16,7 @@ Everything else is left byte-for-byte as it was. A recipe that already sets
 ``--kv-transfer-config``, or serves other weights than the deployment's ``KVP_MODEL_PATH``,
 is refused (``HookError``): either would silently mix caches or lose persistence.
 
-``python -m kvpersist.hook RENDER_JSON_FILE -- ARGV...`` prints the new argv NUL-separated
+``python -m kvpersist.deploy.hook RENDER_JSON_FILE -- ARGV...`` prints the new argv NUL-separated
 (for ``mapfile -d ''``) — used by ``scripts/kv-persist-hook.sh``.
 """
 
@@ -76,7 +76,8 @@ def persist_argv(argv: list[str], rendered: dict[str, Any]) -> list[str]:
 def main(args: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if args is None else args)
     if len(args) < 2 or args[1] != "--":
-        print("usage: python -m kvpersist.hook RENDER_JSON_FILE -- VLLM_ARGV...", file=sys.stderr)
+        print("usage: python -m kvpersist.deploy.hook RENDER_JSON_FILE -- VLLM_ARGV...",
+              file=sys.stderr)
         return 2
     with open(args[0], encoding="utf-8") as f:
         rendered = json.load(f)

@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from kvpersist.errors import ConfigError, Problem
-from kvpersist.identity import (
+from kvpersist.config.identity import (
     IDENTITY_KEYS,
     CacheIdentity,
     identity_from_env,
     identity_problems,
     unpinned_namespace,
 )
-from kvpersist.units import parse_size_or_percent
+from kvpersist.config.values import is_loopback, is_wildcard, parse_size_or_percent
+from kvpersist.errors import ConfigError, Problem
 
 # --------------------------------------------------------------------------- generic config
 
@@ -504,8 +504,7 @@ def agreement_problems(identity: CacheIdentity | None, s: DeploymentSettings,
                                     f"{s.model_dtype} differs from KVP_KV_CACHE_DTYPE "
                                     f"{identity.kv_cache_dtype}",
                                     "the KV cache is stored in the model dtype; make them agree"))
-    if s.lmcache_host not in ("127.0.0.1", "::1", "localhost") and \
-            s.lmcache_http_host in ("0.0.0.0", "::"):
+    if not is_loopback(s.lmcache_host) and is_wildcard(s.lmcache_http_host):
         problems.append(Problem(f"{source}: KVP_LMCACHE_HTTP_HOST",
                                 "the HTTP admin API has no authentication",
                                 "bind it to loopback or a private management address"))

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvpersist.identity import NAMESPACE_RE, PINNED_NAMESPACE_RE
+from kvpersist.config.identity import NAMESPACE_RE, PINNED_NAMESPACE_RE
 
 BIN_SUFFIX = ".bin"
 TEMP_MARKER = ".tmp."

@@ -1,7 +1,8 @@
-"""Sizes and durations as operators write them (pure)."""
+"""Values as operators write them (pure): sizes, durations and listen addresses."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTP]?)(i?B?)?\s*\Z", re.IGNORECASE)
@@ -50,3 +51,36 @@ def format_size(n: float) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} PiB"  # pragma: no cover
+
+
+#: Addresses that bind every interface.
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+#: Names of the loopback interface an operator may write instead of an address.
+LOOPBACK_NAMES = ("localhost",)
+
+
+def is_wildcard(host: str) -> bool:
+    """True for an address that binds every interface (``0.0.0.0``, ``::``)."""
+    return host in WILDCARD_HOSTS
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address (127.0.0.0/8, ::1) or ``localhost``."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def reach_host(host: str) -> str:
+    """The address a client on the same host uses to reach a server bound to ``host``: a
+    wildcard bind is reached through loopback."""
+    return "127.0.0.1" if is_wildcard(host) else host
+
+
+def url_host(host: str) -> str:
+    """``host`` as it stands in a URL (wildcards reached through loopback, IPv6 bracketed)."""
+    h = reach_host(host)
+    return f"[{h}]" if ":" in h else h

@@ -22,12 +22,15 @@ Everything here takes values and returns values; nothing reads the disk.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvpersist.config.values import GIB, format_size, parse_size_or_percent
 from kvpersist.errors import ConfigError, Problem
-from kvpersist.units import GIB, format_size, parse_size_or_percent
+
+if TYPE_CHECKING:
+    from kvpersist.config.deployment import Deployment
 
 #: The least L2 capacity handed to a server (LMCache refuses 0).
 MIN_CAPACITY_BYTES = GIB // 4
@@ -60,6 +63,17 @@ def resolve_size(spec: str | int | float, whole: int, what: str) -> int:
 def capacity_gb(nbytes: int) -> float:
     """``max_capacity_gb`` (GiB, as LMCache multiplies by 1024**3) rounded *down* to 0.01."""
     return math.floor(nbytes / GIB * 100) / 100
+
+
+def l2_limit(*, fs_total_bytes: int, fs_avail_bytes: int, l2_now_bytes: int,
+             l2_budget: str | int, l2_reserve: str | int) -> tuple[int, int, int]:
+    """(budget, reserve, limit) in bytes: the limit is the budget, lowered so that the reserve
+    stays free given what the cache holds now (``l2_now_bytes``) and the free space.
+    Raises ConfigError for unparsable size specs."""
+    budget_bytes = resolve_size(l2_budget, fs_total_bytes, "l2_budget")
+    reserve_bytes = resolve_size(l2_reserve, fs_total_bytes, "l2_reserve")
+    fs_room = max(0, l2_now_bytes + fs_avail_bytes - reserve_bytes)
+    return budget_bytes, reserve_bytes, min(budget_bytes, fs_room)
 
 
 @dataclass(frozen=True)
@@ -150,11 +164,11 @@ def plan_budget(
     warnings: list[str] = []
     problems: list[Problem] = []
 
-    budget_bytes = resolve_size(l2_budget, fs_total_bytes, "l2_budget")
-    reserve_bytes = resolve_size(l2_reserve, fs_total_bytes, "l2_reserve")
     l2_now = sum(on_disk.values()) + temp_bytes
+    budget_bytes, reserve_bytes, limit = l2_limit(
+        fs_total_bytes=fs_total_bytes, fs_avail_bytes=fs_avail_bytes, l2_now_bytes=l2_now,
+        l2_budget=l2_budget, l2_reserve=l2_reserve)
     fs_room = max(0, l2_now + fs_avail_bytes - reserve_bytes)
-    limit = min(budget_bytes, fs_room)
     reasons.append(
         f"budget {format_size(budget_bytes)} (l2_budget={l2_budget} of a "
         f"{format_size(fs_total_bytes)} filesystem)"
@@ -285,25 +299,23 @@ def plan_budget(
 
 
 def plan_for_deployment(
-    deployment: Any,
+    deployment: Deployment,
     *,
     fs_total_bytes: int,
     fs_avail_bytes: int,
     on_disk: Mapping[str, int],
     host_ram_bytes: int,
     temp_bytes: int = 0,
-    others: tuple[Any, ...] = (),
+    others: Sequence[Deployment] = (),
 ) -> BudgetPlan:
-    """:func:`plan_budget` for a loaded ``kvpersist.deployment`` Deployment.
+    """:func:`plan_budget` for a loaded Deployment.
 
-    ``others`` are the other deployments on this host: those with the same cache root share
-    the L2 pool (their ``l2_quota`` applies), all of them add their L1 to host RAM use.
+    ``others`` are the other deployments sharing this deployment's cache root (the inventory
+    layer decides which, comparing real paths): their ``l2_quota`` applies to the shared L2
+    pool and their L1 adds to host RAM use.
     """
     s = deployment.settings
-    same_root = [
-        o for o in others
-        if str(o.cache_root) == str(deployment.cache_root) and o.namespace != deployment.namespace
-    ]
+    same_root = [o for o in others if o.namespace != deployment.namespace]
     return plan_budget(
         namespace=deployment.namespace,
         fs_total_bytes=fs_total_bytes,
@@ -312,9 +324,9 @@ def plan_for_deployment(
         temp_bytes=temp_bytes,
         l2_budget=s.l2_budget,
         l2_reserve=s.l2_reserve,
-        quota=getattr(s, "l2_quota", "") or None,
-        other_active={o.namespace: getattr(o.settings, "l2_quota", "") or None for o in same_root},
+        quota=s.l2_quota or None,
+        other_active={o.namespace: o.settings.l2_quota or None for o in same_root},
         l1_size_gb=float(s.l1_size_gb),
-        other_l1_gb=sum(float(o.settings.l1_size_gb) for o in others),
+        other_l1_gb=sum(float(o.settings.l1_size_gb) for o in same_root),
         host_ram_bytes=host_ram_bytes,
     )

@@ -4,7 +4,7 @@ Input is the scanner's aggregate view: per file-name prefix the files, bytes and
 last use (hour buckets of ``max(mtime, atime)``), and the same for temp files. Output is a
 :class:`RetentionPlan`: a list of :class:`Selection` objects, each "the files of prefix P (or the
 temp files) whose last use is before T" with the files and bytes that frees and the reason.
-:mod:`kvpersist.prune` turns selections into file names and deletes them.
+:mod:`kvpersist.l2.prune` turns selections into file names and deletes them.
 
 Order for a byte target (``plan_retention``):
 
@@ -24,11 +24,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvpersist.config.values import format_size
 from kvpersist.errors import UsageError
-from kvpersist.layout import is_namespace, is_pinned_namespace
-from kvpersist.units import format_size
+from kvpersist.l2.layout import is_namespace, is_pinned_namespace
 
-#: Width of a histogram bucket; must equal kvpersist.scan.HIST_BUCKET_NS.
+#: Width of a histogram bucket; must equal kvpersist.l2.scan.HIST_BUCKET_NS.
 BUCKET_NS = 3600 * 10**9
 #: Temp files younger than this may still be in flight.
 DEFAULT_TEMP_MIN_AGE_S = 3600.0
@@ -41,7 +41,7 @@ ACTIVE = "active"
 
 
 class UsageView(Protocol):
-    """What retention needs to know about a group of files (see kvpersist.scan.Usage)."""
+    """What retention needs to know about a group of files (see kvpersist.l2.scan.Usage)."""
 
     @property
     def files(self) -> int: ...

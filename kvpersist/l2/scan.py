@@ -20,26 +20,23 @@ Hard-linked files are counted once, as du does.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from kvpersist.forked import run_parts
-from kvpersist.layout import (
+from kvpersist.l2.layout import (
     _HEX,
-    MANIFESTS_DIR,
     META_DIR,
     PID_FILE,
     Kind,
     classify,
-    is_namespace,
     is_shard_dir_name,
     namespace_of_prefix,
 )
+from kvpersist.system.files import FsInfo, fs_info
+from kvpersist.system.forked import run_parts
 
 #: Width of a last-use histogram bucket (one hour), in nanoseconds.
 HIST_BUCKET_NS = 3600 * 10**9
@@ -147,24 +144,6 @@ class PrefixUsage(Usage):
                 if len(self.salts) >= SAMPLE_CAP:
                     break
                 self.salts.add(s)
-
-
-@dataclass(frozen=True)
-class FsInfo:
-    """The filesystem holding the root (from statvfs)."""
-
-    total_bytes: int
-    free_bytes: int
-    avail_bytes: int
-
-    @classmethod
-    def of(cls, path: str | os.PathLike[str]) -> FsInfo:
-        sv = os.statvfs(path)
-        return cls(
-            total_bytes=sv.f_blocks * sv.f_frsize,
-            free_bytes=sv.f_bfree * sv.f_frsize,
-            avail_bytes=sv.f_bavail * sv.f_frsize,
-        )
 
 
 @dataclass
@@ -526,7 +505,7 @@ def scan_root(
     result.root = root_s
     result.started_ns = started
     result.duration_s = time.perf_counter() - t0
-    result.fs = FsInfo.of(root_s)
+    result.fs = fs_info(root_s)
     result.workers = n
     return result
 
@@ -539,213 +518,3 @@ def _scan_forked(root: str, n: int, progress: ProgressFn | None, hist: bool) -> 
     for other in parts[1:]:
         result.merge(other)
     return result
-
-
-# --------------------------------------------------------------------------- manifests
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """``.kvpersist/manifests/<namespace>.json`` as written at render/launch time."""
-
-    namespace: str
-    lmcache_model_name: str
-    pinned: bool
-    identity: dict[str, Any] | None
-    deployment: dict[str, Any]
-    mtime_ns: int = 0
-
-    def field(self, key: str) -> Any:
-        return (self.identity or {}).get(key)
-
-
-def parse_manifest(text: str, source: str = "") -> Manifest:
-    """Parse one manifest document. Raises ValueError if it is not a kvpersist manifest."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{source}: not JSON: {exc}") from exc
-    if not isinstance(data, dict) or data.get("schema") != "kvpersist.manifest/1":
-        raise ValueError(f"{source}: not a kvpersist.manifest/1 document")
-    ns = data.get("namespace")
-    if not isinstance(ns, str) or not is_namespace(ns):
-        raise ValueError(f"{source}: bad namespace {ns!r}")
-    ident = data.get("identity")
-    dep = data.get("deployment")
-    return Manifest(
-        namespace=ns,
-        lmcache_model_name=str(data.get("lmcache_model_name") or ns),
-        pinned=bool(data.get("pinned")),
-        identity=ident if isinstance(ident, dict) else None,
-        deployment=dep if isinstance(dep, dict) else {},
-    )
-
-
-def read_manifests(
-    root: str | os.PathLike[str], extra_dirs: tuple[str, ...] | list[str] = ()
-) -> tuple[dict[str, Manifest], list[str]]:
-    """All readable manifests by namespace, and messages about bad ones.
-
-    Reads ``<root>/.kvpersist/manifests/`` and any ``extra_dirs`` (the manifest directories of
-    deployments whose KVP_STATE_DIR is elsewhere); the newest manifest of a namespace wins.
-    """
-    found: dict[str, Manifest] = {}
-    problems: list[str] = []
-    dirs = [str(Path(root) / META_DIR / MANIFESTS_DIR), *extra_dirs]
-    for mdir in dict.fromkeys(os.path.realpath(d) for d in dirs):
-        try:
-            entries = list(os.scandir(mdir))
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            problems.append(f"{mdir}: {exc.strerror}")
-            continue
-        for e in entries:
-            if not e.name.endswith(".json") or not e.is_file(follow_symlinks=False):
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-                with open(e.path, encoding="utf-8") as f:
-                    m = parse_manifest(f.read(), e.path)
-            except (OSError, ValueError) as exc:
-                problems.append(str(exc))
-                continue
-            if e.name != f"{m.namespace}.json":
-                problems.append(f"{e.path}: namespace {m.namespace} does not match the file name")
-                continue
-            old = found.get(m.namespace)
-            if old is None or old.mtime_ns < st.st_mtime_ns:
-                found[m.namespace] = Manifest(
-                    m.namespace, m.lmcache_model_name, m.pinned, m.identity, m.deployment,
-                    st.st_mtime_ns,
-                )
-    return found, problems
-
-
-def manifest_dirs(deployments: list[Any]) -> list[str]:
-    """The manifest directories of deployments (``<KVP_STATE_DIR>/manifests``)."""
-    out = []
-    for d in deployments:
-        state = getattr(getattr(d, "settings", None), "state_dir", "")
-        if state:
-            out.append(os.path.join(str(state), MANIFESTS_DIR))
-    return out
-
-
-# --------------------------------------------------------------------------- context
-
-
-@dataclass
-class Inventory:
-    """A cache root and the deployments configured on it (for report, budget, prune)."""
-
-    root: str
-    deployments: list[Any] = field(default_factory=list)
-    active: set[str] = field(default_factory=set)
-    notes: list[str] = field(default_factory=list)
-
-
-def _nearest_existing(path: str) -> str:
-    current = os.path.abspath(path)
-    while not os.path.exists(current) and os.path.dirname(current) != current:
-        current = os.path.dirname(current)
-    return current
-
-
-def resolve_inventory(
-    root: str | None,
-    configs: tuple[str, ...] | list[str] = (),
-    *,
-    environ: Any = None,
-    discover: bool = True,
-) -> Inventory:
-    """Which root to look at and which namespaces are active on it.
-
-    ``configs`` are loaded (ConfigError propagates); the root is ``root`` or their common cache
-    root. With no ``configs`` and ``discover``, every config under configs/ is tried and those
-    whose cache root is ``root`` count as active (a config that does not load is skipped and
-    noted). Raises UsageError if neither a root nor a config is given, or the configs disagree.
-    An unpinned deployment's active namespace is the newest manifest written for it.
-    """
-    from kvpersist.deployment import list_config_names, load_deployment
-    from kvpersist.errors import ConfigError, UsageError
-
-    deps = [load_deployment(c, environ) for c in configs]
-    notes: list[str] = []
-    if root is None:
-        roots = {os.path.realpath(str(d.cache_root)) for d in deps}
-        if not roots:
-            raise UsageError("give --root DIR or --config CONFIG")
-        if len(roots) > 1:
-            raise UsageError(
-                f"the configs use different cache roots ({', '.join(sorted(roots))}); "
-                f"give --root DIR"
-            )
-        root = roots.pop()
-    root = os.path.realpath(root)
-    if not configs and discover:
-        try:
-            names = list_config_names()
-        except OSError:
-            names = []
-        skipped = []
-        for name in names:
-            try:
-                d = load_deployment(name, environ)
-            except ConfigError:
-                skipped.append(name)
-                continue
-            deps.append(d)
-        if skipped:
-            notes.append(f"{len(skipped)} config(s) under configs/ did not load and were not "
-                         f"considered: {', '.join(skipped)}")
-    on_root = [d for d in deps if os.path.realpath(str(d.cache_root)) == root]
-    for d in deps:
-        if d not in on_root and configs:
-            notes.append(f"config {d.name} uses another cache root ({d.cache_root})")
-    manifests, _ = read_manifests(root, manifest_dirs(on_root))
-    active: set[str] = set()
-    for d in on_root:
-        if d.pinned:
-            active.add(d.namespace)
-            continue
-        mine = [m for m in manifests.values()
-                if not m.pinned and m.deployment.get("config") == d.name]
-        if mine:
-            active.add(max(mine, key=lambda m: m.mtime_ns).namespace)
-    return Inventory(root=root, deployments=on_root, active=active, notes=notes)
-
-
-def host_ram_bytes() -> int:
-    """Total host RAM."""
-    import psutil
-
-    return int(psutil.virtual_memory().total)
-
-
-def measure_and_plan(deployment: Any, others: tuple[Any, ...] = (),
-                     ram_bytes: int | None = None) -> Any:
-    """Measure the deployment's cache root and host RAM, and return its BudgetPlan.
-
-    This is what render/launch call: the plan's ``l1_size_gb`` and ``l2_max_capacity_gb`` go
-    into the lmcache server's flags. A root that does not exist yet holds nothing. ``others``
-    are the other deployments on this host (see ``kvpersist.budget.plan_for_deployment``).
-    """
-    from kvpersist.budget import plan_for_deployment
-
-    root = str(deployment.cache_root)
-    if os.path.isdir(root):
-        res = scan_root(root, hist=False)
-        assert res.fs is not None
-        fs, on_disk, temp = res.fs, res.prefix_bytes(), res.temp.bytes
-    else:
-        fs, on_disk, temp = FsInfo.of(_nearest_existing(root)), {}, 0
-    return plan_for_deployment(
-        deployment,
-        fs_total_bytes=fs.total_bytes,
-        fs_avail_bytes=fs.avail_bytes,
-        on_disk=on_disk,
-        temp_bytes=temp,
-        host_ram_bytes=host_ram_bytes() if ram_bytes is None else ram_bytes,
-        others=others,
-    )

@@ -1,10 +1,9 @@
 """Render a deployment's launch configuration (pure).
 
-Given a validated :class:`~kvpersist.settings.Deployment`, the template texts and the
+Given a validated :class:`~kvpersist.config.deployment.Deployment`, the template texts and the
 capacity figures of the budget plan, return the lmcache server argv, the vLLM serve
 arguments, the ``--kv-transfer-config`` object and the namespace manifest. Nothing here
-reads or writes files; the caller passes template texts in (see :func:`load_templates` in
-the I/O layer) and writes the results.
+reads or writes files; the caller passes template texts in (see :func:`kvpersist.system.templates.read_templates`) and writes the results.
 """
 
 from __future__ import annotations
@@ -17,9 +16,11 @@ from typing import Any
 import jinja2
 
 from kvpersist import __version__
+from kvpersist.config.deployment import Deployment
+from kvpersist.config.identity import MODEL_KV_DTYPES
+from kvpersist.config.values import reach_host
 from kvpersist.errors import ConfigError, Problem
-from kvpersist.identity import MODEL_KV_DTYPES
-from kvpersist.settings import Deployment
+from kvpersist.system.templates import environment
 
 TEMPLATE_NAMES = ("lmcache-server.argv.j2", "vllm-serve.argv.j2", "manifest.json.j2")
 MANIFEST_SCHEMA = "kvpersist.manifest/1"
@@ -62,18 +63,10 @@ class Rendered:
 
 
 def _environment(templates: Mapping[str, str]) -> jinja2.Environment:
-    env = jinja2.Environment(
-        loader=jinja2.DictLoader(dict(templates)),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=False,
-        autoescape=False,
-    )
-    env.filters["tojson_compact"] = lambda v: json.dumps(v, sort_keys=True,
-                                                         separators=(",", ":"))
-    env.filters["tojson_pretty"] = lambda v: json.dumps(v, sort_keys=True, indent=2)
-    return env
+    return environment(jinja2.DictLoader(dict(templates)), lstrip_blocks=True, filters={
+        "tojson_compact": lambda v: json.dumps(v, sort_keys=True, separators=(",", ":")),
+        "tojson_pretty": lambda v: json.dumps(v, sort_keys=True, indent=2),
+    })
 
 
 def _lines(text: str) -> list[str]:
@@ -83,9 +76,7 @@ def _lines(text: str) -> list[str]:
 def kv_transfer_config(dep: Deployment) -> dict[str, Any]:
     """The vLLM ``--kv-transfer-config`` object pointing at this deployment's server."""
     s = dep.settings
-    host = s.lmcache_host
-    if host in ("0.0.0.0", "::"):
-        host = "127.0.0.1"  # a wildcard bind is reached through loopback on the same host
+    host = reach_host(s.lmcache_host)
     return {
         "kv_connector": "LMCacheMPConnector",
         "kv_role": "kv_both",

@@ -1,0 +1,108 @@
+"""Namespace manifests: what render/launch recorded about each namespace (I/O: reading).
+
+A manifest is ``<state dir>/manifests/<namespace>.json`` (schema ``kvpersist.manifest/1``),
+written when a deployment is launched; report joins it with the files on disk to show which
+model a namespace belongs to, and prune removes it with the namespace's last file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvpersist.l2.layout import MANIFESTS_DIR, META_DIR, is_namespace
+
+if TYPE_CHECKING:
+    from kvpersist.config.deployment import Deployment
+
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``.kvpersist/manifests/<namespace>.json`` as written at render/launch time."""
+
+    namespace: str
+    lmcache_model_name: str
+    pinned: bool
+    identity: dict[str, Any] | None
+    deployment: dict[str, Any]
+    mtime_ns: int = 0
+
+    def field(self, key: str) -> Any:
+        return (self.identity or {}).get(key)
+
+
+def parse_manifest(text: str, source: str = "") -> Manifest:
+    """Parse one manifest document. Raises ValueError if it is not a kvpersist manifest."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source}: not JSON: {exc}") from exc
+    if not isinstance(data, dict) or data.get("schema") != "kvpersist.manifest/1":
+        raise ValueError(f"{source}: not a kvpersist.manifest/1 document")
+    ns = data.get("namespace")
+    if not isinstance(ns, str) or not is_namespace(ns):
+        raise ValueError(f"{source}: bad namespace {ns!r}")
+    ident = data.get("identity")
+    dep = data.get("deployment")
+    return Manifest(
+        namespace=ns,
+        lmcache_model_name=str(data.get("lmcache_model_name") or ns),
+        pinned=bool(data.get("pinned")),
+        identity=ident if isinstance(ident, dict) else None,
+        deployment=dep if isinstance(dep, dict) else {},
+    )
+
+
+def read_manifests(
+    root: str | os.PathLike[str], extra_dirs: tuple[str, ...] | list[str] = ()
+) -> tuple[dict[str, Manifest], list[str]]:
+    """All readable manifests by namespace, and messages about bad ones.
+
+    Reads ``<root>/.kvpersist/manifests/`` and any ``extra_dirs`` (the manifest directories of
+    deployments whose KVP_STATE_DIR is elsewhere); the newest manifest of a namespace wins.
+    """
+    found: dict[str, Manifest] = {}
+    problems: list[str] = []
+    dirs = [str(Path(root) / META_DIR / MANIFESTS_DIR), *extra_dirs]
+    for mdir in dict.fromkeys(os.path.realpath(d) for d in dirs):
+        try:
+            entries = list(os.scandir(mdir))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            problems.append(f"{mdir}: {exc.strerror}")
+            continue
+        for e in entries:
+            if not e.name.endswith(".json") or not e.is_file(follow_symlinks=False):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+                with open(e.path, encoding="utf-8") as f:
+                    m = parse_manifest(f.read(), e.path)
+            except (OSError, ValueError) as exc:
+                problems.append(str(exc))
+                continue
+            if e.name != f"{m.namespace}.json":
+                problems.append(f"{e.path}: namespace {m.namespace} does not match the file name")
+                continue
+            old = found.get(m.namespace)
+            if old is None or old.mtime_ns < st.st_mtime_ns:
+                found[m.namespace] = Manifest(
+                    m.namespace, m.lmcache_model_name, m.pinned, m.identity, m.deployment,
+                    st.st_mtime_ns,
+                )
+    return found, problems
+
+
+def manifest_dirs(deployments: Iterable[Deployment]) -> list[str]:
+    """The manifest directories of deployments (``<KVP_STATE_DIR>/manifests``)."""
+    out = []
+    for d in deployments:
+        if d.settings.state_dir:
+            out.append(os.path.join(d.settings.state_dir, MANIFESTS_DIR))
+    return out
