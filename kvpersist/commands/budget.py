@@ -8,7 +8,6 @@ from kvpersist.commands.common import config_argument, echo_json, json_option
 from kvpersist.config.values import GIB, format_size
 from kvpersist.errors import EXIT_PROBLEM
 from kvpersist.l2.budget import BudgetPlan
-from kvpersist.l2.scan import measure_and_plan, resolve_inventory
 
 
 def format_plan(plan: BudgetPlan) -> str:
@@ -53,14 +52,9 @@ def budget(config: str, as_json: bool) -> None:
     Measures the cache root and host RAM; exits 1 if the plan has a problem (e.g. an L1 that
     does not fit in RAM).
     """
-    inv = resolve_inventory(None, (config,), discover=False)
-    dep = inv.deployments[0]
-    try:
-        others_inv = resolve_inventory(inv.root)
-        others = tuple(d for d in others_inv.deployments if d.namespace != dep.namespace)
-    except Exception:  # other configs are optional context; never fail on them
-        others = ()
-    plan = measure_and_plan(dep, others=others)
+    from kvpersist.actions.budget import budget as budget_action
+
+    plan = budget_action(config)
     if as_json:
         echo_json(plan.to_dict())
     else:

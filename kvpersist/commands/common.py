@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -31,3 +33,35 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
              for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def progress_printer(what: str, delay_s: float = 1.0) -> Callable[..., None] | None:
+    """A progress callback writing to stderr, or None if stderr is not a terminal.
+
+    Nothing is shown during the first ``delay_s`` seconds, so quick runs stay quiet.
+    """
+    if not sys.stderr.isatty():
+        return None
+    start = time.monotonic()
+
+    def show(done: int, total: int | None = None) -> None:
+        if time.monotonic() - start < delay_s:
+            return
+        of = f"/{total:,}" if total else ""
+        click.echo(f"\r{what}: {done:,}{of}  ", err=True, nl=False)
+
+    return show
+
+
+def end_progress(cb: Callable[..., None] | None) -> None:
+    if cb is not None:
+        click.echo("\r" + " " * 60 + "\r", err=True, nl=False)
+
+
+def inventory_options(func: F) -> F:
+    """``--root DIR`` and ``--config CONFIG`` (repeatable)."""
+    func = click.option("--config", "configs", multiple=True, metavar="CONFIG",
+                        help="Deployment config whose namespace is active (repeatable). "
+                             "Default: every config under configs/ on this root.")(func)
+    return click.option("--root", type=click.Path(file_okay=False), default=None,
+                        help="Cache root to inspect (default: the configs' KVP_CACHE_ROOT).")(func)

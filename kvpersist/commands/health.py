@@ -17,15 +17,13 @@ from kvpersist.commands.common import config_argument, echo_json, json_option, t
 @click.option("--no-vllm", is_flag=True, help="Check only the cache server and cache root.")
 def health(config: str, as_json: bool, wait: float, timeout: float, no_vllm: bool) -> None:
     """Check CONFIG's cache server, cache root and vLLM. Exit 0 healthy, 1 degraded, 2 down."""
-    from kvpersist.stack import launch as lc
-    from kvpersist.stack.health import health_report
+    from kvpersist.actions import lifecycle
 
-    dep, _, plan = lc.load_plan(config, allow_unpinned=True)
-    report = health_report(dep, plan, timeout=timeout, expect_vllm=not no_vllm, wait=wait)
+    report = lifecycle.health(config, timeout=timeout, expect_vllm=not no_vllm, wait=wait)
     if as_json:
-        echo_json(report)
+        echo_json(report.to_dict())
     else:
-        click.echo(f"{dep.name}  namespace {dep.namespace}: {report['status'].upper()}")
-        rows = [[c["name"], c["status"], c["detail"]] for c in report["checks"]]
+        click.echo(f"{report.config}  namespace {report.namespace}: {report.status.upper()}")
+        rows = [[c.name, c.status, c.detail] for c in report.checks]
         click.echo(table(rows, ["check", "status", "detail"]))
-    raise SystemExit(report["exit_code"])
+    raise SystemExit(report.exit_code)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import click
 
 from kvpersist.commands.common import config_argument, echo_json, json_option, table
@@ -31,59 +29,33 @@ def _progress(msg: str) -> None:
 def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_timeout: float,
            allow_unpinned: bool, check: bool, as_json: bool) -> None:
     """Preflight CONFIG, start its lmcache server (and vLLM), wait until healthy."""
+    from kvpersist.actions import lifecycle
     from kvpersist.errors import ConfigError
-    from kvpersist.stack import launch as lc
 
-    dep, rendered, plan = lc.load_plan(config, allow_unpinned=allow_unpinned)
     if check:
-        pre = lc.preflight(dep, plan, with_vllm=not (no_vllm or foreground))
+        res = lifecycle.check_launch(config, with_vllm=not (no_vllm or foreground),
+                                     allow_unpinned=allow_unpinned)
         if as_json:
-            echo_json({"config": dep.name, "namespace": dep.namespace, "ok": not pre.problems,
-                       "problems": [str(p) for p in pre.problems],
-                       "notes": list(pre.notes)})
+            echo_json(res.to_dict())
         else:
-            for note in pre.notes:
+            for note in res.notes:
                 click.echo(f"note: {note}", err=True)
-        if pre.problems:
-            raise ConfigError(list(pre.problems), "preflight")
+        if not res.ok:
+            raise ConfigError(list(res.problems), "preflight")
         if not as_json:
-            click.echo(f"preflight ok: {dep.name} (namespace {dep.namespace})")
+            click.echo(f"preflight ok: {res.config} (namespace {res.namespace})")
         return
     if foreground:
-        srv = lc.server_state(plan)
-        if srv.running:
-            lc._refuse_if_running(srv, "the cache server", _progress)
-        pre = lc.preflight(dep, plan, with_vllm=False)
-        if pre.problems:
-            raise ConfigError(list(pre.problems), "preflight")
-        lc.prepare_state(plan, rendered, progress=_progress)
-        click.echo(f"exec lmcache server for {dep.namespace} (pid file "
-                   f"{plan.server_pid_file})", err=True)
-        lc.exec_server_foreground(plan)
+        lifecycle.launch_foreground(config, allow_unpinned=allow_unpinned, progress=_progress)
         return
-    click.echo(f"launching {dep.name} (namespace {dep.namespace})", err=True)
-    result = lc.launch(dep, rendered, plan, with_vllm=not no_vllm, server_timeout=timeout,
-                       vllm_timeout=vllm_timeout, progress=_progress)
-    info: dict[str, Any] = {
-        "config": dep.name,
-        "namespace": dep.namespace,
-        "cache_root": plan.cache_root,
-        "manifest": plan.manifest_file,
-        "notes": list(result.notes),
-        "lmcache": {"pid": result.started[0].pid, "pid_file": plan.server_pid_file,
-                    "log": plan.server_log, "http": plan.server_http_url,
-                    "seconds_to_healthy": round(result.started[0].seconds, 2)},
-        "vllm": None,
-    }
-    if len(result.started) > 1:
-        v = result.started[1]
-        info["vllm"] = {"pid": v.pid, "mode": plan.vllm_mode, "url": plan.vllm_url,
-                        "log": plan.vllm_log, "pid_file": plan.vllm_pid_file,
-                        "served_model_name": plan.served_model_name,
-                        "seconds_to_ready": round(v.seconds, 2)}
+    out = lifecycle.launch(config, with_vllm=not no_vllm, server_timeout=timeout,
+                           vllm_timeout=vllm_timeout, allow_unpinned=allow_unpinned,
+                           progress=_progress)
+    info = out.to_dict()
     if as_json:
         echo_json(info)
         return
+    plan = out.plan
     click.echo(f"lmcache server  pid {info['lmcache']['pid']}  {plan.server_http_url}  "
                f"log {plan.server_log}")
     if info["vllm"]:
@@ -101,14 +73,13 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
 @json_option
 def stop(config: str, timeout: float, no_vllm: bool, as_json: bool) -> None:
     """Stop CONFIG's vLLM, then its cache server. L2 files stay on disk."""
-    from kvpersist.stack import launch as lc
+    from kvpersist.actions import lifecycle
 
-    _, _, plan = lc.load_plan(config, allow_unpinned=True)
-    results = lc.stop_deployment(plan, timeout=timeout, vllm=not no_vllm)
+    out = lifecycle.stop(config, timeout=timeout, vllm=not no_vllm)
     if as_json:
-        echo_json({"stopped": [r.__dict__ for r in results]})
+        echo_json(out.to_dict())
         return
-    for r in results:
+    for r in out.stopped:
         pid = f"pid {r.pid}" if r.pid else "-"
         extra = f" ({r.detail})" if r.detail else ""
         click.echo(f"{r.what:15} {pid:12} {r.how}{extra}")
@@ -119,32 +90,19 @@ def stop(config: str, timeout: float, no_vllm: bool, as_json: bool) -> None:
 @json_option
 def status(config: str, as_json: bool) -> None:
     """Show whether CONFIG's cache server and vLLM run (pid files checked, not trusted)."""
-    from kvpersist.stack import launch as lc
+    from kvpersist.actions import lifecycle
 
-    dep, _, plan = lc.load_plan(config, allow_unpinned=True)
-    srv = lc.server_state(plan)
-    srv_ok = lc.http_ok(f"{plan.server_http_url}/healthcheck", 2.0) if srv.running else False
-    vst = lc.vllm_state(plan) if plan.vllm_mode == "process" else None
-    vllm_ok = lc.vllm_ready(plan, 2.0)
-    out: dict[str, Any] = {
-        "config": dep.name,
-        "namespace": dep.namespace,
-        "cache_root": plan.cache_root,
-        "lmcache": {"state": srv.state, "pid": srv.pid, "reason": srv.reason,
-                    "pid_file": plan.server_pid_file, "healthy": srv_ok,
-                    "http": plan.server_http_url},
-        "vllm": {"mode": plan.vllm_mode, "state": vst.state if vst else "unknown",
-                 "pid": vst.pid if vst else None, "reason": vst.reason if vst else "",
-                 "ready": vllm_ok, "url": plan.vllm_url},
-    }
+    out = lifecycle.status(config)
+    doc = out.to_dict()
     if as_json:
-        echo_json(out)
+        echo_json(doc)
     else:
-        rows = [["lmcache server", srv.state, srv.pid or "-",
-                 "healthy" if srv_ok else "-", srv.reason or plan.server_http_url],
-                ["vLLM", out["vllm"]["state"], out["vllm"]["pid"] or "-",
-                 "ready" if vllm_ok else "-", out["vllm"]["reason"] or plan.vllm_url]]
-        click.echo(f"{dep.name}  namespace {dep.namespace}")
+        srv, vllm = doc["lmcache"], doc["vllm"]
+        rows = [["lmcache server", srv["state"], srv["pid"] or "-",
+                 "healthy" if srv["healthy"] else "-", srv["reason"] or srv["http"]],
+                ["vLLM", vllm["state"], vllm["pid"] or "-",
+                 "ready" if vllm["ready"] else "-", vllm["reason"] or vllm["url"]]]
+        click.echo(f"{out.config}  namespace {out.namespace}")
         click.echo(table(rows, ["process", "state", "pid", "check", "detail"]))
-    if not (srv.running and srv_ok):
+    if not out.running:
         raise SystemExit(1)

@@ -6,51 +6,18 @@ Nothing is deleted without ``--apply``; the dry run prints exactly what ``--appl
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvpersist.commands.common import echo_json, json_option
-from kvpersist.commands.report import end_progress, inventory_options, progress_printer
+from kvpersist.commands.common import echo_json, end_progress, inventory_options, json_option
+from kvpersist.commands.common import progress_printer as _printer
 from kvpersist.config.values import format_size, parse_duration
 from kvpersist.errors import EXIT_PROBLEM, UsageError
-from kvpersist.l2.budget import plan_for_deployment
-from kvpersist.l2.prune import PruneResult, prune_lock, prune_stream
-from kvpersist.l2.retention import RetentionPlan, plan_explicit, plan_retention, select_named
-from kvpersist.l2.scan import Inventory, ScanResult, host_ram_bytes, resolve_inventory, scan_root
 
-
-def _select(res: ScanResult, inv: Inventory, *, namespaces: tuple[str, ...], stale: bool,
-            unpinned: bool, temp_older_than: float | None, to_budget: bool,
-            force: bool) -> tuple[RetentionPlan, dict[str, Any] | None]:
-    now = time.time_ns()
-    if not to_budget:
-        return plan_explicit(res.prefixes, res.temp, active=inv.active, now_ns=now,
-                             namespaces=namespaces, stale=stale, unpinned=unpinned,
-                             temp_older_than_s=temp_older_than, force=force), None
-    assert res.fs is not None
-    need = 0
-    budget_doc = None
-    for dep in inv.deployments:
-        others = tuple(d for d in inv.deployments if d is not dep)
-        bp = plan_for_deployment(dep, fs_total_bytes=res.fs.total_bytes,
-                                 fs_avail_bytes=res.fs.avail_bytes, on_disk=res.prefix_bytes(),
-                                 temp_bytes=res.temp.bytes, host_ram_bytes=host_ram_bytes(),
-                                 others=others)
-        want = bp.over_low_watermark_bytes
-        if force:
-            want = max(want, bp.prune_suggested_bytes)
-        if want >= need:
-            need, budget_doc = want, {
-                "config": dep.name, "limit_bytes": bp.limit_bytes,
-                "low_watermark_bytes": bp.low_watermark_bytes, "on_disk_bytes": bp.on_disk_bytes,
-                "need_bytes": want,
-            }
-    plan = plan_retention(res.prefixes, res.temp, active=inv.active, need_bytes=need,
-                          now_ns=now, allow_active=force,
-                          **({} if temp_older_than is None
-                             else {"temp_min_age_s": temp_older_than}))
-    return plan, budget_doc
+if TYPE_CHECKING:
+    from kvpersist.l2.prune import PruneResult
+    from kvpersist.l2.retention import RetentionPlan
 
 
 def format_result(res: PruneResult, plan: RetentionPlan) -> str:
@@ -110,68 +77,32 @@ def prune(root: str | None, configs: tuple[str, ...], namespaces: tuple[str, ...
     deleted. A file that changed after it was planned is skipped. Exit 1 if a file could not
     be deleted.
     """
-    if not (namespaces or stale or unpinned or temp_older_than is not None or to_budget):
-        raise UsageError("nothing selected: give --namespace, --stale, --unpinned, "
-                         "--temp-older-than or --to-budget")
-    if to_budget and (namespaces or stale or unpinned):
-        raise UsageError("--to-budget chooses what to delete itself; do not combine it with "
-                         "--namespace, --stale or --unpinned")
+    from kvpersist.actions.prune import PruneRequest
+    from kvpersist.actions.prune import prune as prune_action
+
     older: float | None = None
     if temp_older_than is not None:
         try:
             older = parse_duration(temp_older_than)
         except ValueError as exc:
             raise UsageError(f"--temp-older-than: {exc}") from None
-    for ns in namespaces:
-        if not ns or "/" in ns or ns.startswith("."):
-            raise UsageError(f"--namespace {ns!r}: not a file-name prefix")
-    inv = resolve_inventory(root, configs)
-    if (stale or to_budget) and not configs and not inv.deployments:
-        raise UsageError(
-            "no deployment config uses this root, so every namespace would look stale; name "
-            "the active deployment(s) with --config CONFIG (or name namespaces with --namespace)"
-        )
-    if (stale or to_budget) and not configs and inv.notes:
-        raise UsageError(
-            "some configs under configs/ did not load, so the active namespaces are not "
-            "certain; name them with --config CONFIG (" + "; ".join(inv.notes) + ")"
-        )
-    if to_budget and not inv.deployments:
-        raise UsageError("--to-budget needs a deployment config on this root (--config)")
+    req = PruneRequest(namespaces=namespaces, stale=stale, unpinned=unpinned,
+                       temp_older_than_s=older, to_budget=to_budget, force=force)
+    bars: list[Any] = []
 
-    def run() -> tuple[PruneResult, RetentionPlan, dict[str, Any] | None]:
-        budget_doc = None
-        if stale or unpinned or to_budget:
-            # choosing needs the per-namespace picture (and, for --to-budget, last use)
-            cb = progress_printer("scanned entries")
-            try:
-                res = scan_root(inv.root, progress=cb, hist=to_budget)
-            finally:
-                end_progress(cb)
-            plan, budget_doc = _select(res, inv, namespaces=namespaces, stale=stale,
-                                       unpinned=unpinned, temp_older_than=older,
-                                       to_budget=to_budget, force=force)
-        else:
-            plan = select_named(active=inv.active, now_ns=time.time_ns(),
-                                namespaces=namespaces, temp_older_than_s=older, force=force)
-        cb = progress_printer("files deleted" if apply else "files selected")
-        try:
-            result = prune_stream(inv.root, plan.selections, active=inv.active,
-                                  dry_run=not apply, list_paths=list_paths, progress=cb,
-                                  lock=False)
-        finally:
+    def progress(what: str) -> Any:
+        bars.append(_printer(what))
+        return bars[-1]
+
+    try:
+        out = prune_action(root, configs, req, apply=apply, list_paths=list_paths,
+                           progress=progress)
+    finally:
+        for cb in bars:
             end_progress(cb)
-        return result, plan, budget_doc
-
-    if apply:
-        with prune_lock(inv.root):
-            result, plan, budget_doc = run()
-    else:
-        result, plan, budget_doc = run()
     if as_json:
-        echo_json({**result.to_dict(), "active": sorted(inv.active), "budget": budget_doc,
-                   "retention": plan.to_dict()})
+        echo_json(out.to_dict())
     else:
-        click.echo(format_result(result, plan))
-    if result.errors:
+        click.echo(format_result(out.result, out.plan))
+    if out.result.errors:
         click.get_current_context().exit(EXIT_PROBLEM)

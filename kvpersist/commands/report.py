@@ -2,165 +2,24 @@
 
 from __future__ import annotations
 
-import sys
-import time
-from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
 import click
 
-from kvpersist.commands.common import echo_json, json_option, table
-from kvpersist.config.values import format_size, parse_size_or_percent
-from kvpersist.l2.layout import KvRank, is_namespace
-from kvpersist.l2.retention import category
-from kvpersist.l2.scan import (
-    Inventory,
-    Manifest,
-    PrefixUsage,
-    ScanResult,
-    Usage,
-    manifest_dirs,
-    read_manifests,
-    resolve_inventory,
-    scan_root,
+from kvpersist.commands.common import (
+    echo_json,
+    end_progress,
+    inventory_options,
+    json_option,
+    progress_printer,
+    table,
 )
-
-REPORT_SCHEMA = "kvpersist.report/1"
-MANIFEST_FIELDS = ("model_id", "model_revision", "tensor_parallel_size", "kv_cache_dtype",
-                   "max_model_len", "block_size")
-
-
-def iso(ns: int) -> str | None:
-    """ISO-8601 UTC time of a nanosecond timestamp (None for 0)."""
-    if not ns:
-        return None
-    return datetime.fromtimestamp(ns / 1e9, tz=UTC).isoformat(timespec="seconds")
-
-
-def progress_printer(what: str, delay_s: float = 1.0) -> Callable[..., None] | None:
-    """A progress callback writing to stderr, or None if stderr is not a terminal.
-
-    Nothing is shown during the first ``delay_s`` seconds, so quick runs stay quiet.
-    """
-    if not sys.stderr.isatty():
-        return None
-    start = time.monotonic()
-
-    def show(done: int, total: int | None = None) -> None:
-        if time.monotonic() - start < delay_s:
-            return
-        of = f"/{total:,}" if total else ""
-        click.echo(f"\r{what}: {done:,}{of}  ", err=True, nl=False)
-
-    return show
-
-
-def end_progress(cb: Callable[..., None] | None) -> None:
-    if cb is not None:
-        click.echo("\r" + " " * 60 + "\r", err=True, nl=False)
-
-
-def budget_bytes(inv: Inventory, fs_total: int) -> int | None:
-    """The L2 budget of the first deployment on this root, in bytes (None without one)."""
-    for d in inv.deployments:
-        try:
-            size, frac = parse_size_or_percent(d.settings.l2_budget)
-        except ValueError:
-            continue
-        return size if size is not None else int(fs_total * (frac or 0))
-    return None
-
-
-def _usage(u: Usage, samples: bool = False) -> dict[str, Any]:
-    d: dict[str, Any] = {
-        "files": u.files,
-        "bytes": u.bytes,
-        "allocated_bytes": u.allocated_bytes,
-        "oldest_mtime": iso(u.oldest_mtime_ns),
-        "newest_mtime": iso(u.newest_mtime_ns),
-    }
-    if samples:
-        d["samples"] = list(u.samples)
-    return d
-
-
-def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest],
-                 budget: int | None) -> dict[str, Any]:
-    """The report document (schema ``kvpersist.report/1``) from a scan (pure)."""
-    assert res.fs is not None
-    rows = []
-    prefixes = dict(res.prefixes)
-    for act in inv.active:  # an active namespace is listed even before it has files
-        prefixes.setdefault(act, PrefixUsage(prefix=act))
-    for prefix, u in sorted(prefixes.items(), key=lambda pu: (-pu[1].bytes, pu[0])):
-        if not u.files and prefix not in inv.active:
-            continue
-        ns = prefix if is_namespace(prefix) else None
-        man = manifests.get(prefix)
-        ranks = sorted(u.ranks)
-        decoded = [KvRank.decode(r) for r in ranks]
-        rows.append({
-            "namespace": ns,
-            "prefix": prefix,
-            "status": category(prefix, inv.active),
-            "active": prefix in inv.active,
-            "pinned": (not prefix.startswith("kvp-unpinned-")) if ns else None,
-            "files": u.files,
-            "bytes": u.bytes,
-            "allocated_bytes": u.allocated_bytes,
-            "share_of_budget": round(u.bytes / budget, 6) if budget else None,
-            "oldest_mtime": iso(u.oldest_mtime_ns),
-            "newest_mtime": iso(u.newest_mtime_ns),
-            "last_access": iso(u.newest_atime_ns),
-            "last_use": iso(u.last_use_ns),
-            "tp_sizes": sorted({r.world_size for r in decoded}),
-            "ranks": [
-                {"kv_rank": f"{r:08x}", "world_size": k.world_size, "global_rank": k.global_rank,
-                 "local_world_size": k.local_world_size, "local_rank": k.local_rank}
-                for r, k in zip(ranks, decoded, strict=True)
-            ],
-            "groups": sorted(u.groups),
-            "salted_files": u.salted_files,
-            "salts": sorted(u.salts),
-            "sharded_files": u.sharded_files,
-            "manifest": None if man is None else {
-                **{k: man.field(k) for k in MANIFEST_FIELDS},
-                "config": man.deployment.get("config"),
-                "served_model_name": man.deployment.get("served_model_name"),
-            },
-        })
-    with_files = {r["prefix"] for r in rows if r["files"]}
-    return {
-        "schema": REPORT_SCHEMA,
-        "root": res.root,
-        "scanned_at": iso(res.started_ns),
-        "duration_s": round(res.duration_s, 3),
-        "filesystem": {
-            "total_bytes": res.fs.total_bytes,
-            "free_bytes": res.fs.free_bytes,
-            "avail_bytes": res.fs.avail_bytes,
-        },
-        "budget_bytes": budget,
-        "active": sorted(inv.active),
-        "total_bytes": res.total_bytes,
-        "chunk_files": res.chunk_files,
-        "chunk_bytes": res.chunk_bytes,
-        "namespaces": rows,
-        "temp": _usage(res.temp),
-        "foreign": {**_usage(res.foreign, samples=True), "dirs": res.foreign_dirs},
-        "symlinks": _usage(res.symlinks, samples=True),
-        "metadata": {"files": res.metadata.files, "bytes": res.metadata.bytes},
-        "directories": {"count": res.directories.files, "bytes": res.directories.bytes},
-        "manifests_without_files": sorted(set(manifests) - with_files),
-        "errors": list(res.errors),
-        "notes": list(inv.notes),
-    }
+from kvpersist.config.values import format_size
 
 
 def format_report(doc: dict[str, Any]) -> str:
     """The human table: largest first, human sizes, share of budget, status marks."""
-    budget = doc["budget_bytes"]
+    budget = doc["limit_bytes"]
     rows = []
     for r in doc["namespaces"]:
         man = r["manifest"] or {}
@@ -199,8 +58,9 @@ def format_report(doc: dict[str, Any]) -> str:
                f"(du --apparent-size), filesystem {format_size(fs['total_bytes'])} with "
                f"{format_size(fs['avail_bytes'])} available")
     if budget:
-        out.append(f"budget    {format_size(budget)} "
-                   f"({100 * doc['chunk_bytes'] / budget:.1f}% used by chunks)")
+        out.append(f"budget    {format_size(doc['budget_bytes'])}, limit {format_size(budget)} "
+                   f"after the reserve ({100 * doc['chunk_bytes'] / budget:.1f}% used by "
+                   "chunks)")
     if doc["manifests_without_files"]:
         out.append("manifests without files: " + ", ".join(doc["manifests_without_files"]))
     if not doc["active"]:
@@ -214,34 +74,18 @@ def format_report(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def inventory_options(func: Any) -> Any:
-    """``--root DIR`` and ``--config CONFIG`` (repeatable)."""
-    func = click.option("--config", "configs", multiple=True, metavar="CONFIG",
-                        help="Deployment config whose namespace is active (repeatable). "
-                             "Default: every config under configs/ on this root.")(func)
-    return click.option("--root", type=click.Path(file_okay=False), default=None,
-                        help="Cache root to inspect (default: the configs' KVP_CACHE_ROOT).")(func)
-
-
 @click.command("report")
 @inventory_options
 @json_option
 def report(root: str | None, configs: tuple[str, ...], as_json: bool) -> None:
     """What the L2 cache on disk holds, per namespace, measured from the filesystem."""
-    inv = resolve_inventory(root, configs)
+    from kvpersist.actions.report import report as report_action
+
     cb = progress_printer("scanned entries")
     try:
-        res = scan_root(inv.root, progress=cb, hist=False)
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        from kvpersist.errors import UsageError
-
-        raise UsageError(f"cannot scan {inv.root}: {exc}") from exc
+        doc = report_action(root, configs, progress=cb).to_dict()
     finally:
         end_progress(cb)
-    manifests, bad = read_manifests(inv.root, manifest_dirs(inv.deployments))
-    inv.notes.extend(bad)
-    assert res.fs is not None
-    doc = build_report(res, inv, manifests, budget_bytes(inv, res.fs.total_bytes))
     if as_json:
         echo_json(doc)
     else:

@@ -25,24 +25,16 @@ def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
            temp_age: float, as_json: bool) -> None:
     """Check CONFIG's cache root: wrong sizes, frames failing authentication with the
     deployment's key, stale temp files. Exit 0 clean (or all quarantined), 1 findings left."""
-    from kvpersist.config.loader import load_deployment
-    from kvpersist.l2 import keys
-    from kvpersist.l2.verify import verify_root
+    from kvpersist.actions.verify import verify as verify_action
 
-    dep = load_deployment(config, allow_unpinned=True)
-    s = dep.settings
-    key = None
-    if s.serde == "aesgcm":
-        key = keys.read_key(s.serde_key_file)
     show = not as_json and sys.stderr.isatty()
 
     def progress(done: int, total: int) -> None:
         if show:
             click.echo(f"\r  verified {done}/{total} chunk files", err=True, nl=done == total)
 
-    res = verify_root(s.cache_root, dep.namespace, serde=s.serde, key=key,
-                      apply=apply, temp_age=temp_age, rate_mb_s=rate_mb_s or None,
-                      all_namespaces=all_namespaces, progress=progress)
+    res = verify_action(config, apply=apply, all_namespaces=all_namespaces,
+                        rate_mb_s=rate_mb_s or None, temp_age=temp_age, progress=progress)
     if as_json:
         echo_json(res.to_dict())
     else:
@@ -54,7 +46,7 @@ def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
             click.echo(table(rows, ["kind", "bytes", "file", "detail"]))
         if apply:
             click.echo(f"quarantined {len(res.quarantined)} file(s) into "
-                       f"{s.cache_root}/.kvpersist/quarantine")
+                       f"{res.root}/.kvpersist/quarantine")
             for line in res.skipped:
                 click.echo(f"  skipped {line}")
         elif res.findings:

@@ -146,7 +146,8 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
     })
     if not (wd / "cache").exists():
         (wd / "cache").mkdir(mode=0o700)
-    dep, rendered, plan = lc.load_plan(config, environ=env)
+    prepared = lc.prepare_launch(config, environ=env)
+    dep, plan = prepared.dep, prepared.plan
     seed = random.SystemRandom().randrange(1, 1 << 30)
     chat = long_chat(turns=turns, words_per_turn=words_per_turn, seed=seed)
     warmup = [{"role": "user", "content": "Say hello."}]
@@ -157,8 +158,8 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
             progress(f"[{step}/6] launching lmcache server + vLLM ({name}) for namespace "
                      f"{dep.namespace}")
             t = time.monotonic()
-            lc.launch(dep, rendered, plan, with_vllm=True, server_timeout=90,
-                      vllm_timeout=600, progress=lambda m: progress(f"      {m}"))
+            lc.launch(prepared, with_vllm=True, server_timeout=90, vllm_timeout=600,
+                      progress=lambda m: progress(f"      {m}"))
             ph = Phase(name, launch_s=time.monotonic() - t)
             log_offset = os.path.getsize(plan.server_log)
             chat_completion(plan.vllm_url, dep.settings.served_model_name, warmup,

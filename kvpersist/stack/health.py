@@ -1,7 +1,8 @@
 """Health of a deployment: probes with timeouts (I/O) and a pure verdict.
 
-``probe_all`` gathers facts — every HTTP call and the disk scan have a timeout, so it never
-hangs — and ``verdict`` (pure) turns them into ``healthy`` (exit 0), ``degraded`` (1: still
+``probe_all`` gathers facts — every HTTP call has a timeout and nothing scans the cache root
+(the budget comes from the record the last launch wrote), so it never hangs, whatever the size
+of the root — and ``verdict`` (pure) turns them into ``healthy`` (exit 0), ``degraded`` (1: still
 serving, e.g. budget exhausted so no longer caching, or the cache server down while vLLM
 serves without it) or ``down`` (2: not serving).
 
@@ -12,17 +13,16 @@ check's status is ``ok``, ``degraded``, ``down`` or ``skipped``.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import stat
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvpersist.system import procs
+from kvpersist.config.deployment import Deployment
+from kvpersist.config.values import is_loopback, is_wildcard, parse_size_or_percent
+from kvpersist.stack.locate import Location
 
 SCHEMA = "kvpersist.health/1"
 EXIT = {"healthy": 0, "degraded": 1, "down": 2}
@@ -78,30 +78,31 @@ def _get(url: str, timeout: float, method: str = "GET") -> tuple[int | None, Any
         return r.status_code, r.text
 
 
-def _with_deadline(fn: Callable[[], Any], timeout: float) -> tuple[bool, Any]:
-    """Run ``fn`` in a daemon thread; (True, result) or (False, None) after ``timeout``."""
-    box: dict[str, Any] = {}
+def read_budget_record(path: str) -> tuple[dict[str, Any] | None, str]:
+    """The budget figures of the last launch (``S/budget.json``) and an error message.
 
-    def run() -> None:
-        try:
-            box["v"] = fn()
-        except Exception as exc:  # reported, never raised out of a probe
-            box["e"] = exc
+    Health reports these instead of scanning the root: a scan of a big root takes longer than
+    any probe may."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        plan = doc["plan"]
+        return {"on_disk_bytes": int(plan["on_disk_bytes"]), "own_bytes": int(plan["own_bytes"]),
+                "limit_bytes": int(plan["limit_bytes"]),
+                "l2_max_capacity_bytes": int(plan["l2_max_capacity_bytes"]),
+                "within_budget": bool(plan["within_budget"]),
+                "recorded_at_ns": int(doc["recorded_at_ns"])}, ""
+    except FileNotFoundError:
+        return None, "no budget recorded yet (written by `kvp-admin launch`)"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"budget record {path} unreadable: {exc}"
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        return False, None
-    if "e" in box:
-        return True, box["e"]
-    return True, box.get("v")
 
+def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
+              expect_vllm: bool = True) -> Facts:
+    """Probe the cache server, the cache root and vLLM of a deployment (its location).
 
-def probe_all(dep: Any, plan: Any, *, timeout: float = 3.0, expect_vllm: bool = True,
-              scan_timeout: float = 10.0) -> Facts:
-    """Probe the cache server, the cache root and vLLM of a deployment (launch plan)."""
-    from kvpersist.config.values import parse_size_or_percent
+    Never scans the cache root; every network call is bounded by ``timeout``."""
     from kvpersist.stack import launch as lc
 
     s = dep.settings
@@ -137,21 +138,10 @@ def probe_all(dep: Any, plan: Any, *, timeout: float = 3.0, expect_vllm: bool = 
         f.fs_avail_bytes = sv.f_bavail * sv.f_frsize
         rb, rp = parse_size_or_percent(s.l2_reserve)
         f.reserve_bytes = rb if rb is not None else int(sv.f_blocks * sv.f_frsize * (rp or 0))
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         f.errors.append(f"cache root: {exc}")
     if f.root_exists:
-        from kvpersist.l2.scan import measure_and_plan
-
-        done, res = _with_deadline(lambda: measure_and_plan(dep), scan_timeout)
-        if not done:
-            f.budget_error = f"scan of {root} took longer than {scan_timeout:.0f} s"
-        elif isinstance(res, Exception):
-            f.budget_error = f"budget unknown: {res}"
-        else:
-            f.budget = {"on_disk_bytes": res.on_disk_bytes, "own_bytes": res.own_bytes,
-                        "limit_bytes": res.limit_bytes,
-                        "l2_max_capacity_bytes": res.l2_max_capacity_bytes,
-                        "within_budget": res.within_budget}
+        f.budget, f.budget_error = read_budget_record(plan.budget_record)
     if expect_vllm:
         code, _ = _get(f"{plan.vllm_url}/health", timeout)
         f.vllm_health = code == 200
@@ -188,13 +178,6 @@ def _kv_port_of(pid: int) -> int | None:
             except (ValueError, KeyError, TypeError):
                 return None
     return None
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def verdict(f: Facts) -> tuple[str, list[Check]]:
@@ -234,10 +217,10 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
             allowed = set(f.configured_hosts)
             stray = [a for a in f.server_listen
                      if a.rsplit(":", 1)[0] not in allowed
-                     and not (all(_loopback(h) for h in allowed)
-                              and _loopback(a.rsplit(":", 1)[0]))]
-            wide = [a for a in f.server_listen if a.rsplit(":", 1)[0] in ("0.0.0.0", "::")
-                    and not any(h in ("0.0.0.0", "::") for h in allowed)]
+                     and not (all(is_loopback(h) for h in allowed)
+                              and is_loopback(a.rsplit(":", 1)[0]))]
+            wide = [a for a in f.server_listen if is_wildcard(a.rsplit(":", 1)[0])
+                    and not any(is_wildcard(h) for h in allowed)]
             if wide:
                 checks.append(Check("lmcache.listen", "degraded",
                                     f"listens on all interfaces: {', '.join(wide)}"))
@@ -265,9 +248,12 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
                                    if low else "")))
         if f.budget is not None:
             over = not f.budget["within_budget"]
+            at = f.budget.get("recorded_at_ns")
+            when = (" at launch (" + time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(at / 1e9))
+                    + ")") if at else ""
             checks.append(Check("cache_root.budget", "degraded" if over else "ok",
                                 f"{f.budget['on_disk_bytes'] >> 20} MiB on disk, limit "
-                                f"{f.budget['limit_bytes'] >> 20} MiB"
+                                f"{f.budget['limit_bytes'] >> 20} MiB{when}"
                                 + ("; budget exhausted: serving, no longer caching"
                                    if over else "")))
         elif f.budget_error:
@@ -309,35 +295,55 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
     return status, checks
 
 
-def health_report(dep: Any, plan: Any, *, timeout: float = 3.0, expect_vllm: bool = True,
-                  wait: float = 0.0, interval: float = 2.0) -> dict[str, Any]:
-    """Probe (again until healthy or ``wait`` seconds pass) and return the JSON report."""
+@dataclass(frozen=True)
+class HealthReport:
+    """The verdict of ``kvp-admin health`` (JSON schema ``kvpersist.health/1``)."""
+
+    config: str
+    namespace: str
+    status: str
+    checks: tuple[Check, ...]
+    facts: Facts
+    loc: Location
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT[self.status]
+
+    def to_dict(self) -> dict[str, Any]:
+        f, loc = self.facts, self.loc
+        return {
+            "schema": SCHEMA,
+            "config": self.config,
+            "namespace": self.namespace,
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "checks": [asdict(c) for c in self.checks],
+            "lmcache": {"pid_state": f.server_pid_state, "pid": f.server_pid,
+                        "http": loc.server_http_url, "listen": f.server_listen,
+                        "healthy": f.server_healthcheck},
+            "vllm": {"checked": f.expect_vllm, "url": loc.vllm_url, "healthy": f.vllm_health,
+                     "models": f.vllm_models},
+            "cache_root": {"path": loc.cache_root,
+                           "mode": f"{f.root_mode:04o}" if f.root_mode is not None else None,
+                           "avail_bytes": f.fs_avail_bytes,
+                           "reserve_bytes": f.reserve_bytes, "budget": f.budget},
+            "errors": f.errors,
+        }
+
+
+def health_report(dep: Deployment, loc: Location, *, timeout: float = 3.0,
+                  expect_vllm: bool = True, wait: float = 0.0,
+                  interval: float = 2.0) -> HealthReport:
+    """Probe (again until healthy or ``wait`` seconds pass) and return the verdict."""
     deadline = time.monotonic() + max(0.0, wait)
     while True:
-        facts = probe_all(dep, plan, timeout=timeout, expect_vllm=expect_vllm)
+        facts = probe_all(dep, loc, timeout=timeout, expect_vllm=expect_vllm)
         status, checks = verdict(facts)
         if status == "healthy" or time.monotonic() >= deadline:
             break
         time.sleep(interval)
-    return {
-        "schema": SCHEMA,
-        "config": dep.name,
-        "namespace": dep.namespace,
-        "status": status,
-        "exit_code": EXIT[status],
-        "checks": [asdict(c) for c in checks],
-        "lmcache": {"pid_state": facts.server_pid_state, "pid": facts.server_pid,
-                    "http": plan.server_http_url, "listen": facts.server_listen,
-                    "healthy": facts.server_healthcheck},
-        "vllm": {"checked": expect_vllm, "url": plan.vllm_url, "healthy": facts.vllm_health,
-                 "models": facts.vllm_models},
-        "cache_root": {"path": plan.cache_root, "mode": (f"{facts.root_mode:04o}"
-                                                         if facts.root_mode is not None
-                                                         else None),
-                       "avail_bytes": facts.fs_avail_bytes,
-                       "reserve_bytes": facts.reserve_bytes, "budget": facts.budget},
-        "errors": facts.errors,
-    }
+    return HealthReport(dep.name, dep.namespace, status, tuple(checks), facts, loc)
 
 
-__all__ = ["Check", "Facts", "health_report", "probe_all", "verdict", "SCHEMA", "procs"]
+__all__ = ["Check", "Facts", "HealthReport", "health_report", "probe_all", "verdict", "SCHEMA"]

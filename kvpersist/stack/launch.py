@@ -1,40 +1,33 @@
 """Start, stop and inspect a deployment's processes (the lifecycle engine).
 
-Control flow: ``plan_launch`` (pure: paths, argv, environment) → ``preflight`` (reads the
-filesystem and ports, returns every problem at once) → ``start_server`` / ``start_vllm``
-(processes, pid files, waiting for health) → ``stop_deployment``. The click commands in
-:mod:`kvpersist.commands.lifecycle` only parse and format.
-
-Files of a deployment (``S`` = ``KVP_STATE_DIR``, default ``<cache root>/.kvpersist``):
-
-* ``<cache root>/lmcache-server.pid``: the cache server's pid
-* ``S/vllm.pid``: vLLM's pid when it runs as a direct process
-* ``S/logs/lmcache-server.log``, ``S/logs/vllm.log``
-* ``S/manifests/<namespace>.json``: the namespace manifest
-* ``S/models/<namespace>`` → the weights: vLLM runs in ``S/models`` with
-  ``--model <namespace>``, so LMCache's model name (and every file name) is the namespace.
+Control flow: :func:`prepare_launch` (load, size once, render, plan) → :func:`preflight`
+(reads the filesystem and ports, returns every problem at once; uses the sizing it is handed,
+never sizes again) → :func:`start_server` / :func:`start_vllm` (processes, pid files, waiting
+for health) → :func:`stop_deployment`. Stopping and inspecting need only a
+:class:`~kvpersist.stack.locate.Location` (pure, no scan): they work whatever the budget says.
+The use cases in :mod:`kvpersist.actions.lifecycle` call these; the click commands only parse
+and format.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 from kvpersist.config.deployment import Deployment
 from kvpersist.errors import CheckFailed, ConfigError, KvpError, Problem
+from kvpersist.l2.inventory import Sizing
+from kvpersist.stack.locate import Location, locate, vllm_mode
 from kvpersist.stack.render import Rendered
 from kvpersist.system import procs
+from kvpersist.system.files import atomic_write_json
 
-SERVER_PID_FILE = "lmcache-server.pid"
-VLLM_PID_FILE = "vllm.pid"
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
 Progress = Callable[[str], None]
@@ -48,34 +41,13 @@ def _quiet(_: str) -> None:
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
-    """Everything launch/stop/status need to know about a deployment's processes."""
+class LaunchPlan(Location):
+    """A :class:`Location` plus the argv and environments to start the processes with."""
 
-    namespace: str
-    cache_root: str
-    state_dir: str
-    server_pid_file: str
-    vllm_pid_file: str
-    server_log: str
-    vllm_log: str
-    manifest_file: str
-    model_link_dir: str
-    model_link: str
-    model_target: str
-    server_argv: list[str]
-    server_env: dict[str, str]
-    server_markers: tuple[str, ...]
-    server_http_url: str
-    vllm_mode: str  # "process" or "container"
-    vllm_argv: list[str]
-    vllm_env: dict[str, str]
-    vllm_markers: tuple[str, ...]
-    vllm_url: str
-    container_name: str
-    served_model_name: str
-    serde_key_file: str
-    serde: str
-    listen: dict[str, Any] = field(default_factory=dict)
+    server_argv: list[str] = field(default_factory=list)
+    server_env: dict[str, str] = field(default_factory=dict)
+    vllm_argv: list[str] = field(default_factory=list)
+    vllm_env: dict[str, str] = field(default_factory=dict)
 
 
 def lmcache_bin() -> str:
@@ -86,25 +58,17 @@ def lmcache_bin() -> str:
     return shutil.which("lmcache") or "lmcache"
 
 
-def _url_host(host: str) -> str:
-    if host in ("0.0.0.0", "::"):
-        return "127.0.0.1"
-    return f"[{host}]" if ":" in host else host
-
-
 def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
                 *, python: str | None = None, server_bin: str | None = None) -> LaunchPlan:
     """Build the launch plan of ``dep`` from its rendering (pure apart from the values
     passed in: ``environ`` is the environment to start children with)."""
     s = dep.settings
-    state = Path(s.state_dir)
-    logs = Path(s.log_dir)
     server_argv = list(rendered.lmcache_server_argv)
     server_argv[0] = server_bin or server_argv[0]
     server_env = dict(environ)
     server_env.setdefault("LMCACHE_DISABLE_BANNER", "1")
     vllm_env = dict(environ)
-    container = bool(rendered.container_argv) and s.device != "cpu"
+    container = vllm_mode(dep) == "container" and bool(rendered.container_argv)
     if s.device == "cpu":
         vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         vllm_env.setdefault("HF_HUB_OFFLINE", "1")
@@ -113,35 +77,10 @@ def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
         vllm_argv = list(rendered.container_argv)
     else:
         vllm_argv = [python or sys.executable, "-m", VLLM_MODULE, *rendered.vllm_argv]
-    return LaunchPlan(
-        namespace=dep.namespace,
-        cache_root=s.cache_root,
-        state_dir=str(state),
-        server_pid_file=str(Path(s.cache_root) / SERVER_PID_FILE),
-        vllm_pid_file=str(state / VLLM_PID_FILE),
-        server_log=str(logs / "lmcache-server.log"),
-        vllm_log=str(logs / "vllm.log"),
-        manifest_file=str(state / "manifests" / f"{dep.namespace}.json"),
-        model_link_dir=rendered.model_link["dir"],
-        model_link=str(Path(rendered.model_link["dir"]) / rendered.model_link["name"]),
-        model_target=rendered.model_link["target"],
-        server_argv=server_argv,
-        server_env=server_env,
-        server_markers=("lmcache", "--l2-adapter", f'"file_path":"{s.cache_root}"'),
-        server_http_url=f"http://{_url_host(s.lmcache_http_host)}:{s.lmcache_http_port}",
-        vllm_mode="container" if container else "process",
-        vllm_argv=vllm_argv,
-        vllm_env=vllm_env,
-        vllm_markers=("--model", dep.namespace, "--served-model-name"),
-        vllm_url=f"http://{_url_host(s.vllm_host)}:{s.vllm_port}",
-        container_name=s.container_name or f"{dep.name}-kvp",
-        served_model_name=s.served_model_name,
-        serde_key_file=s.serde_key_file,
-        serde=s.serde,
-        listen={"lmcache": [s.lmcache_host, s.lmcache_port],
-                "lmcache_http": [s.lmcache_http_host, s.lmcache_http_port],
-                "vllm": [s.vllm_host, s.vllm_port]},
-    )
+    loc = locate(dep)
+    return LaunchPlan(**{f.name: getattr(loc, f.name) for f in fields(Location)},
+                      server_argv=server_argv, server_env=server_env,
+                      vllm_argv=vllm_argv, vllm_env=vllm_env)
 
 
 # --------------------------------------------------------------------------- preflight (I/O)
@@ -155,13 +94,14 @@ class Preflight:
     notes: tuple[str, ...]
 
 
-def preflight(dep: Deployment, plan: LaunchPlan, *, with_vllm: bool,
+def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: bool,
               min_free_bytes: int = 256 << 20) -> Preflight:
     """Check what a launch needs; create the cache root (0700) if its parent exists.
 
     Checks: identity pinned (or explicitly unpinned), cache root a writable directory that
     others cannot read, free space, the ports free, the lmcache executable, the model
-    weights (with vLLM). Returns all problems at once; never raises for them.
+    weights (with vLLM). ``sizing`` is the launch's one budget plan (shown as notes, never
+    computed again here). Returns all problems at once; never raises for them.
     """
     problems: list[Problem] = []
     notes: list[str] = []
@@ -171,8 +111,12 @@ def preflight(dep: Deployment, plan: LaunchPlan, *, with_vllm: bool,
                      "nothing will be reused after a restart")
     if not root.exists():
         if root.parent.is_dir():
-            root.mkdir(mode=0o700)
-            notes.append(f"created cache root {root} (mode 0700)")
+            try:
+                root.mkdir(mode=0o700)
+                notes.append(f"created cache root {root} (mode 0700)")
+            except OSError as exc:
+                problems.append(Problem("KVP_CACHE_ROOT", f"cannot create {root}: "
+                                        f"{exc.strerror}", "create it as the cache owner"))
         else:
             problems.append(Problem("KVP_CACHE_ROOT", f"{root} does not exist",
                                     "create it on the NVMe filesystem (mode 0700)"))
@@ -195,7 +139,7 @@ def preflight(dep: Deployment, plan: LaunchPlan, *, with_vllm: bool,
     elif root.exists():
         problems.append(Problem("KVP_CACHE_ROOT", f"{root} is not a directory"))
     if root.is_dir():
-        notes += budget_notes(dep)
+        notes += budget_notes(sizing)
     ports = [("KVP_LMCACHE_PORT", *plan.listen["lmcache"]),
              ("KVP_LMCACHE_HTTP_PORT", *plan.listen["lmcache_http"])]
     if with_vllm:
@@ -217,46 +161,37 @@ def preflight(dep: Deployment, plan: LaunchPlan, *, with_vllm: bool,
     return Preflight(tuple(problems), tuple(notes))
 
 
-def budget_notes(dep: Deployment) -> list[str]:
+def budget_notes(sizing: Sizing) -> list[str]:
     """The budget plan's verdict as notes: over budget is not a reason to refuse a launch
     (the server still serves what is on disk; health reports it degraded)."""
-    try:
-        from kvpersist.l2.scan import measure_and_plan
-
-        plan = measure_and_plan(dep)
-    except Exception as exc:  # the plan is advisory here; render sized the server already
-        return [f"budget plan unavailable: {exc}"]
-    out = [f"budget: {r}" for r in getattr(plan, "reasons", ())[:2]]
-    out += [f"budget warning: {w}" for w in getattr(plan, "warnings", ())]
-    out += [f"budget problem: {p}" for p in getattr(plan, "problems", ())]
+    plan = sizing.plan
+    out = [f"budget: {r}" for r in plan.reasons[:2]]
+    out += [f"budget warning: {w}" for w in plan.warnings]
+    out += [f"budget problem: {p}" for p in plan.problems]
     return out
 
 
 # --------------------------------------------------------------------------- starting (I/O)
 
 
-def _write_json_atomic(path: Path, obj: Any, mode: int = 0o600) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def prepare_state(plan: LaunchPlan, rendered: Rendered, *, progress: Progress = _quiet,
-                  ) -> list[str]:
-    """Create state/log directories (0700), write the manifest, ensure the serde key.
-    Returns notes (e.g. a new key, a changed key fingerprint)."""
+def prepare_state(plan: LaunchPlan, rendered: Rendered, sizing: Sizing, *,
+                  progress: Progress = _quiet) -> list[str]:
+    """Create state/log directories (0700), write the manifest and the budget record (what
+    ``health`` reports without scanning), ensure the serde key. Returns notes (e.g. a new
+    key, a changed key fingerprint). Raises KvpError if the state cannot be written."""
     from kvpersist.l2 import keys
 
     notes: list[str] = []
     for d in (plan.state_dir, str(Path(plan.server_log).parent)):
-        Path(d).mkdir(parents=True, exist_ok=True, mode=0o700)
-    _write_json_atomic(Path(plan.manifest_file), rendered.manifest)
+        try:
+            Path(d).mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise KvpError(f"cannot create {d}: {exc.strerror}; check KVP_STATE_DIR and "
+                           "KVP_LOG_DIR and their owner") from exc
+    atomic_write_json(plan.manifest_file, rendered.manifest)
+    atomic_write_json(plan.budget_record, {"schema": "kvpersist.budget-record/1",
+                                           "recorded_at_ns": time.time_ns(),
+                                           "plan": sizing.plan.to_dict()})
     if plan.serde == "aesgcm":
         info = keys.ensure_key(plan.serde_key_file)
         if info.created:
@@ -272,14 +207,14 @@ def prepare_state(plan: LaunchPlan, rendered: Rendered, *, progress: Progress = 
     return notes
 
 
-def server_state(plan: LaunchPlan) -> procs.PidState:
-    """The cache server's pid-file state for ``plan``."""
-    return procs.check_pid_file(plan.server_pid_file, plan.server_markers)
+def server_state(loc: Location) -> procs.PidState:
+    """The cache server's pid-file state."""
+    return procs.check_pid_file(loc.server_pid_file, loc.server_markers)
 
 
-def vllm_state(plan: LaunchPlan) -> procs.PidState:
+def vllm_state(loc: Location) -> procs.PidState:
     """vLLM's pid-file state (direct-process mode)."""
-    return procs.check_pid_file(plan.vllm_pid_file, plan.vllm_markers)
+    return procs.check_pid_file(loc.vllm_pid_file, loc.vllm_markers)
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
@@ -375,7 +310,7 @@ def ensure_model_link(plan: LaunchPlan) -> None:
     os.replace(tmp, link)
 
 
-def vllm_ready(plan: LaunchPlan, timeout: float = 2.0) -> bool:
+def vllm_ready(plan: Location, timeout: float = 2.0) -> bool:
     """True if vLLM answers ``/health`` and ``/v1/models`` lists the served name with the
     namespace as its root (the namespace reaches LMCache)."""
     import requests
@@ -409,9 +344,23 @@ def start_vllm(plan: LaunchPlan, *, timeout: float = 300.0,
         not_ready="not ready")
 
 
-def exec_server_foreground(plan: LaunchPlan) -> None:
-    """Write the pid file with this pid and exec the cache server (for systemd)."""
-    _refuse_if_running(server_state(plan), "the cache server", _quiet)
+def launch_foreground(dep: Deployment, rendered: Rendered, plan: LaunchPlan, sizing: Sizing,
+                      *, progress: Progress = _quiet) -> None:
+    """The launch sequence for systemd: refuse if running, preflight (no vLLM), prepare the
+    state, write the pid file with this pid and exec the cache server in this process.
+
+    Raises CheckFailed if a server already runs, ConfigError listing every preflight
+    problem; on success it does not return.
+    """
+    _refuse_if_running(server_state(plan), "the cache server", progress)
+    pre = preflight(dep, plan, sizing, with_vllm=False)
+    if pre.problems:
+        raise ConfigError(list(pre.problems), "preflight")
+    for n in pre.notes:
+        progress(n)
+    for n in prepare_state(plan, rendered, sizing, progress=progress):
+        progress(n)
+    progress(f"exec lmcache server for {plan.namespace} (pid file {plan.server_pid_file})")
     procs.write_pid_file(plan.server_pid_file, os.getpid())
     procs.exec_foreground(plan.server_argv, env=plan.server_env, cwd=plan.state_dir)
 
@@ -428,7 +377,7 @@ class Stopped:
     detail: str = ""
 
 
-def stop_vllm(plan: LaunchPlan, *, timeout: float = 60.0) -> Stopped:
+def stop_vllm(plan: Location, *, timeout: float = 60.0) -> Stopped:
     """Stop the deployment's vLLM (direct process via its pid file, or the container)."""
     if plan.vllm_mode == "container":
         import subprocess
@@ -442,13 +391,14 @@ def stop_vllm(plan: LaunchPlan, *, timeout: float = 60.0) -> Stopped:
     return _stop_by_pid_file("vLLM", vllm_state(plan), plan.vllm_pid_file, timeout)
 
 
-def stop_server(plan: LaunchPlan, *, timeout: float = 30.0) -> Stopped:
+def stop_server(plan: Location, *, timeout: float = 30.0) -> Stopped:
     """Stop the cache server: SIGTERM, wait ``timeout``, then SIGKILL. L2 files stay."""
     return _stop_by_pid_file("lmcache server", server_state(plan), plan.server_pid_file,
                              timeout)
 
 
-def _stop_by_pid_file(name: str, st: Any, pid_file: str, timeout: float) -> Stopped:
+def _stop_by_pid_file(name: str, st: procs.PidState, pid_file: str,
+                      timeout: float) -> Stopped:
     """Stop the process a checked pid file names (a stale pid file is only removed)."""
     if st.state == "stale":
         procs.remove_pid_file(pid_file)
@@ -460,7 +410,7 @@ def _stop_by_pid_file(name: str, st: Any, pid_file: str, timeout: float) -> Stop
     return Stopped(name, st.pid, res.how, res.seconds)
 
 
-def stop_deployment(plan: LaunchPlan, *, timeout: float = 30.0,
+def stop_deployment(plan: Location, *, timeout: float = 30.0,
                     vllm: bool = True) -> list[Stopped]:
     """vLLM first (it holds connections to the server), then the cache server."""
     out = []
@@ -480,31 +430,43 @@ class LaunchResult:
     started: tuple[Started, ...]
 
 
-def load_plan(config: str, *, environ: Mapping[str, str] | None = None,
-              allow_unpinned: bool = False) -> tuple[Deployment, Rendered, LaunchPlan]:
-    """Load ``config``, size and render it, and build its launch plan."""
+@dataclass(frozen=True)
+class Prepared:
+    """A deployment ready to launch: loaded, sized once, rendered and planned."""
+
+    dep: Deployment
+    sizing: Sizing
+    rendered: Rendered
+    plan: LaunchPlan
+
+
+def prepare_launch(config: str, *, environ: Mapping[str, str] | None = None,
+                   allow_unpinned: bool = False) -> Prepared:
+    """Load ``config``, size it once (scan + other deployments on its root), render it and
+    build its launch plan. Raises ConfigError for configuration or budget problems."""
     from kvpersist.config.loader import load_deployment
-    from kvpersist.l2.inventory import sizing_for
-    from kvpersist.stack.render import render
+    from kvpersist.l2.inventory import size_deployment
+    from kvpersist.stack.render import TEMPLATE_NAMES, render
     from kvpersist.system.templates import read_templates
 
     env = dict(os.environ if environ is None else environ)
     dep = load_deployment(config, env, allow_unpinned=allow_unpinned)
-    sizing = sizing_for(dep)
+    sizing = size_deployment(dep, environ=env)
     rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=sizing.l1_size_gb,
                       l2_capacity_gb=sizing.l2_capacity_gb, lmcache_bin=lmcache_bin())
-    return dep, rendered, plan_launch(dep, rendered, env)
+    return Prepared(dep, sizing, rendered, plan_launch(dep, rendered, env))
 
 
-def launch(dep: Deployment, rendered: Rendered, plan: LaunchPlan, *, with_vllm: bool = True,
-           server_timeout: float = 60.0, vllm_timeout: float = 300.0,
-           progress: Progress = _quiet) -> LaunchResult:
+def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float = 60.0,
+           vllm_timeout: float = 300.0, progress: Progress = _quiet) -> LaunchResult:
     """Preflight, prepare state, start the cache server, then (``with_vllm``) vLLM.
 
     Raises ConfigError listing every preflight problem (exit 2), CheckFailed if already
     running (exit 1), KvpError if a process fails to come up (after stopping it). If vLLM
     fails, the cache server started here is left running (it is healthy) and reported.
     """
+    dep, rendered, plan, sizing = (prepared.dep, prepared.rendered, prepared.plan,
+                                   prepared.sizing)
     srv = server_state(plan)
     if srv.running:
         raise CheckFailed(f"the cache server is already running (pid {srv.pid}, pid file "
@@ -515,13 +477,13 @@ def launch(dep: Deployment, rendered: Rendered, plan: LaunchPlan, *, with_vllm: 
         if vst.running:
             raise CheckFailed(f"vLLM is already running (pid {vst.pid}); "
                               "`kvp-admin stop` stops it")
-    pre = preflight(dep, plan, with_vllm=with_vllm)
+    pre = preflight(dep, plan, sizing, with_vllm=with_vllm)
     if pre.problems:
         raise ConfigError(list(pre.problems), "preflight")
     notes = list(pre.notes)
     for n in notes:
         progress(n)
-    state_notes = prepare_state(plan, rendered, progress=progress)
+    state_notes = prepare_state(plan, rendered, sizing, progress=progress)
     for n in state_notes:
         progress(n)
     notes += state_notes

@@ -3,7 +3,8 @@
 Given a validated :class:`~kvpersist.config.deployment.Deployment`, the template texts and the
 capacity figures of the budget plan, return the lmcache server argv, the vLLM serve
 arguments, the ``--kv-transfer-config`` object and the namespace manifest. Nothing here
-reads or writes files; the caller passes template texts in (see :func:`kvpersist.system.templates.read_templates`) and writes the results.
+reads or writes files; the caller passes template texts in (see
+:func:`kvpersist.system.templates.read_templates`) and writes the results.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+#: The package directory (kvpersist/); its parent is a source checkout.
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
 
 def home() -> Path:

@@ -1,0 +1,176 @@
+"""Use cases: launch (and its preflight-only and foreground forms), stop, status.
+
+``stop`` and ``status`` load the deployment and :func:`~kvpersist.stack.locate.locate` it;
+they never scan the cache root or plan a budget, so they work when the budget is invalid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpersist.config.deployment import Deployment
+from kvpersist.errors import Problem
+from kvpersist.stack import launch as lc
+from kvpersist.stack.locate import Location, locate
+from kvpersist.system.procs import PidState
+
+if TYPE_CHECKING:
+    from kvpersist.stack.health import HealthReport
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def load_located(config: str) -> tuple[Deployment, Location]:
+    """Load ``config`` (an incomplete identity is accepted: stop/status/health must reach
+    whatever runs) and locate it. Raises ConfigError for a config that does not load."""
+    from kvpersist.config.loader import load_deployment
+
+    dep = load_deployment(config, allow_unpinned=True)
+    return dep, locate(dep)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """``launch --check``: would a launch proceed?"""
+
+    config: str
+    namespace: str
+    problems: tuple[Problem, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "namespace": self.namespace, "ok": self.ok,
+                "problems": [str(p) for p in self.problems], "notes": list(self.notes)}
+
+
+def check_launch(config: str, *, with_vllm: bool, allow_unpinned: bool = False) -> CheckResult:
+    """Preflight only: size once, render, check; start nothing. Configuration problems
+    (including the budget's) raise ConfigError; preflight problems are in the result."""
+    p = lc.prepare_launch(config, allow_unpinned=allow_unpinned)
+    pre = lc.preflight(p.dep, p.plan, p.sizing, with_vllm=with_vllm)
+    return CheckResult(p.dep.name, p.dep.namespace, pre.problems, pre.notes)
+
+
+def launch_foreground(config: str, *, allow_unpinned: bool = False,
+                      progress: Progress = _quiet) -> None:
+    """Exec the cache server in this process (systemd); returns only by raising."""
+    p = lc.prepare_launch(config, allow_unpinned=allow_unpinned)
+    lc.launch_foreground(p.dep, p.rendered, p.plan, p.sizing, progress=progress)
+
+
+@dataclass(frozen=True)
+class LaunchOutcome:
+    """What ``kvp-admin launch`` started."""
+
+    config: str
+    namespace: str
+    plan: lc.LaunchPlan
+    result: lc.LaunchResult
+
+    def to_dict(self) -> dict[str, Any]:
+        plan, started = self.plan, self.result.started
+        out: dict[str, Any] = {
+            "config": self.config,
+            "namespace": self.namespace,
+            "cache_root": plan.cache_root,
+            "manifest": plan.manifest_file,
+            "notes": list(self.result.notes),
+            "lmcache": {"pid": started[0].pid, "pid_file": plan.server_pid_file,
+                        "log": plan.server_log, "http": plan.server_http_url,
+                        "seconds_to_healthy": round(started[0].seconds, 2)},
+            "vllm": None,
+        }
+        if len(started) > 1:
+            v = started[1]
+            out["vllm"] = {"pid": v.pid, "mode": plan.vllm_mode, "url": plan.vllm_url,
+                           "log": plan.vllm_log, "pid_file": plan.vllm_pid_file,
+                           "served_model_name": plan.served_model_name,
+                           "seconds_to_ready": round(v.seconds, 2)}
+        return out
+
+
+def launch(config: str, *, with_vllm: bool = True, server_timeout: float = 60.0,
+           vllm_timeout: float = 300.0, allow_unpinned: bool = False,
+           progress: Progress = _quiet) -> LaunchOutcome:
+    """Size, render, preflight and start the deployment (see :func:`lc.launch`)."""
+    p = lc.prepare_launch(config, allow_unpinned=allow_unpinned)
+    progress(f"launching {p.dep.name} (namespace {p.dep.namespace})")
+    result = lc.launch(p, with_vllm=with_vllm, server_timeout=server_timeout,
+                       vllm_timeout=vllm_timeout, progress=progress)
+    return LaunchOutcome(p.dep.name, p.dep.namespace, p.plan, result)
+
+
+@dataclass(frozen=True)
+class StopOutcome:
+    config: str
+    namespace: str
+    stopped: tuple[lc.Stopped, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "namespace": self.namespace,
+                "stopped": [asdict(s) for s in self.stopped]}
+
+
+def stop(config: str, *, timeout: float = 30.0, vllm: bool = True) -> StopOutcome:
+    """Stop vLLM (unless ``vllm`` is False), then the cache server. Never scans or sizes."""
+    dep, loc = load_located(config)
+    return StopOutcome(dep.name, dep.namespace,
+                       tuple(lc.stop_deployment(loc, timeout=timeout, vllm=vllm)))
+
+
+@dataclass(frozen=True)
+class StatusOutcome:
+    config: str
+    namespace: str
+    loc: Location
+    server: PidState
+    server_healthy: bool
+    vllm: PidState | None
+    vllm_ready: bool
+
+    @property
+    def running(self) -> bool:
+        return self.server.running and self.server_healthy
+
+    def to_dict(self) -> dict[str, Any]:
+        loc, srv, vst = self.loc, self.server, self.vllm
+        return {
+            "config": self.config,
+            "namespace": self.namespace,
+            "cache_root": loc.cache_root,
+            "lmcache": {"state": srv.state, "pid": srv.pid, "reason": srv.reason,
+                        "pid_file": loc.server_pid_file, "healthy": self.server_healthy,
+                        "http": loc.server_http_url},
+            "vllm": {"mode": loc.vllm_mode, "state": vst.state if vst else "unknown",
+                     "pid": vst.pid if vst else None, "reason": vst.reason if vst else "",
+                     "ready": self.vllm_ready, "url": loc.vllm_url},
+        }
+
+
+def status(config: str) -> StatusOutcome:
+    """Whether the deployment's cache server and vLLM run (pid files checked, not trusted)."""
+    dep, loc = load_located(config)
+    srv = lc.server_state(loc)
+    srv_ok = lc.http_ok(f"{loc.server_http_url}/healthcheck", 2.0) if srv.running else False
+    vst = lc.vllm_state(loc) if loc.vllm_mode == "process" else None
+    return StatusOutcome(dep.name, dep.namespace, loc, srv, srv_ok, vst,
+                         lc.vllm_ready(loc, 2.0))
+
+
+def health(config: str, *, timeout: float = 3.0, expect_vllm: bool = True,
+           wait: float = 0.0) -> HealthReport:
+    """Probe the deployment (see :mod:`kvpersist.stack.health`); never scans the root."""
+    from kvpersist.stack.health import health_report
+
+    dep, loc = load_located(config)
+    return health_report(dep, loc, timeout=timeout, expect_vllm=expect_vllm, wait=wait)

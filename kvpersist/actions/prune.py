@@ -1,0 +1,155 @@
+"""Use case: explicit, dry-run-by-default cleanup of the L2 cache (``kvp-admin prune``).
+
+The guard rules live here, not in the command: what may be selected, when the active
+namespaces are certain enough for ``--stale`` and ``--to-budget``, and how ``--to-budget``
+turns every deployment's budget plan into bytes to free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpersist.errors import UsageError
+from kvpersist.l2.inventory import (
+    Inventory,
+    Measurement,
+    host_ram_bytes,
+    plan_with,
+    resolve_inventory,
+    scan_existing,
+)
+from kvpersist.l2.prune import PruneResult, prune_lock, prune_stream
+from kvpersist.l2.retention import RetentionPlan, plan_explicit, plan_retention, select_named
+from kvpersist.l2.scan import ScanResult
+
+ProgressFactory = Callable[[str], Callable[..., None] | None]
+
+
+@dataclass(frozen=True)
+class PruneRequest:
+    """What the operator asked to delete (validated by :func:`check_request`)."""
+
+    namespaces: tuple[str, ...] = ()
+    stale: bool = False
+    unpinned: bool = False
+    temp_older_than_s: float | None = None
+    to_budget: bool = False
+    force: bool = False
+
+    @property
+    def needs_scan(self) -> bool:
+        """Choosing needs the per-namespace picture (and, for --to-budget, last use)."""
+        return self.stale or self.unpinned or self.to_budget
+
+
+def check_request(req: PruneRequest) -> None:
+    """Raise UsageError for a request that selects nothing or mixes exclusive selections."""
+    if not (req.namespaces or req.stale or req.unpinned or req.temp_older_than_s is not None
+            or req.to_budget):
+        raise UsageError("nothing selected: give --namespace, --stale, --unpinned, "
+                         "--temp-older-than or --to-budget")
+    if req.to_budget and (req.namespaces or req.stale or req.unpinned):
+        raise UsageError("--to-budget chooses what to delete itself; do not combine it with "
+                         "--namespace, --stale or --unpinned")
+    for ns in req.namespaces:
+        if not ns or "/" in ns or ns.startswith(".") or "\0" in ns:
+            raise UsageError(f"--namespace {ns!r}: not a file-name prefix")
+
+
+def check_inventory(req: PruneRequest, inv: Inventory, configs: Sequence[str]) -> None:
+    """Refuse --stale/--to-budget when the active namespaces are not certain."""
+    if (req.stale or req.to_budget) and not configs and not inv.deployments:
+        raise UsageError(
+            "no deployment config uses this root, so every namespace would look stale; name "
+            "the active deployment(s) with --config CONFIG (or name namespaces with --namespace)"
+        )
+    if (req.stale or req.to_budget) and not configs and inv.notes:
+        raise UsageError(
+            "some configs under configs/ did not load, so the active namespaces are not "
+            "certain; name them with --config CONFIG (" + "; ".join(inv.notes) + ")"
+        )
+    if req.to_budget and not inv.deployments:
+        raise UsageError("--to-budget needs a deployment config on this root (--config)")
+
+
+def select(res: ScanResult, inv: Inventory, req: PruneRequest,
+           ram_bytes: int | None = None) -> tuple[RetentionPlan, dict[str, Any] | None]:
+    """The retention plan for ``req`` from one scan (and, for --to-budget, the budget of the
+    deployment that needs the most freed)."""
+    now = time.time_ns()
+    if not req.to_budget:
+        return plan_explicit(res.prefixes, res.temp, active=inv.active, now_ns=now,
+                             namespaces=req.namespaces, stale=req.stale,
+                             unpinned=req.unpinned, temp_older_than_s=req.temp_older_than_s,
+                             force=req.force), None
+    assert res.fs is not None
+    m = Measurement(res.fs, res.prefix_bytes(), res.temp.bytes,
+                    host_ram_bytes() if ram_bytes is None else ram_bytes, res)
+    need = 0
+    budget_doc = None
+    for dep in inv.deployments:
+        bp = plan_with(dep, m, inv.others(dep))
+        want = bp.over_low_watermark_bytes
+        if req.force:
+            want = max(want, bp.prune_suggested_bytes)
+        if want >= need:
+            need, budget_doc = want, {
+                "config": dep.name, "limit_bytes": bp.limit_bytes,
+                "low_watermark_bytes": bp.low_watermark_bytes, "on_disk_bytes": bp.on_disk_bytes,
+                "need_bytes": want,
+            }
+    extra = {} if req.temp_older_than_s is None else {"temp_min_age_s": req.temp_older_than_s}
+    plan = plan_retention(res.prefixes, res.temp, active=inv.active, need_bytes=need,
+                          now_ns=now, allow_active=req.force, **extra)
+    return plan, budget_doc
+
+
+@dataclass
+class PruneOutcome:
+    """What a prune did (or would do), with the plan that chose it."""
+
+    result: PruneResult
+    plan: RetentionPlan
+    active: set[str] = field(default_factory=set)
+    budget: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.result.to_dict(), "active": sorted(self.active), "budget": self.budget,
+                "retention": self.plan.to_dict()}
+
+
+def prune(root: str | None, configs: Sequence[str], req: PruneRequest, *, apply: bool = False,
+          list_paths: bool = False,
+          progress: ProgressFactory | None = None) -> PruneOutcome:
+    """Select and delete (``apply``) or list (dry run) under the root's prune lock.
+
+    Raises UsageError for a request or inventory that cannot be pruned safely, PruneLocked if
+    another prune holds the root, KvpError if the root cannot be read. A dry run never
+    creates anything.
+    """
+    check_request(req)
+    inv = resolve_inventory(root, configs)
+    check_inventory(req, inv, configs)
+
+    def bar(what: str) -> Callable[..., None] | None:
+        return progress(what) if progress is not None else None
+
+    lock = prune_lock(inv.root) if apply else contextlib.nullcontext()
+    with lock:
+        budget_doc = None
+        if req.needs_scan:
+            res = scan_existing(inv.root, hist=req.to_budget, progress=bar("scanned entries"))
+            plan, budget_doc = select(res, inv, req)
+        else:
+            plan = select_named(active=inv.active, now_ns=time.time_ns(),
+                                namespaces=req.namespaces,
+                                temp_older_than_s=req.temp_older_than_s, force=req.force)
+        result = prune_stream(inv.root, plan.selections, active=inv.active, dry_run=not apply,
+                              list_paths=list_paths,
+                              progress=bar("files deleted" if apply else "files selected"),
+                              lock=False)
+    return PruneOutcome(result, plan, set(inv.active), budget_doc)

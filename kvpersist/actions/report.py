@@ -1,0 +1,159 @@
+"""Use case: what is on a cache root, per namespace (``kvp-admin report``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from kvpersist.config.values import parse_size_or_percent
+from kvpersist.l2.budget import l2_limit
+from kvpersist.l2.inventory import Inventory, resolve_inventory, scan_existing
+from kvpersist.l2.layout import KvRank, is_namespace
+from kvpersist.l2.manifests import Manifest, manifest_dirs, read_manifests
+from kvpersist.l2.retention import category
+from kvpersist.l2.scan import PrefixUsage, ProgressFn, ScanResult, Usage
+
+REPORT_SCHEMA = "kvpersist.report/1"
+MANIFEST_FIELDS = ("model_id", "model_revision", "tensor_parallel_size", "kv_cache_dtype",
+                   "max_model_len", "block_size")
+
+
+def iso(ns: int) -> str | None:
+    """ISO-8601 UTC time of a nanosecond timestamp (None for 0)."""
+    if not ns:
+        return None
+    return datetime.fromtimestamp(ns / 1e9, tz=UTC).isoformat(timespec="seconds")
+
+
+def budget_figures(inv: Inventory, res: ScanResult) -> tuple[int | None, int | None]:
+    """(budget, limit) in bytes of the first deployment on this root whose sizes parse (None
+    without one). The limit keeps the reserve free, exactly as ``kvp-admin budget``'s does."""
+    assert res.fs is not None
+    for d in inv.deployments:
+        s = d.settings
+        try:
+            parse_size_or_percent(s.l2_budget)
+            parse_size_or_percent(s.l2_reserve)
+        except ValueError:
+            continue
+        budget, _, limit = l2_limit(fs_total_bytes=res.fs.total_bytes,
+                                    fs_avail_bytes=res.fs.avail_bytes,
+                                    l2_now_bytes=res.chunk_bytes + res.temp.bytes,
+                                    l2_budget=s.l2_budget, l2_reserve=s.l2_reserve)
+        return budget, limit
+    return None, None
+
+
+def _usage(u: Usage, samples: bool = False) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "files": u.files,
+        "bytes": u.bytes,
+        "allocated_bytes": u.allocated_bytes,
+        "oldest_mtime": iso(u.oldest_mtime_ns),
+        "newest_mtime": iso(u.newest_mtime_ns),
+    }
+    if samples:
+        d["samples"] = list(u.samples)
+    return d
+
+
+def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest],
+                 budget: int | None, limit: int | None = None) -> dict[str, Any]:
+    """The report document (schema ``kvpersist.report/1``) from a scan (pure).
+
+    ``share_of_budget`` is each namespace's share of the limit (the budget less what the
+    reserve takes), the figure ``kvp-admin budget`` plans with."""
+    assert res.fs is not None
+    limit = budget if limit is None else limit
+    rows = []
+    prefixes = dict(res.prefixes)
+    for act in inv.active:  # an active namespace is listed even before it has files
+        prefixes.setdefault(act, PrefixUsage(prefix=act))
+    for prefix, u in sorted(prefixes.items(), key=lambda pu: (-pu[1].bytes, pu[0])):
+        if not u.files and prefix not in inv.active:
+            continue
+        ns = prefix if is_namespace(prefix) else None
+        man = manifests.get(prefix)
+        ranks = sorted(u.ranks)
+        decoded = [KvRank.decode(r) for r in ranks]
+        rows.append({
+            "namespace": ns,
+            "prefix": prefix,
+            "status": category(prefix, inv.active),
+            "active": prefix in inv.active,
+            "pinned": (not prefix.startswith("kvp-unpinned-")) if ns else None,
+            "files": u.files,
+            "bytes": u.bytes,
+            "allocated_bytes": u.allocated_bytes,
+            "share_of_budget": round(u.bytes / limit, 6) if limit else None,
+            "oldest_mtime": iso(u.oldest_mtime_ns),
+            "newest_mtime": iso(u.newest_mtime_ns),
+            "last_access": iso(u.newest_atime_ns),
+            "last_use": iso(u.last_use_ns),
+            "tp_sizes": sorted({r.world_size for r in decoded}),
+            "ranks": [
+                {"kv_rank": f"{r:08x}", "world_size": k.world_size, "global_rank": k.global_rank,
+                 "local_world_size": k.local_world_size, "local_rank": k.local_rank}
+                for r, k in zip(ranks, decoded, strict=True)
+            ],
+            "groups": sorted(u.groups),
+            "salted_files": u.salted_files,
+            "salts": sorted(u.salts),
+            "sharded_files": u.sharded_files,
+            "manifest": None if man is None else {
+                **{k: man.field(k) for k in MANIFEST_FIELDS},
+                "config": man.deployment.get("config"),
+                "served_model_name": man.deployment.get("served_model_name"),
+            },
+        })
+    with_files = {r["prefix"] for r in rows if r["files"]}
+    return {
+        "schema": REPORT_SCHEMA,
+        "root": res.root,
+        "scanned_at": iso(res.started_ns),
+        "duration_s": round(res.duration_s, 3),
+        "filesystem": {
+            "total_bytes": res.fs.total_bytes,
+            "free_bytes": res.fs.free_bytes,
+            "avail_bytes": res.fs.avail_bytes,
+        },
+        "budget_bytes": budget,
+        "limit_bytes": limit,
+        "active": sorted(inv.active),
+        "total_bytes": res.total_bytes,
+        "chunk_files": res.chunk_files,
+        "chunk_bytes": res.chunk_bytes,
+        "namespaces": rows,
+        "temp": _usage(res.temp),
+        "foreign": {**_usage(res.foreign, samples=True), "dirs": res.foreign_dirs},
+        "symlinks": _usage(res.symlinks, samples=True),
+        "metadata": {"files": res.metadata.files, "bytes": res.metadata.bytes},
+        "directories": {"count": res.directories.files, "bytes": res.directories.bytes},
+        "manifests_without_files": sorted(set(manifests) - with_files),
+        "errors": list(res.errors),
+        "notes": list(inv.notes),
+    }
+
+
+class Report:
+    """The result of :func:`report`: the document, and the scan it comes from."""
+
+    def __init__(self, doc: dict[str, Any], scan: ScanResult) -> None:
+        self.doc = doc
+        self.scan = scan
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.doc
+
+
+def report(root: str | None, configs: Sequence[str] = (), *,
+           progress: ProgressFn | None = None) -> Report:
+    """Scan the root (given, or the configs' cache root) once and join it with the
+    manifests and the configured deployments. Raises UsageError for a missing root."""
+    inv = resolve_inventory(root, configs)
+    res = scan_existing(inv.root, progress=progress)
+    manifests, bad = read_manifests(inv.root, manifest_dirs(inv.deployments))
+    inv.notes.extend(bad)
+    budget, limit = budget_figures(inv, res)
+    return Report(build_report(res, inv, manifests, budget, limit), res)

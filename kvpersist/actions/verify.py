@@ -1,0 +1,25 @@
+"""Use case: find chunk files that can never be valid; quarantine with ``apply``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvpersist.l2.verify import VerifyResult, verify_root
+
+
+def verify(config: str, *, apply: bool = False, all_namespaces: bool = False,
+           rate_mb_s: float | None = 200.0, temp_age: float = 600.0,
+           progress: Callable[[int, int], None] | None = None) -> VerifyResult:
+    """Load ``config``, read its serde key (aesgcm) and verify its cache root.
+
+    Raises ConfigError for a config that does not load, KvpError for an unreadable key or
+    root."""
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.l2 import keys
+
+    dep = load_deployment(config, allow_unpinned=True)
+    s = dep.settings
+    key = keys.read_key(s.serde_key_file) if s.serde == "aesgcm" else None
+    return verify_root(s.cache_root, dep.namespace, serde=s.serde, key=key, apply=apply,
+                       temp_age=temp_age, rate_mb_s=rate_mb_s or None,
+                       all_namespaces=all_namespaces, progress=progress)

@@ -1,0 +1,99 @@
+"""Where a deployment's processes and files are (pure): no scan, no budget, no I/O.
+
+``stop``, ``status`` and ``health`` need only this: pid files, log files, URLs, ports,
+command-line markers and whether vLLM runs as a process or in a container. All of it follows
+from the validated settings alone, so these commands work even when the cache root is huge, or
+the budget has become invalid (an operator must always be able to stop a deployment).
+
+Files of a deployment (``S`` = ``KVP_STATE_DIR``, default ``<cache root>/.kvpersist``):
+
+* ``<cache root>/lmcache-server.pid``: the cache server's pid
+* ``S/vllm.pid``: vLLM's pid when it runs as a direct process
+* ``S/logs/lmcache-server.log``, ``S/logs/vllm.log``
+* ``S/manifests/<namespace>.json``: the namespace manifest
+* ``S/budget.json``: the budget plan of the last launch (health reads it; it never scans)
+* ``S/models/<namespace>`` → the weights: vLLM runs in ``S/models`` with
+  ``--model <namespace>``, so LMCache's model name (and every file name) is the namespace.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvpersist.config.deployment import Deployment
+from kvpersist.config.values import url_host
+from kvpersist.l2.layout import MANIFESTS_DIR, PID_FILE
+
+VLLM_PID_FILE = "vllm.pid"
+BUDGET_RECORD = "budget.json"
+
+
+@dataclass(frozen=True)
+class Location:
+    """Everything stop/status/health need to find a deployment's processes and files."""
+
+    config: str
+    namespace: str
+    cache_root: str
+    state_dir: str
+    server_pid_file: str
+    vllm_pid_file: str
+    server_log: str
+    vllm_log: str
+    manifest_file: str
+    budget_record: str
+    model_link_dir: str
+    model_link: str
+    model_target: str
+    server_markers: tuple[str, ...]
+    server_http_url: str
+    vllm_mode: str  # "process" or "container"
+    vllm_markers: tuple[str, ...]
+    vllm_url: str
+    container_name: str
+    served_model_name: str
+    serde_key_file: str
+    serde: str
+    #: component -> (host, port) as configured
+    listen: dict[str, tuple[str, int]]
+
+
+def vllm_mode(dep: Deployment) -> str:
+    """``container`` when an image is configured for a GPU device, else ``process``."""
+    s = dep.settings
+    return "container" if s.image and s.device != "cpu" else "process"
+
+
+def locate(dep: Deployment) -> Location:
+    """The :class:`Location` of ``dep`` (pure: computed from its settings)."""
+    s = dep.settings
+    state = s.state_dir
+    link_dir = s.model_link_dir
+    return Location(
+        config=dep.name,
+        namespace=dep.namespace,
+        cache_root=s.cache_root,
+        state_dir=state,
+        server_pid_file=os.path.join(s.cache_root, PID_FILE),
+        vllm_pid_file=os.path.join(state, VLLM_PID_FILE),
+        server_log=os.path.join(s.log_dir, "lmcache-server.log"),
+        vllm_log=os.path.join(s.log_dir, "vllm.log"),
+        manifest_file=os.path.join(state, MANIFESTS_DIR, f"{dep.namespace}.json"),
+        budget_record=os.path.join(state, BUDGET_RECORD),
+        model_link_dir=link_dir,
+        model_link=os.path.join(link_dir, dep.namespace),
+        model_target=s.model_path,
+        server_markers=("lmcache", "--l2-adapter", f'"file_path":"{s.cache_root}"'),
+        server_http_url=f"http://{url_host(s.lmcache_http_host)}:{s.lmcache_http_port}",
+        vllm_mode=vllm_mode(dep),
+        vllm_markers=("--model", dep.namespace, "--served-model-name"),
+        vllm_url=f"http://{url_host(s.vllm_host)}:{s.vllm_port}",
+        container_name=s.container_name or f"{dep.name}-kvp",
+        served_model_name=s.served_model_name,
+        serde_key_file=s.serde_key_file,
+        serde=s.serde,
+        listen={"lmcache": (s.lmcache_host, s.lmcache_port),
+                "lmcache_http": (s.lmcache_http_host, s.lmcache_http_port),
+                "vllm": (s.vllm_host, s.vllm_port)},
+    )
