@@ -19,6 +19,7 @@ from kvpersist.l2.inventory import (
     Measurement,
     host_ram_bytes,
     plan_with,
+    require_root,
     resolve_inventory,
     scan_existing,
 )
@@ -134,6 +135,7 @@ def prune(root: str | None, configs: Sequence[str], req: PruneRequest, *, apply:
     check_request(req)
     inv = resolve_inventory(root, configs)
     check_inventory(req, inv, configs)
+    require_root(inv.root)
 
     def bar(what: str) -> Callable[..., None] | None:
         return progress(what) if progress is not None else None

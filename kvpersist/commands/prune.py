@@ -6,7 +6,8 @@ Nothing is deleted without ``--apply``; the dry run prints exactly what ``--appl
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import click
 
@@ -88,9 +89,9 @@ def prune(root: str | None, configs: tuple[str, ...], namespaces: tuple[str, ...
             raise UsageError(f"--temp-older-than: {exc}") from None
     req = PruneRequest(namespaces=namespaces, stale=stale, unpinned=unpinned,
                        temp_older_than_s=older, to_budget=to_budget, force=force)
-    bars: list[Any] = []
+    bars: list[Callable[..., None] | None] = []
 
-    def progress(what: str) -> Any:
+    def progress(what: str) -> Callable[..., None] | None:
         bars.append(_printer(what))
         return bars[-1]
 

@@ -397,10 +397,9 @@ class Deployment:
         return self.namespace
 
     @property
-    def cache_root(self) -> Any:
-        from pathlib import Path  # a path object only; no I/O
-
-        return Path(self.settings.cache_root)
+    def cache_root(self) -> PurePosixPath:
+        """The cache root as a path object (no I/O)."""
+        return PurePosixPath(self.settings.cache_root)
 
 
 def build_deployment(

@@ -29,6 +29,14 @@ GENERIC_FILE = "lmcache.yaml"
 
 def resolve_config(config: str) -> tuple[str, Path]:
     """Return (deployment name, path of its identity.env); raise ConfigError if none."""
+    try:
+        return _resolve_config(config)
+    except (OSError, ValueError) as exc:  # a parent that cannot be searched, a NUL byte
+        raise ConfigError(Problem(config, f"cannot look up this config: {exc}",
+                                  "check the path and that this user may read it")) from exc
+
+
+def _resolve_config(config: str) -> tuple[str, Path]:
     path = Path(config)
     if path.is_file():
         name = path.parent.name if path.name == ENV_FILE else path.stem
@@ -48,9 +56,10 @@ def resolve_config(config: str) -> tuple[str, Path]:
 def list_config_names() -> list[str]:
     """Names of the deployment configs under configs/ (those with an identity.env)."""
     root = resources.configs_dir()
-    if not root.is_dir():
+    try:
+        return sorted(p.name for p in root.iterdir() if (p / ENV_FILE).is_file())
+    except OSError:  # no configs directory (or not readable): no shipped configs
         return []
-    return sorted(p.name for p in root.iterdir() if (p / ENV_FILE).is_file())
 
 
 def read_text(path: Path, what: str) -> str:

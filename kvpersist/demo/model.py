@@ -179,7 +179,7 @@ def _build_tokenizer(spec: ModelSpec) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(spec.seed), trainer=trainer)
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>",
         chat_template=CHAT_TEMPLATE,

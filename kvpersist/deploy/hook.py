@@ -27,9 +27,13 @@ import os
 import sys
 from typing import Any
 
+from kvpersist.errors import EXIT_USAGE, KvpError
 
-class HookError(Exception):
-    """The recipe cannot be made persistent as it is."""
+
+class HookError(KvpError):
+    """The recipe cannot be made persistent as it is (exit 2: fix the recipe)."""
+
+    exit_code = EXIT_USAGE
 
 
 def _find_model(argv: list[str]) -> tuple[int, str]:

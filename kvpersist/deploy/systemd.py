@@ -27,6 +27,7 @@ from pathlib import Path
 
 import jinja2
 
+from kvpersist.errors import EXIT_USAGE, KvpError
 from kvpersist.system.templates import environment
 
 #: Where the unit templates live in a source checkout.
@@ -58,8 +59,10 @@ _INSTANCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SETTING = re.compile(r"[A-Z][A-Za-z0-9]*=[^\n\r]*")
 
 
-class UnitRenderError(ValueError):
-    """Raised when unit settings are invalid or a template cannot be rendered."""
+class UnitRenderError(KvpError, ValueError):
+    """Raised when unit settings are invalid or a template cannot be rendered (exit 2)."""
+
+    exit_code = EXIT_USAGE
 
 
 @dataclass(frozen=True)

@@ -138,10 +138,25 @@ class Measurement:
     scan: ScanResult | None = None
 
 
+def require_root(root: str | os.PathLike[str]) -> None:
+    """Check that ``root`` is an existing, readable directory; never create it.
+
+    Raises UsageError naming the root when it is missing or not a directory, KvpError when
+    this user cannot read it."""
+    path = os.fspath(root)
+    if not os.path.isdir(path):
+        what = "not a directory" if os.path.lexists(path) else "no such directory"
+        raise UsageError(f"cache root {path}: {what} (check --root or KVP_CACHE_ROOT)")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise KvpError(f"cache root {path}: not readable by this user; run as the cache "
+                       "owner")
+
+
 def scan_existing(root: str | os.PathLike[str], *, hist: bool = False,
                   progress: ProgressFn | None = None) -> ScanResult:
     """Scan a root that must exist (report, prune). Raises UsageError naming the root when it
     is missing or not a directory, KvpError when it cannot be read; never creates it."""
+    require_root(root)
     try:
         return scan_root(root, progress=progress, hist=hist)
     except (FileNotFoundError, NotADirectoryError) as exc:
@@ -155,9 +170,10 @@ def scan_existing(root: str | os.PathLike[str], *, hist: bool = False,
 def measure(root: str | os.PathLike[str], *, ram_bytes: int | None = None,
             progress: ProgressFn | None = None) -> Measurement:
     """Measure ``root`` once: a scan if it exists, else an empty root on the filesystem of its
-    nearest existing ancestor. Raises KvpError if the root cannot be read."""
+    nearest existing ancestor. Raises UsageError if the root is not a directory, KvpError if
+    it cannot be read."""
     ram = host_ram_bytes() if ram_bytes is None else ram_bytes
-    if not os.path.isdir(root):
+    if not os.path.lexists(root):
         return Measurement(fs_info(root), {}, 0, ram)
     res = scan_existing(root, progress=progress)
     assert res.fs is not None

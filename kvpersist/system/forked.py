@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
-def run_parts(n: int, work: Callable[[int, Callable[[int], None] | None], Any],
-              progress: Callable[[int], None] | None, what: str) -> list[Any]:
+def run_parts(n: int, work: Callable[[int, Callable[[int], None] | None], T],
+              progress: Callable[[int], None] | None, what: str) -> list[T]:
     """Run ``work(part, progress)`` for parts 0..n-1 and return the results in part order.
 
     Part 0 runs in this process (reporting ``progress`` scaled by ``n``); parts 1..n-1 run in
@@ -43,5 +45,5 @@ def run_parts(n: int, work: Callable[[int, Callable[[int], None] | None], Any],
         _, status = os.waitpid(pid, 0)
         if os.waitstatus_to_exitcode(status) != 0 or not data:
             raise OSError(f"{what} worker {pid} failed")
-        results.append(pickle.loads(data))
+        results.append(pickle.loads(data))  # the same T, from the forked copy of work
     return results

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from kvpersist.errors import KvpError
+
 #: A process may be created up to this long after its pid file's mtime (the file is
 #: written right after the fork, but file system timestamps are coarse).
 _CREATE_SLACK_S = 2.0
@@ -45,34 +47,44 @@ class PidState:
 def read_pid_file(path: str | os.PathLike[str]) -> int | None:
     """The pid recorded in ``path``, or None if the file is missing or not a positive int."""
     try:
-        text = Path(path).read_text().strip()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError:
+        text = Path(path).read_text(encoding="ascii").strip()
+    except (OSError, ValueError):  # missing, a directory, unreadable, not text
         return None
     first = text.splitlines()[0].strip() if text else ""
     return int(first) if first.isdigit() and int(first) > 0 else None
 
 
 def write_pid_file(path: str | os.PathLike[str], pid: int) -> None:
-    """Atomically write ``pid`` to ``path`` (mode 0644: readable by monitoring)."""
+    """Atomically write ``pid`` to ``path`` (mode 0644: readable by monitoring). Raises
+    KvpError if it cannot be written."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.write(fd, f"{pid}\n".encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, f"{pid}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise KvpError(f"cannot write the pid file {path}: {exc.strerror or exc}; check "
+                       "that its directory exists and belongs to this user") from exc
 
 
 def remove_pid_file(path: str | os.PathLike[str], pid: int | None = None) -> None:
     """Remove ``path`` if it exists (and, when ``pid`` is given, still records that pid)."""
     if pid is not None and read_pid_file(path) != pid:
         return
-    with contextlib.suppress(FileNotFoundError):
+    try:
         Path(path).unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise KvpError(f"cannot remove the pid file {path}: {exc.strerror or exc}; it is not "
+                       "a file kvpersist wrote: remove it by hand") from exc
 
 
 def cmdline_matches(cmdline: Sequence[str], markers: Iterable[str]) -> bool:

@@ -154,3 +154,43 @@ def _ok(url: str) -> bool:
         return requests.get(url, timeout=1).status_code == 200
     except requests.RequestException:
         return False
+
+
+def test_stop_status_health_work_when_the_budget_became_invalid(stack: Stack) -> None:
+    """An operator can always stop a deployment: stop/status/health locate it from its
+    settings and never size it, so an L1 that no longer fits in RAM does not block them."""
+    pid = stack.launch("--no-vllm")["lmcache"]["pid"]
+    stack.env["KVP_L1_SIZE_GB"] = "100000"
+    refused = stack.kvp("render", stack.config)
+    assert refused.returncode == 2 and "L1" in refused.stderr  # the budget really is invalid
+    st = stack.kvp_json("status", stack.config)
+    assert st["lmcache"]["state"] == "running" and st["lmcache"]["pid"] == pid
+    h = stack.kvp("health", stack.config, "--no-vllm", "--json")
+    assert h.returncode == 0, h.stdout + h.stderr
+    out = stack.kvp_json("stop", stack.config)
+    assert [s["how"] for s in out["stopped"]] == ["not-running", "terminated"]
+    assert wait_until(lambda: not psutil.pid_exists(pid), 10)
+
+
+def test_health_holds_its_deadline_on_a_million_file_root(stack: Stack) -> None:
+    """health never scans the cache root: on a root of 1,000,000 files it answers within
+    its probes' timeouts, and reports the budget recorded at launch."""
+    stack.launch("--no-vllm")
+    ns = "kvp-00000000000000000000000000000001"
+    dfd = os.open(stack.root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i in range(1_000_000):
+            os.close(os.open(f"{ns}_01000100_0_{i:016x}.bin", os.O_CREAT | os.O_WRONLY, 0o600,
+                             dir_fd=dfd))
+    finally:
+        os.close(dfd)
+    t0 = time.monotonic()
+    h = stack.kvp("health", stack.config, "--no-vllm", "--json", "--timeout", "2")
+    elapsed = time.monotonic() - t0
+    report = json.loads(h.stdout)
+    assert h.returncode == 0, report
+    budget = [c for c in report["checks"] if c["name"] == "cache_root.budget"]
+    assert budget and budget[0]["status"] == "ok" and "at launch" in budget[0]["detail"]
+    # 4 HTTP probes of at most 2 s each bound it; a scan of 1M files alone took longer
+    assert elapsed < 10, f"health took {elapsed:.1f} s on a 1M-file root"
+    stack.stop()
