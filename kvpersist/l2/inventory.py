@@ -146,10 +146,11 @@ def require_root(root: str | os.PathLike[str]) -> None:
     path = os.fspath(root)
     if not os.path.isdir(path):
         what = "not a directory" if os.path.lexists(path) else "no such directory"
-        raise UsageError(f"cache root {path}: {what} (check --root or KVP_CACHE_ROOT)")
+        raise UsageError(f"cannot scan the cache root {path}: {what} (check --root or "
+                         "KVP_CACHE_ROOT)")
     if not os.access(path, os.R_OK | os.X_OK):
-        raise KvpError(f"cache root {path}: not readable by this user; run as the cache "
-                       "owner")
+        raise KvpError(f"cannot scan the cache root {path}: not readable by this user; run "
+                       "as the cache owner")
 
 
 def scan_existing(root: str | os.PathLike[str], *, hist: bool = False,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpersist.errors import KvpError
+from kvpersist.system.files import atomic_write
 
 KEY_BYTES = 32
 FINGERPRINT_FILE = "l2-master.key.fingerprint"
@@ -106,9 +107,4 @@ def recorded_fingerprint(state_dir: str | os.PathLike[str]) -> str | None:
 
 def record_fingerprint(state_dir: str | os.PathLike[str], fp: str) -> None:
     """Record ``fp`` as the key fingerprint this cache's files are written with."""
-    d = Path(state_dir) / "keys"
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = d / f".{FINGERPRINT_FILE}.tmp.{os.getpid()}"
-    tmp.write_text(fp + "\n")
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, d / FINGERPRINT_FILE)
+    atomic_write(Path(state_dir) / "keys" / FINGERPRINT_FILE, fp + "\n")

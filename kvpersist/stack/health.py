@@ -21,8 +21,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpersist.config.deployment import Deployment
-from kvpersist.config.values import is_loopback, is_wildcard, parse_size_or_percent
+from kvpersist.config.values import is_loopback, is_wildcard
+from kvpersist.errors import KvpError
+from kvpersist.l2.budget import resolve_size
 from kvpersist.stack.locate import Location
+from kvpersist.system.files import fs_info
 
 SCHEMA = "kvpersist.health/1"
 EXIT = {"healthy": 0, "degraded": 1, "down": 2}
@@ -134,11 +137,10 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
         f.root_exists = stat.S_ISDIR(rst.st_mode)
         f.root_mode = stat.S_IMODE(rst.st_mode)
         f.root_writable = os.access(root, os.W_OK | os.X_OK)
-        sv = os.statvfs(root)
-        f.fs_avail_bytes = sv.f_bavail * sv.f_frsize
-        rb, rp = parse_size_or_percent(s.l2_reserve)
-        f.reserve_bytes = rb if rb is not None else int(sv.f_blocks * sv.f_frsize * (rp or 0))
-    except (OSError, ValueError) as exc:
+        fs = fs_info(root)
+        f.fs_avail_bytes = fs.avail_bytes
+        f.reserve_bytes = resolve_size(s.l2_reserve, fs.total_bytes, "KVP_L2_RESERVE")
+    except (OSError, KvpError) as exc:
         f.errors.append(f"cache root: {exc}")
     if f.root_exists:
         f.budget, f.budget_error = read_budget_record(plan.budget_record)

@@ -26,7 +26,7 @@ from kvpersist.l2.inventory import Sizing
 from kvpersist.stack.locate import Location, locate, vllm_mode
 from kvpersist.stack.render import Rendered
 from kvpersist.system import procs
-from kvpersist.system.files import atomic_write_json
+from kvpersist.system.files import atomic_write_json, fs_info
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -131,7 +131,7 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
             problems.append(Problem("KVP_CACHE_ROOT", f"{root} is not writable by this user",
                                     "run as the cache owner or fix ownership"))
         else:
-            free = shutil.disk_usage(root).free
+            free = fs_info(root).avail_bytes
             if free < min_free_bytes:
                 problems.append(Problem("KVP_CACHE_ROOT",
                                         f"only {free >> 20} MiB free on {root}",

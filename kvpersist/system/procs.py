@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 
 from kvpersist.errors import KvpError
+from kvpersist.system.files import atomic_write
 
 #: A process may be created up to this long after its pid file's mtime (the file is
 #: written right after the fork, but file system timestamps are coarse).
@@ -57,21 +58,7 @@ def read_pid_file(path: str | os.PathLike[str]) -> int | None:
 def write_pid_file(path: str | os.PathLike[str], pid: int) -> None:
     """Atomically write ``pid`` to ``path`` (mode 0644: readable by monitoring). Raises
     KvpError if it cannot be written."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        try:
-            os.write(fd, f"{pid}\n".encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise KvpError(f"cannot write the pid file {path}: {exc.strerror or exc}; check "
-                       "that its directory exists and belongs to this user") from exc
+    atomic_write(path, f"{pid}\n", mode=0o644)
 
 
 def remove_pid_file(path: str | os.PathLike[str], pid: int | None = None) -> None:
