@@ -179,7 +179,8 @@ def _build_tokenizer(spec: ModelSpec) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(spec.seed), trainer=trainer)
-    return PreTrainedTokenizerFast(
+    fast_tokenizer: Any = PreTrainedTokenizerFast  # its constructor is untyped in transformers
+    return fast_tokenizer(
         tokenizer_object=tok,
         bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>",
         chat_template=CHAT_TEMPLATE,
