@@ -1,13 +1,15 @@
 """``kvp-admin``: the command-line interface. Parses and formats only.
 
-Subcommands live in :mod:`kvpersist.commands` and are imported only when used, so
-``kvp-admin --help`` and the read commands start fast and never import lmcache or torch.
+Subcommands live in :mod:`kvpersist.commands` and are imported only when used: ``--help``
+lists them from :data:`COMMANDS` without importing any of them, and running one imports only
+its own module, so the read commands start fast and never import lmcache or torch.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -15,45 +17,85 @@ import click
 from kvpersist import __version__
 from kvpersist.errors import EXIT_USAGE, KvpError
 
-#: command name -> "module:attribute"
-COMMANDS: dict[str, str] = {
-    "identity": "kvpersist.commands.identity:identity",
-    "render": "kvpersist.commands.render:render_cmd",
-    "report": "kvpersist.commands.report:report",
-    "budget": "kvpersist.commands.budget:budget",
-    "prune": "kvpersist.commands.prune:prune",
-    "launch": "kvpersist.commands.lifecycle:launch",
-    "stop": "kvpersist.commands.lifecycle:stop",
-    "status": "kvpersist.commands.lifecycle:status",
-    "health": "kvpersist.commands.health:health",
-    "verify": "kvpersist.commands.verify:verify",
-    "demo": "kvpersist.commands.demo:demo",
+
+@dataclass(frozen=True)
+class Entry:
+    """Where a subcommand lives and its one-line help, known without importing it."""
+
+    target: str  #: "module:attribute" of the click command
+    summary: str  #: the command's short help (the first sentence of its docstring)
+
+
+#: command name -> where it lives and what ``--help`` says about it. ``summary`` must equal
+#: the real command's short help; tests/unit/test_cli_startup.py keeps the two from drifting.
+COMMANDS: dict[str, Entry] = {
+    "identity": Entry("kvpersist.commands.identity:identity",
+                      "Compatibility identity and namespace of a deployment."),
+    "render": Entry("kvpersist.commands.render:render_cmd",
+                    "Render the lmcache server argv, vLLM arguments and namespace manifest of "
+                    "CONFIG."),
+    "report": Entry("kvpersist.commands.report:report",
+                    "What the L2 cache on disk holds, per namespace, measured from the "
+                    "filesystem."),
+    "budget": Entry("kvpersist.commands.budget:budget",
+                    "How much L1 (RAM) and L2 (NVMe) the deployment's cache server may use, "
+                    "and why."),
+    "prune": Entry("kvpersist.commands.prune:prune",
+                   "Delete L2 cache files explicitly: dry run unless --apply."),
+    "launch": Entry("kvpersist.commands.lifecycle:launch",
+                    "Preflight CONFIG, start its lmcache server (and vLLM), wait until healthy."),
+    "stop": Entry("kvpersist.commands.lifecycle:stop",
+                  "Stop CONFIG's vLLM, then its cache server."),
+    "status": Entry("kvpersist.commands.lifecycle:status",
+                    "Show whether CONFIG's cache server and vLLM run (pid files checked, not "
+                    "trusted)."),
+    "health": Entry("kvpersist.commands.health:health",
+                    "Check CONFIG's cache server, cache root and vLLM."),
+    "verify": Entry("kvpersist.commands.verify:verify",
+                    "Check CONFIG's cache root: wrong sizes, frames failing authentication "
+                    "with the deployment's key, stale temp files."),
+    "demo": Entry("kvpersist.commands.demo:demo",
+                  "Launch the cache server and vLLM (CPU build) on a generated model, send a "
+                  "long chat, restart both, send it again: cold vs after-restart time to first "
+                  "token, tokens served from disk, identical output."),
 }
 
 
 class LazyGroup(click.Group):
-    """A click group whose subcommands are imported on first use."""
+    """A click group whose subcommands are imported on first use.
+
+    Listing them (``kvp-admin --help``, or no arguments) reads :data:`COMMANDS` only, so it
+    imports no command module; running one imports that command's module and nothing else.
+    """
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(name for name in COMMANDS if self._load(name) is not None)
+        return sorted(COMMANDS)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         return self._load(cmd_name)
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The "Commands" section from the registry, shortened exactly as click would."""
+        names = self.list_commands(ctx)
+        if not names:
+            return
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        rows = [(name, click.Command(name, help=COMMANDS[name].summary).get_short_help_str(limit))
+                for name in names]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
     @staticmethod
     def _load(name: str) -> click.Command | None:
-        target = COMMANDS.get(name)
-        if target is None:
+        entry = COMMANDS.get(name)
+        if entry is None:
             return None
-        module_name, attr = target.split(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:
-                return None  # not built yet in this checkout
-            raise
+        module_name, attr = entry.target.split(":")
+        module = importlib.import_module(module_name)
         command = getattr(module, attr, None)
-        return command if isinstance(command, click.Command) else None
+        if not isinstance(command, click.Command):
+            raise TypeError(f"{entry.target} is not a click command")
+        return command
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"],

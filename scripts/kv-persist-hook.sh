@@ -8,7 +8,7 @@
 # * Without KV_PERSIST=1 this does nothing: the command stays byte-for-byte unchanged.
 # * With KV_PERSIST=1 (and KVP_CONFIG naming the deployment) it makes sure the deployment's
 #   lmcache server is up and healthy (`kvp-admin launch CONFIG --no-vllm` when it is not),
-#   then rewrites the array with exactly the persistence arguments (`kvpersist/hook.py`):
+#   then rewrites the array with exactly the persistence arguments (`kvpersist/deploy/hook.py`):
 #   the model argument becomes the namespace (linked to the weights in the deployment's
 #   model-link directory, which becomes the working directory), --served-model-name keeps
 #   the public name, --kv-transfer-config points at the cache server.

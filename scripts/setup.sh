@@ -39,7 +39,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # shellcheck disable=SC2086
   pip install $want
   # PyPI's torchvision/torchaudio/torchcodec wheels need CUDA libraries and break the import
-  # of transformers/vLLM on the CPU torch (DESIGN.md).
+  # of transformers/vLLM on the CPU torch.
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$want" > "$stamp"
 fi

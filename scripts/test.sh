@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite: unit, integration against real
-# lmcache server processes, the full stack with vLLM's CPU build, and the deployment gates.
+# Set up (if needed), lint and type-check (fail fast), then run the whole test suite: unit,
+# integration against real lmcache server processes, the full stack with vLLM's CPU build,
+# and the deployment gates.
 # Usage: bash scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,4 +10,9 @@ VENV=${KVP_VENV:-.venv}
 export LMCACHE_DISABLE_BANNER=1 PYTHONUNBUFFERED=1
 # No leftover KVP_ settings from the caller's shell may relocate the tests' deployments.
 for v in $(env | sed -n 's/^\(KVP_[A-Z0-9_]*\)=.*/\1/p'); do unset "$v"; done
+# Static checks first: a lint or type error fails in seconds, before any server starts.
+echo "[test] ruff check kvpersist tests bench" >&2
+"$VENV/bin/python" -m ruff check kvpersist tests bench
+echo "[test] mypy (strict, see [tool.mypy] in pyproject.toml)" >&2
+"$VENV/bin/python" -m mypy
 exec "$VENV/bin/python" -m pytest -p no:cacheprovider "$@"

@@ -43,3 +43,29 @@ def relocated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]
 def clean_env() -> dict[str, str]:
     """os.environ without any KVP_ variables (for subprocesses)."""
     return {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
+
+
+#: test directories whose every test needs a heavy outside piece -> the marker that says so
+#: (``tests/infra`` converges a host with ansible-playbook, like ``tests/deploy``)
+DIRECTORY_MARKERS = {"fullstack": "fullstack", "deploy": "deploy", "infra": "deploy"}
+#: names that, imported by a test module, mean it starts real lmcache server processes
+SERVER_HELPERS = frozenset({"Stack", "start_lmcache_server"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark what needs servers, vLLM, systemd or ansible, so that the fast lane
+    ``-m "not integration and not fullstack and not deploy"`` selects none of it even if a
+    module forgets its ``pytestmark``."""
+    for item in items:
+        try:
+            top = Path(str(item.path)).resolve().relative_to(REPO / "tests").parts[0]
+        except ValueError:
+            continue
+        marker = DIRECTORY_MARKERS.get(top)
+        if marker is not None:
+            item.add_marker(marker)
+        module = getattr(item, "module", None)
+        uses_server = "stack" in getattr(item, "fixturenames", ()) or (
+            module is not None and SERVER_HELPERS & set(vars(module)))
+        if uses_server and marker is None:
+            item.add_marker("integration")

@@ -2,7 +2,7 @@
 
 Pure module: values in, text out; nothing here touches the filesystem except
 reading the templates. The same template files are shipped, byte for byte, in
-the Ansible role (``ansible/roles/kvpersist/templates/``), which renders them
+the Ansible role (``ansible/roles/kvp/templates/``), which renders them
 with the role's ``kvp_unit`` / ``kvp_instance`` variables; this module renders
 them for a hand-installed host and for the CI gates (``systemd-analyze verify``
 and ``systemd-analyze security --offline=true``). A test keeps both copies

@@ -11,8 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-#: The package directory (kvpersist/); its parent is a source checkout.
-_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+#: the top of a source checkout (``kvpersist/system/resources.py`` is two levels below it)
+_CHECKOUT_DIR = Path(__file__).resolve().parents[2]
 
 
 def home() -> Path:
@@ -20,7 +20,7 @@ def home() -> Path:
     candidates = []
     if os.environ.get("KVP_HOME"):
         candidates.append(Path(os.environ["KVP_HOME"]))
-    candidates += [_PACKAGE_DIR.parent, Path(sys.prefix) / "share" / "kvpersist"]
+    candidates += [_CHECKOUT_DIR, Path(sys.prefix) / "share" / "kvpersist"]
     for candidate in candidates:
         if (candidate / "templates").is_dir() and (candidate / "configs").is_dir():
             return candidate

@@ -100,7 +100,9 @@ class LMCacheServer:
 def server_argv(root: Path, port: int, http_port: int, *, l1_size_gb: float = 1,
                 max_capacity_gb: str = "2", shard_dirs: bool = False,
                 chunk_size: int = 256) -> list[str]:
-    """The DESIGN.md server command line for a cache root."""
+    """The server command line kvpersist renders (configs/generic/lmcache.yaml: loopback ports,
+    auto transfer mode, LRU 0.9/0.1 in L1 and L2, nixl_store_dynamic on POSIX with
+    persist_enabled), without a serde, for a cache root."""
     params = {"file_path": str(root), "use_direct_io": "false",
               "max_capacity_gb": max_capacity_gb}
     if shard_dirs:

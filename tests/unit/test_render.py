@@ -1,4 +1,4 @@
-"""render.py is pure: values in, argv/objects out; StrictUndefined catches template slips."""
+"""stack/render.py is pure: values in, argv/objects out; StrictUndefined catches slips."""
 
 from __future__ import annotations
 
