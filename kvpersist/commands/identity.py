@@ -6,11 +6,9 @@ from pathlib import Path
 
 import click
 
+from kvpersist.actions import identity as actions
 from kvpersist.commands.common import config_argument, echo_json, json_option, table
-from kvpersist.config.chat_template import extract_template, template_sha256
-from kvpersist.config.identity import IDENTITY_KEYS, diff_identities
-from kvpersist.config.loader import load_deployment
-from kvpersist.errors import CheckFailed, ConfigError, Problem
+from kvpersist.config.identity import IDENTITY_KEYS
 
 
 @click.group()
@@ -23,20 +21,12 @@ def identity() -> None:
 @json_option
 def show(config: str, as_json: bool) -> None:
     """Fields, canonical JSON, namespace and LMCache model name of CONFIG."""
-    dep = load_deployment(config)
-    assert dep.identity is not None  # load_deployment refuses unpinned without opt-in
-    data = {
-        "config": dep.name,
-        "source": dep.source,
-        "identity": dep.identity.as_dict(),
-        "canonical_json": dep.identity.canonical_json(),
-        "namespace": dep.namespace,
-        "lmcache_model_name": dep.lmcache_model_name,
-    }
+    view = actions.show(config)
+    dep, data = view.dep, view.to_dict()
     if as_json:
         echo_json(data)
         return
-    rows = [(name, IDENTITY_KEYS[name], value) for name, value in dep.identity.as_dict().items()]
+    rows = [(name, IDENTITY_KEYS[name], value) for name, value in view.fields().items()]
     click.echo(table(rows, ("field", "env key", "value")))
     click.echo(f"\ncanonical JSON:     {data['canonical_json']}")
     click.echo(f"namespace:          {dep.namespace}")
@@ -47,7 +37,7 @@ def show(config: str, as_json: bool) -> None:
 @config_argument
 def namespace(config: str) -> None:
     """Print only the namespace of CONFIG."""
-    click.echo(load_deployment(config).namespace)
+    click.echo(actions.show(config).dep.namespace)
 
 
 @identity.command("diff")
@@ -59,17 +49,10 @@ def diff(config_a: str, config_b: str, as_json: bool) -> None:
 
     Exit 0 if the namespaces are equal (caches are shared), 1 if they differ.
     """
-    a, b = load_deployment(config_a), load_deployment(config_b)
-    assert a.identity is not None and b.identity is not None
-    changes = diff_identities(a.identity, b.identity)
-    same = a.namespace == b.namespace
+    d = actions.diff(config_a, config_b)
+    a, b, changes, same = d.a, d.b, d.changes, d.same_namespace
     if as_json:
-        echo_json({
-            "a": {"config": a.name, "namespace": a.namespace},
-            "b": {"config": b.name, "namespace": b.namespace},
-            "same_namespace": same,
-            "differences": [{"field": f, "a": va, "b": vb} for f, va, vb in changes],
-        })
+        echo_json(d.to_dict())
     else:
         if changes:
             click.echo(table([(f, va, vb) for f, va, vb in changes], ("field", a.name, b.name)))
@@ -90,11 +73,4 @@ def template_sha(template: Path) -> None:
     TEMPLATE is a .jinja file or a tokenizer_config.json holding ``chat_template``. The
     digest is sha256 of the template rendered on kvpersist's fixed probe conversation.
     """
-    try:
-        text = template.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(Problem(str(template), f"cannot read: {exc}")) from exc
-    click.echo(template_sha256(extract_template(text)))
-
-
-__all__ = ["identity", "CheckFailed"]
+    click.echo(actions.template_sha(template))

@@ -1,0 +1,72 @@
+"""Use cases: show, compare and compute compatibility identities (``kvp-admin identity``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpersist.config.chat_template import extract_template, template_sha256
+from kvpersist.config.deployment import Deployment
+from kvpersist.config.identity import diff_identities
+from kvpersist.config.loader import load_deployment
+from kvpersist.errors import ConfigError, Problem
+
+
+@dataclass(frozen=True)
+class IdentityView:
+    """A deployment's identity fields, canonical JSON and namespace."""
+
+    dep: Deployment
+
+    def fields(self) -> dict[str, Any]:
+        assert self.dep.identity is not None  # load_deployment refuses unpinned without opt-in
+        return self.dep.identity.as_dict()
+
+    def to_dict(self) -> dict[str, Any]:
+        dep = self.dep
+        assert dep.identity is not None
+        return {"config": dep.name, "source": dep.source, "identity": self.fields(),
+                "canonical_json": dep.identity.canonical_json(), "namespace": dep.namespace,
+                "lmcache_model_name": dep.lmcache_model_name}
+
+
+def show(config: str) -> IdentityView:
+    """The identity of ``config`` (pinned; ConfigError otherwise)."""
+    return IdentityView(load_deployment(config))
+
+
+@dataclass(frozen=True)
+class IdentityDiff:
+    """Which identity fields differ between two deployments, and whether the namespace does."""
+
+    a: Deployment
+    b: Deployment
+    changes: tuple[tuple[str, Any, Any], ...]
+
+    @property
+    def same_namespace(self) -> bool:
+        return self.a.namespace == self.b.namespace
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": {"config": self.a.name, "namespace": self.a.namespace},
+                "b": {"config": self.b.name, "namespace": self.b.namespace},
+                "same_namespace": self.same_namespace,
+                "differences": [{"field": f, "a": va, "b": vb} for f, va, vb in self.changes]}
+
+
+def diff(config_a: str, config_b: str) -> IdentityDiff:
+    a, b = load_deployment(config_a), load_deployment(config_b)
+    assert a.identity is not None and b.identity is not None
+    return IdentityDiff(a, b, tuple(diff_identities(a.identity, b.identity)))
+
+
+def template_sha(template: Path) -> str:
+    """KVP_CHAT_TEMPLATE_SHA256 of a .jinja file or a tokenizer_config.json. Raises
+    ConfigError naming the file if it cannot be read."""
+    try:
+        text = template.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(Problem(str(template), f"cannot read: {exc}",
+                                  "give a chat template file or tokenizer_config.json")) from exc
+    return template_sha256(extract_template(text))
