@@ -25,6 +25,7 @@ from kvpersist.config.values import is_loopback, is_wildcard
 from kvpersist.errors import KvpError
 from kvpersist.l2.budget import resolve_size
 from kvpersist.stack.locate import Location
+from kvpersist.system import procs
 from kvpersist.system.files import fs_info
 
 SCHEMA = "kvpersist.health/1"
@@ -50,6 +51,11 @@ class Facts:
     server_status: dict[str, Any] | None = None
     run_script_code: int | None = None
     server_listen: list[str] = field(default_factory=list)
+    #: the process listening on the admin port, and whether its command line is this
+    #: deployment's cache server (None: unknown, e.g. another user's process)
+    http_listener_pid: int | None = None
+    http_listener_ours: bool | None = None
+    http_listener_cmd: str = ""
     configured_hosts: list[str] = field(default_factory=list)
     root_exists: bool = False
     root_mode: int | None = None
@@ -122,11 +128,14 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
         # POST without a body: 404 when the endpoint is disabled; an enabled endpoint
         # answers 422 (no script given) - nothing is ever executed.
         f.run_script_code, _ = _get(f"{plan.server_http_url}/run_script", timeout, "POST")
-    if st.running and st.pid:
+    if f.server_healthcheck:
+        _identify_listener(f, plan)
+    pid = st.pid if st.running else f.http_listener_pid if f.http_listener_ours else None
+    if pid:
         try:
             import psutil
 
-            conns = psutil.Process(st.pid).net_connections(kind="inet")
+            conns = psutil.Process(pid).net_connections(kind="inet")
             f.server_listen = sorted({f"{c.laddr.ip}:{c.laddr.port}" for c in conns
                                       if c.status == psutil.CONN_LISTEN})
         except Exception as exc:
@@ -159,6 +168,32 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
     return f
 
 
+def _identify_listener(f: Facts, loc: Location) -> None:
+    """Which process listens on the admin port, and is it this deployment's cache server?
+
+    Something else answering ``/healthcheck`` there (a stray test server, another program)
+    must not make a stopped cache server look healthy."""
+    import psutil
+
+    port = loc.listen["lmcache_http"][1]
+    try:
+        conns = psutil.net_connections(kind="inet")
+    except (psutil.Error, OSError) as exc:
+        f.errors.append(f"listener of port {port} unknown: {exc}")
+        return
+    pids = {c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr
+            and c.laddr.port == port and c.pid}
+    for pid in sorted(pids):
+        try:
+            cmd = psutil.Process(pid).cmdline()
+        except psutil.Error:
+            continue
+        f.http_listener_pid, f.http_listener_cmd = pid, " ".join(cmd)[:160]
+        f.http_listener_ours = procs.cmdline_matches(cmd, loc.server_markers)
+        if f.http_listener_ours:
+            return
+
+
 def _kv_port_of(pid: int) -> int | None:
     """The ``lmcache.mp.port`` in a vLLM process's ``--kv-transfer-config``."""
     try:
@@ -185,10 +220,26 @@ def _kv_port_of(pid: int) -> int | None:
 def verdict(f: Facts) -> tuple[str, list[Check]]:
     """Pure: the overall status and the individual checks."""
     checks: list[Check] = []
-    srv_up = f.server_healthcheck
+    status_shape = isinstance((f.server_status or {}).get("storage_manager"), dict)
+    impostor = f.server_healthcheck and (
+        f.http_listener_ours is False or (f.http_listener_ours is None and not status_shape))
+    srv_up = f.server_healthcheck and not impostor
     # ---- cache server
-    if srv_up:
+    if impostor:
+        who = (f"pid {f.http_listener_pid}: {f.http_listener_cmd}" if f.http_listener_pid
+               else "its /status is not LMCache's")
+        checks.append(Check("lmcache.healthcheck", "down" if not f.expect_vllm else "degraded",
+                            "the admin port answers /healthcheck, but not from this "
+                            f"deployment's cache server ({who}); pid file "
+                            f"{f.server_pid_state}"))
+    elif srv_up:
         checks.append(Check("lmcache.healthcheck", "ok", "/healthcheck answers 200"))
+        if f.http_listener_ours and f.server_pid_state != "running":
+            checks.append(Check("lmcache.pid_file", "degraded",
+                                f"the cache server runs (pid {f.http_listener_pid}) but its "
+                                f"pid file is {f.server_pid_state}: `kvp-admin stop` cannot "
+                                f"find it; stop pid {f.http_listener_pid} by hand and launch "
+                                "again"))
     else:
         why = f"pid file {f.server_pid_state}" + (f" (pid {f.server_pid})"
                                                   if f.server_pid else "")

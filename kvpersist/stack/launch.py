@@ -208,8 +208,17 @@ def prepare_state(plan: LaunchPlan, rendered: Rendered, sizing: Sizing, *,
 
 
 def server_state(loc: Location) -> procs.PidState:
-    """The cache server's pid-file state."""
-    return procs.check_pid_file(loc.server_pid_file, loc.server_markers)
+    """The cache server's pid-file state: this deployment's own pid file, or (when that is
+    absent) the one kvpersist 0.1 kept in the cache root, if it names a live cache server of
+    this cache root on this deployment's port."""
+    st = procs.check_pid_file(loc.server_pid_file, loc.server_markers)
+    if st.state != "absent":
+        return st
+    # the legacy pid file is shared by every deployment of the root: it counts only for the
+    # server listening on this deployment's port
+    legacy = procs.check_pid_file(loc.legacy_server_pid_file, loc.server_markers,
+                                  (("--port", str(loc.listen["lmcache"][1])),))
+    return legacy if legacy.running else st
 
 
 def vllm_state(loc: Location) -> procs.PidState:
@@ -388,25 +397,23 @@ def stop_vllm(plan: Location, *, timeout: float = 60.0) -> Stopped:
                            capture_output=True, text=True, timeout=timeout + 30)
         how = "terminated" if r.returncode == 0 else "not-running"
         return Stopped("vLLM", None, how, detail=plan.container_name)
-    return _stop_by_pid_file("vLLM", vllm_state(plan), plan.vllm_pid_file, timeout)
+    return _stop_by_pid_file("vLLM", vllm_state(plan), timeout)
 
 
 def stop_server(plan: Location, *, timeout: float = 30.0) -> Stopped:
     """Stop the cache server: SIGTERM, wait ``timeout``, then SIGKILL. L2 files stay."""
-    return _stop_by_pid_file("lmcache server", server_state(plan), plan.server_pid_file,
-                             timeout)
+    return _stop_by_pid_file("lmcache server", server_state(plan), timeout)
 
 
-def _stop_by_pid_file(name: str, st: procs.PidState, pid_file: str,
-                      timeout: float) -> Stopped:
+def _stop_by_pid_file(name: str, st: procs.PidState, timeout: float) -> Stopped:
     """Stop the process a checked pid file names (a stale pid file is only removed)."""
     if st.state == "stale":
-        procs.remove_pid_file(pid_file)
+        procs.remove_pid_file(st.pid_file)
         return Stopped(name, st.pid, "stale", detail=st.reason)
     if not st.running or st.pid is None:
         return Stopped(name, None, "not-running")
     res = procs.stop_process(st.pid, timeout=timeout)
-    procs.remove_pid_file(pid_file, st.pid)
+    procs.remove_pid_file(st.pid_file, st.pid)
     return Stopped(name, st.pid, res.how, res.seconds)
 
 

@@ -7,8 +7,11 @@ the budget has become invalid (an operator must always be able to stop a deploym
 
 Files of a deployment (``S`` = ``KVP_STATE_DIR``, default ``<cache root>/.kvpersist``):
 
-* ``<cache root>/lmcache-server.pid``: the cache server's pid
-* ``S/vllm.pid``: vLLM's pid when it runs as a direct process
+* ``S/pids/<name>.lmcache.pid``: the cache server's pid (one per deployment: two deployments
+  on one cache root, or sharing a state dir, never see each other's pid files)
+* ``S/pids/<name>.vllm.pid``: vLLM's pid when it runs as a direct process
+* ``<cache root>/lmcache-server.pid``: where kvpersist 0.1 kept the server's pid; still read
+  (never written) so that a server started by 0.1 can be stopped after an upgrade
 * ``S/logs/lmcache-server.log``, ``S/logs/vllm.log``
 * ``S/manifests/<namespace>.json``: the namespace manifest
 * ``S/budget.json``: the budget plan of the last launch (health reads it; it never scans)
@@ -25,7 +28,7 @@ from kvpersist.config.deployment import Deployment
 from kvpersist.config.values import url_host
 from kvpersist.l2.layout import MANIFESTS_DIR, PID_FILE
 
-VLLM_PID_FILE = "vllm.pid"
+PIDS_DIR = "pids"
 BUDGET_RECORD = "budget.json"
 
 
@@ -38,6 +41,7 @@ class Location:
     cache_root: str
     state_dir: str
     server_pid_file: str
+    legacy_server_pid_file: str
     vllm_pid_file: str
     server_log: str
     vllm_log: str
@@ -75,8 +79,9 @@ def locate(dep: Deployment) -> Location:
         namespace=dep.namespace,
         cache_root=s.cache_root,
         state_dir=state,
-        server_pid_file=os.path.join(s.cache_root, PID_FILE),
-        vllm_pid_file=os.path.join(state, VLLM_PID_FILE),
+        server_pid_file=os.path.join(state, PIDS_DIR, f"{dep.name}.lmcache.pid"),
+        legacy_server_pid_file=os.path.join(s.cache_root, PID_FILE),
+        vllm_pid_file=os.path.join(state, PIDS_DIR, f"{dep.name}.vllm.pid"),
         server_log=os.path.join(s.log_dir, "lmcache-server.log"),
         vllm_log=os.path.join(s.log_dir, "vllm.log"),
         manifest_file=os.path.join(state, MANIFESTS_DIR, f"{dep.namespace}.json"),

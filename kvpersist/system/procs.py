@@ -74,18 +74,28 @@ def remove_pid_file(path: str | os.PathLike[str], pid: int | None = None) -> Non
                        "a file kvpersist wrote: remove it by hand") from exc
 
 
-def cmdline_matches(cmdline: Sequence[str], markers: Iterable[str]) -> bool:
-    """True if every marker is a substring of some argument of ``cmdline`` (pure)."""
-    return all(any(m in arg for arg in cmdline) for m in markers)
+def cmdline_matches(cmdline: Sequence[str], markers: Iterable[str],
+                    pairs: Iterable[tuple[str, str]] = ()) -> bool:
+    """True if every marker is a substring of some argument of ``cmdline`` and every
+    ``(flag, value)`` pair stands in it as two consecutive arguments or ``flag=value`` (pure)."""
+    args = list(cmdline)
+    if not all(any(m in arg for arg in args) for m in markers):
+        return False
+    return all(
+        any(a == f"{flag}={value}" or (a == flag and args[i + 1:i + 2] == [value])
+            for i, a in enumerate(args))
+        for flag, value in pairs)
 
 
-def check_pid_file(path: str | os.PathLike[str], markers: Iterable[str]) -> PidState:
-    """Classify the pid file at ``path`` (see module docstring); never raises for a bad file."""
+def check_pid_file(path: str | os.PathLike[str], markers: Iterable[str],
+                   pairs: Iterable[tuple[str, str]] = ()) -> PidState:
+    """Classify the pid file at ``path`` (see module docstring); never raises for a bad file.
+    The process must carry ``markers`` and ``pairs`` (:func:`cmdline_matches`)."""
     path = Path(path)
     markers = tuple(markers)
     pid = read_pid_file(path)
     if pid is None:
-        if path.exists():
+        if os.path.lexists(path):
             return PidState("stale", None, "pid file does not hold a pid", str(path))
         return PidState("absent", None, "", str(path))
     try:
@@ -103,7 +113,7 @@ def check_pid_file(path: str | os.PathLike[str], markers: Iterable[str]) -> PidS
     if created > mtime + _CREATE_SLACK_S:
         return PidState("stale", pid, f"pid {pid} was recycled: that process started after "
                         "the pid file was written", str(path))
-    if not cmdline_matches(cmdline, markers):
+    if not cmdline_matches(cmdline, markers, pairs):
         shown = " ".join(cmdline)[:120]
         return PidState("stale", pid, f"pid {pid} now belongs to another program ({shown})",
                         str(path))

@@ -80,7 +80,9 @@ class Stack:
 
     @property
     def pid_file(self) -> Path:
-        return self.root / "lmcache-server.pid"
+        """The cache server's pid file: per deployment, in its state dir."""
+        state = Path(self.env.get("KVP_STATE_DIR", str(self.root / ".kvpersist")))
+        return state / "pids" / f"{Path(self.config).name}.lmcache.pid"
 
     @property
     def server_log(self) -> Path:

@@ -232,10 +232,10 @@ def test_cache_server_listens_on_loopback_only(host, kvp_layout, cache_server):
             assert local.startswith("127.0.0.1:"), line
 
 
-def test_cache_server_pid_file_in_cache_root(host, kvp_layout, cache_server):
+def test_cache_server_pid_file_in_state_dir(host, kvp_layout, cache_server):
     srv = cache_server
     assert srv.healthy, srv.log_tail(host)
-    pid_file = host.file(f"{srv.dep.cache_root}/lmcache-server.pid")
+    pid_file = host.file(f"{srv.dep.state_dir}/pids/{srv.dep.name}.lmcache.pid")
     assert pid_file.is_file
     assert pid_file.user == srv.run_as
     pid = int(pid_file.content_string.split()[0])

@@ -71,6 +71,7 @@ def test_launch_status_health_refuse_stop(stack: Stack) -> None:
 
 def test_stale_pid_file_of_dead_process_is_replaced(stack: Stack) -> None:
     stack.root.mkdir(mode=0o700)
+    stack.pid_file.parent.mkdir(parents=True, mode=0o700)
     dead = subprocess.Popen(["true"])
     dead.wait()
     stack.pid_file.write_text(f"{dead.pid}\n")
@@ -82,6 +83,7 @@ def test_stale_pid_file_of_dead_process_is_replaced(stack: Stack) -> None:
 
 def test_recycled_pid_is_not_trusted_nor_killed(stack: Stack) -> None:
     stack.root.mkdir(mode=0o700)
+    stack.pid_file.parent.mkdir(parents=True, mode=0o700)
     other = subprocess.Popen(["sleep", "120"])
     try:
         stack.pid_file.write_text(f"{other.pid}\n")
@@ -103,6 +105,7 @@ def test_recycled_pid_is_not_trusted_nor_killed(stack: Stack) -> None:
 def test_pid_recycled_after_the_pid_file_was_written(stack: Stack) -> None:
     """A process younger than the pid file cannot be the one the file recorded."""
     stack.root.mkdir(mode=0o700)
+    stack.pid_file.parent.mkdir(parents=True, mode=0o700)
     stack.pid_file.write_text("1\n")  # placeholder, rewritten below with an old mtime
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
                               "lmcache", "--l2-adapter", f'"file_path":"{stack.root}"'])
@@ -194,3 +197,56 @@ def test_health_holds_its_deadline_on_a_million_file_root(stack: Stack) -> None:
     # 4 HTTP probes of at most 2 s each bound it; a scan of 1M files alone took longer
     assert elapsed < 10, f"health took {elapsed:.1f} s on a 1M-file root"
     stack.stop()
+
+
+def _second_deployment(stack: Stack, name: str = "other") -> Stack:
+    """Another deployment (other namespace, other ports) on the same cache root."""
+    cfg = stack.tmp / name / "identity.env"
+    cfg.parent.mkdir()
+    cfg.write_text((REPO / "configs/cpu-demo/identity.env").read_text()
+                   .replace("KVP_MAX_MODEL_LEN=4096", "KVP_MAX_MODEL_LEN=2048"))
+    other = Stack(stack.tmp, config=str(cfg.parent))
+    other.root = stack.root
+    other.env["KVP_CACHE_ROOT"] = str(stack.root)
+    return other
+
+
+def test_two_deployments_on_one_root_never_touch_each_other(stack: Stack) -> None:
+    """Each deployment has its own pid file: B launches beside A, and stopping B leaves A."""
+    b = _second_deployment(stack)
+    try:
+        pid_a = stack.launch("--no-vllm")["lmcache"]["pid"]
+        info_b = b.launch("--no-vllm")
+        pid_b = info_b["lmcache"]["pid"]
+        assert pid_a != pid_b and info_b["namespace"] != stack.render()["namespace"]
+        assert stack.pid_file != b.pid_file and b.pid_file.read_text().strip() == str(pid_b)
+        assert b.kvp_json("status", b.config)["lmcache"]["pid"] == pid_b
+        assert stack.kvp_json("status", stack.config)["lmcache"]["pid"] == pid_a
+        out = b.stop()
+        assert [s["pid"] for s in out["stopped"] if s["how"] == "terminated"] == [pid_b]
+        assert wait_until(lambda: not psutil.pid_exists(pid_b), 10)
+        assert psutil.pid_exists(pid_a)
+        assert stack.kvp("health", stack.config, "--no-vllm").returncode == 0
+    finally:
+        b.cleanup()
+
+
+def test_a_server_started_by_0_1_is_found_through_its_legacy_pid_file(stack: Stack) -> None:
+    """0.1 kept the pid in <cache root>/lmcache-server.pid, shared by every deployment of the
+    root: after an upgrade it still stops its own server, and only the one on its port."""
+    b = _second_deployment(stack)
+    try:
+        pid_a = stack.launch("--no-vllm")["lmcache"]["pid"]
+        legacy = stack.root / "lmcache-server.pid"
+        stack.pid_file.rename(legacy)  # as 0.1 left it
+        st = stack.kvp_json("status", stack.config)
+        assert st["lmcache"]["state"] == "running" and st["lmcache"]["pid"] == pid_a
+        # B (another port) must not take A's server for its own
+        assert b.kvp_json("status", b.config, check=False)["lmcache"]["state"] == "absent"
+        assert [s["how"] for s in b.stop()["stopped"]] == ["not-running", "not-running"]
+        assert psutil.pid_exists(pid_a)
+        out = stack.stop()
+        assert out["stopped"][-1]["pid"] == pid_a and out["stopped"][-1]["how"] == "terminated"
+        assert not legacy.exists()
+    finally:
+        b.cleanup()

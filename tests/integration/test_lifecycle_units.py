@@ -39,6 +39,12 @@ def test_cmdline_matches() -> None:
     argv = ["/v/bin/lmcache", "server", "--l2-adapter", '{"file_path":"/c"}']
     assert procs.cmdline_matches(argv, ["lmcache", '"file_path":"/c"'])
     assert not procs.cmdline_matches(argv, ["lmcache", '"file_path":"/d"'])
+    ported = [*argv, "--port", "5555", "--http-port=8080"]
+    assert procs.cmdline_matches(ported, ["lmcache"], [("--port", "5555")])
+    assert procs.cmdline_matches(ported, ["lmcache"], [("--http-port", "8080")])
+    assert not procs.cmdline_matches(ported, ["lmcache"], [("--port", "5556")])
+    assert not procs.cmdline_matches(ported, ["lmcache"], [("--port", "555")])
+    assert not procs.cmdline_matches([*argv, "--port"], ["lmcache"], [("--port", "5555")])
 
 
 def test_check_pid_file_states(tmp_path: Path) -> None:
@@ -110,6 +116,16 @@ def _facts(**kw: object) -> health.Facts:
     ({"server_listen": ["0.0.0.0:5555"], "configured_hosts": ["127.0.0.1", "127.0.0.1"]},
      "degraded"),
     ({"root_exists": False}, "down"),
+    # something else answers /healthcheck on the admin port
+    ({"http_listener_ours": False, "http_listener_pid": 42, "expect_vllm": False}, "down"),
+    ({"http_listener_ours": False, "http_listener_pid": 42}, "degraded"),
+    ({"server_status": None, "expect_vllm": False}, "down"),
+    ({"server_status": {"ok": True}, "expect_vllm": False}, "down"),
+    # the server runs, but stop could not find it
+    ({"http_listener_ours": True, "http_listener_pid": 42, "server_pid_state": "absent"},
+     "degraded"),
+    ({"http_listener_ours": True, "http_listener_pid": 42, "server_pid_state": "running"},
+     "healthy"),
 ])
 def test_health_verdict(change: dict[str, object], status: str) -> None:
     got, checks = health.verdict(_facts(**change))
