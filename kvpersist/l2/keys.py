@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpersist.errors import KvpError
-from kvpersist.system.files import atomic_write
+from kvpersist.system.files import atomic_write, trust_problems
 
 KEY_BYTES = 32
 FINGERPRINT_FILE = "l2-master.key.fingerprint"
@@ -51,7 +51,12 @@ def fingerprint(key: bytes) -> str:
 
 
 def _check_mode(path: Path) -> None:
+    trust = trust_problems(path)
+    if trust:
+        raise KeyError_(f"key file {path} cannot be trusted: " + "; ".join(trust))
     st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise KeyError_(f"key file {path} is not a regular file")
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise KeyError_(f"key file {path} is accessible to group/others "
                         f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}")

@@ -26,7 +26,7 @@ from kvpersist.l2.inventory import Sizing
 from kvpersist.stack.locate import Location, locate, vllm_mode
 from kvpersist.stack.render import Rendered
 from kvpersist.system import procs
-from kvpersist.system.files import atomic_write_json, fs_info
+from kvpersist.system.files import atomic_write_json, fs_info, trust_problems
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -140,6 +140,18 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
         problems.append(Problem("KVP_CACHE_ROOT", f"{root} is not a directory"))
     if root.is_dir():
         notes += budget_notes(sizing)
+    seen: set[str] = set()
+    for key, path in (("KVP_CACHE_ROOT", plan.cache_root), ("KVP_STATE_DIR", plan.state_dir),
+                      ("KVP_LOG_DIR", os.path.dirname(plan.server_log)),
+                      ("KVP_SERDE_KEY_FILE", plan.serde_key_file)):
+        if key == "KVP_SERDE_KEY_FILE" and plan.serde != "aesgcm":
+            continue
+        for why in trust_problems(path):
+            if why in seen:
+                continue
+            seen.add(why)
+            problems.append(Problem(key, why, "the service user must own its cache, state and "
+                                    "key, and no other user may be able to replace them"))
     ports = [("KVP_LMCACHE_PORT", *plan.listen["lmcache"]),
              ("KVP_LMCACHE_HTTP_PORT", *plan.listen["lmcache_http"])]
     if with_vllm:

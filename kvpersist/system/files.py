@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,3 +81,48 @@ def fs_info(path: str | os.PathLike[str]) -> FsInfo:
         raise KvpError(f"cannot stat the filesystem of {path}: {exc}") from exc
     return FsInfo(total_bytes=sv.f_blocks * sv.f_frsize, free_bytes=sv.f_bfree * sv.f_frsize,
                   avail_bytes=sv.f_bavail * sv.f_frsize)
+
+
+def trust_problems(path: str | os.PathLike[str], uid: int | None = None) -> list[str]:
+    """Why ``path`` cannot be trusted by the user ``uid`` (default: this process), as sshd
+    checks its key files: the path itself (if it exists) must belong to ``uid``; every
+    directory above it must belong to ``uid`` or root and must not be writable by group or
+    others unless it has the sticky bit (``/tmp``). Anyone who can replace a directory on
+    the way can replace what lies below it (a key, a chunk file that authenticates).
+
+    Returns every problem found (empty when trusted); symlinks on the way are reported, not
+    followed. Never raises.
+    """
+    me = os.geteuid() if uid is None else uid
+    out: list[str] = []
+    current = Path(os.path.abspath(path))
+    try:
+        st = os.lstat(current)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        return [f"{current}: cannot check its owner ({exc.strerror})"]
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode):
+            out.append(f"{current} is a symbolic link; point the setting at the real path")
+        elif st.st_uid != me:
+            out.append(f"{current} belongs to uid {st.st_uid}, not to this user (uid {me}): "
+                       f"chown it to the service user, or run as its owner")
+    for parent in current.parents:
+        try:
+            pst = os.lstat(parent)
+        except FileNotFoundError:
+            continue  # not created yet
+        except OSError as exc:
+            out.append(f"{parent}: cannot check its owner ({exc.strerror})")
+            continue
+        if stat.S_ISLNK(pst.st_mode):
+            continue  # an operator's link (e.g. /var -> /srv/var): its target is checked too
+        if pst.st_uid not in (0, me):
+            out.append(f"{parent} (above {current}) belongs to uid {pst.st_uid}: that user "
+                       f"could replace what lies below it")
+        if pst.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not pst.st_mode & stat.S_ISVTX:
+            out.append(f"{parent} (above {current}) is writable by group or others without "
+                       f"the sticky bit (mode {stat.S_IMODE(pst.st_mode):04o}): anyone could "
+                       f"replace what lies below it; chmod go-w {parent}")
+    return out

@@ -250,3 +250,46 @@ def test_a_server_started_by_0_1_is_found_through_its_legacy_pid_file(stack: Sta
         assert not legacy.exists()
     finally:
         b.cleanup()
+
+
+IMPOSTOR = """
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"ok": True}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+    do_POST = do_GET
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_health_is_not_fooled_by_another_server_on_the_admin_port(stack: Stack) -> None:
+    """A plain HTTP server answering /healthcheck on the admin port while the cache server is
+    down: the deployment is down (exit 2), and health names what answers there."""
+    stack.root.mkdir(mode=0o700)
+    port = stack.env["KVP_LMCACHE_HTTP_PORT"]
+    fake = subprocess.Popen([sys.executable, "-c", IMPOSTOR, port])
+    try:
+        assert wait_until(lambda: _ok(f"{stack.http}/healthcheck"), 10)
+        h = stack.kvp("health", stack.config, "--no-vllm", "--json")
+        report = json.loads(h.stdout)
+        assert h.returncode == 2 and report["status"] == "down", report
+        check = [c for c in report["checks"] if c["name"] == "lmcache.healthcheck"][0]
+        assert check["status"] == "down" and f"pid {fake.pid}" in check["detail"], check
+    finally:
+        fake.kill()
+        fake.wait()
+
+
+def test_health_reports_a_running_server_whose_pid_file_is_gone(stack: Stack) -> None:
+    pid = stack.launch("--no-vllm")["lmcache"]["pid"]
+    stack.pid_file.unlink()
+    h = stack.kvp("health", stack.config, "--no-vllm", "--json")
+    report = json.loads(h.stdout)
+    assert h.returncode == 1 and report["status"] == "degraded", report
+    check = [c for c in report["checks"] if c["name"] == "lmcache.pid_file"][0]
+    assert check["status"] == "degraded" and f"pid {pid}" in check["detail"]
+    os.kill(pid, 15)
+    assert wait_until(lambda: not psutil.pid_exists(pid), 30)

@@ -1,0 +1,98 @@
+"""Ownership is checked as sshd checks its keys: a cache root, state dir or key that another
+user owns, or that sits under a directory others can write, is refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpersist.system.files import trust_problems
+
+from ..conftest import REPO, clean_env, free_port
+
+OTHER = 65534
+
+
+@pytest.fixture(autouse=True)
+def _as_root() -> None:
+    if os.geteuid() != 0:
+        pytest.fail("these tests chown files to another user: run them as root (CI does)")
+
+
+def test_own_path_under_a_sane_tree_is_trusted(tmp_path: Path) -> None:
+    d = tmp_path / "cache"
+    d.mkdir(mode=0o700)
+    assert trust_problems(d) == []
+    assert trust_problems(d / "not-yet") == []  # a path to create later
+
+
+def test_a_path_owned_by_another_user(tmp_path: Path) -> None:
+    d = tmp_path / "cache"
+    d.mkdir(mode=0o700)
+    os.chown(d, OTHER, OTHER)
+    [why] = trust_problems(d)
+    assert f"uid {OTHER}" in why and "not to this user" in why
+    below = d / "keys" / "k"
+    assert any(f"belongs to uid {OTHER}" in w for w in trust_problems(below))
+
+
+def test_world_writable_parent_without_sticky_bit(tmp_path: Path) -> None:
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    os.chmod(parent, 0o777)
+    (parent / "cache").mkdir(mode=0o700)
+    problems = trust_problems(parent / "cache")
+    assert len(problems) == 1 and "writable by group or others" in problems[0]
+    os.chmod(parent, 0o1777)  # sticky, like /tmp: others cannot replace our entries
+    assert trust_problems(parent / "cache") == []
+    os.chmod(parent, 0o775)
+    assert "writable by group or others" in trust_problems(parent / "cache")[0]
+
+
+def test_a_symlink_is_reported_not_followed(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert "symbolic link" in trust_problems(tmp_path / "link")[0]
+
+
+def _kvp(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=120)
+
+
+def _env(root: Path, **extra: str) -> dict[str, str]:
+    env = clean_env()
+    env.update({"KVP_CACHE_ROOT": str(root), "KVP_LMCACHE_PORT": str(free_port()),
+                "KVP_LMCACHE_HTTP_PORT": str(free_port()), "KVP_VLLM_PORT": str(free_port()),
+                **extra})
+    return env
+
+
+def test_launch_refuses_a_root_and_key_planted_by_another_user(tmp_path: Path) -> None:
+    """The issue's case: a 0700 root owned by uid 65534 with a 0600 key that user planted."""
+    root = tmp_path / "cache"
+    key = root / ".kvpersist" / "keys" / "l2-master.key"
+    key.parent.mkdir(parents=True)
+    key.write_bytes(os.urandom(32))
+    os.chmod(key, 0o600)
+    for p in (root, root / ".kvpersist", key.parent, key):
+        os.chown(p, OTHER, OTHER)
+    os.chmod(root, 0o700)
+    res = _kvp(_env(root), "launch", "cpu-demo", "--check", "--no-vllm")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    assert f"belongs to uid {OTHER}" in res.stderr and "KVP_SERDE_KEY_FILE" in res.stderr
+    res = _kvp(_env(root), "verify", "cpu-demo")
+    assert res.returncode == 1 and "cannot be trusted" in res.stderr, res.stderr
+
+
+def test_launch_refuses_a_root_under_a_world_writable_parent(tmp_path: Path) -> None:
+    parent = tmp_path / "open"
+    parent.mkdir()
+    os.chmod(parent, 0o777)
+    res = _kvp(_env(parent / "cache"), "launch", "cpu-demo", "--check", "--no-vllm")
+    assert res.returncode == 2 and "writable by group or others" in res.stderr, res.stderr
