@@ -1,10 +1,11 @@
 """One-pass scan of an L2 cache root (the I/O layer of the inventory).
 
-``scan_root(root)`` walks the tree with ``os.scandir`` (never following symlinks), lstat()s each
-entry once and aggregates per file-name prefix, so its memory grows with the number of
-namespaces, ranks and groups, not with the number of files. On a multi-core host a big tree is
-split between forked worker processes by a hash of each root entry's name; each worker returns
-only its aggregates.
+``scan_root(root)`` walks the whole tree with :func:`kvpersist.l2.tree.walk_dirs` (directory
+descriptors, never following a symlink), lists each directory once with ``os.scandir``,
+lstat()s each entry once and aggregates per file-name prefix, so its memory grows with the
+number of namespaces, ranks and groups, not with the number of files. On a multi-core host a
+big tree is split between forked worker processes by a hash of each root entry's name; each
+worker returns only its aggregates.
 
 Categories (they add up to what ``du -s --apparent-size -b ROOT`` counts):
 
@@ -35,6 +36,7 @@ from kvpersist.l2.layout import (
     is_shard_dir_name,
     namespace_of_prefix,
 )
+from kvpersist.l2.tree import open_dir, open_root, walk_dirs
 from kvpersist.system.files import FsInfo, fs_info
 from kvpersist.system.forked import run_parts
 
@@ -48,9 +50,12 @@ PARALLEL_MIN_DIR_BYTES = 1 << 20
 PROGRESS_EVERY = 1 << 16
 _NO_MIN = 1 << 63
 _HEX_BYTES = b"0123456789abcdef"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# what a directory of the walk is (its walk tag): chunk layout, foreign, or kvpersist metadata
+_PLAIN, _FOREIGN, _META = 0, 1, 2
 
 ProgressFn = Callable[[int], None]
+#: ``Dir.subdirs.append`` of the directory being scanned: queues ``(name, tag)`` for the walk
+DescendFn = Callable[[tuple[str, int]], None]
 
 
 @dataclass
@@ -268,46 +273,43 @@ class _Walker:
 
     # -- the walk ------------------------------------------------------------------------
 
-    def walk_root(self) -> ScanResult:
+    def walk_root(self, root_fd: int | None = None) -> ScanResult:
+        """Walk the tree: from ``root_fd`` (the caller's; left open) or, if None, from a
+        descriptor of ``self.root`` opened here."""
         res = self.res
+        own = root_fd is None
+        if root_fd is None:
+            try:
+                root_fd = open_dir(self.root)
+            except OSError as exc:
+                self._error(f"{self.root}: {exc.strerror}")
+                return res
         try:
-            st = os.lstat(self.root)
-        except OSError as exc:
-            self._error(f"{self.root}: {exc.strerror}")
-            return res
-        if self.part == 0:
-            res.directories.add(st)
-        self._walk_dir(None, self.root, "", depth=0, partition=self.parts > 1)
+            if self.part == 0:
+                res.directories.add(os.fstat(root_fd))
+            with walk_dirs(root_fd, _PLAIN, on_error=self._open_error) as dirs:
+                scan_fd, partition = self._scan_fd, self.parts > 1
+                for d in dirs:
+                    # one directory: ``depth`` 0 is the root, 1 and 2 may be shard directories
+                    # (unless foreign or metadata); the hot loop chooses what to walk next
+                    tag, depth = d.tag, d.depth
+                    shard: tuple[str, str] | None = None
+                    if depth == 2 and tag == _PLAIN:
+                        a, _, b = d.rel.partition("/")
+                        shard = (a, b)
+                    scan_fd(d.fd, d.rel, depth, partition and depth == 0, tag == _FOREIGN,
+                            tag == _META, shard, d.subdirs.append)
+        finally:
+            if own:
+                os.close(root_fd)
         self._fold()
         return res
 
-    def _walk_dir(self, parent_fd: int | None, name: str, rel: str, depth: int,
-                  partition: bool, foreign: bool = False, meta: bool = False) -> None:
-        """Walk directory ``name`` (relative to ``parent_fd``, or a path when it is None).
-
-        ``depth`` 0 is the root, 1 and 2 may be shard directories. Entries are lstat()ed
-        relative to the directory's descriptor, which is faster than by path.
-        """
-        shard: tuple[str, str] | None = None
-        if depth == 2 and not foreign and not meta:
-            a, b = rel.split("/")
-            shard = (a, b)
-        subdirs: list[tuple[str, str, bool, bool]] = []
-        try:
-            dfd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-        except OSError as exc:
-            self._error(f"{rel or '.'}: {exc.strerror}")
-            return
-        try:
-            self._scan_fd(dfd, rel, depth, partition, foreign, meta, shard, subdirs)
-            for sub_name, sub_rel, sub_foreign, sub_meta in subdirs:
-                self._walk_dir(dfd, sub_name, sub_rel, depth + 1, False, sub_foreign, sub_meta)
-        finally:
-            os.close(dfd)
+    def _open_error(self, rel: str, exc: OSError) -> None:
+        self._error(f"{rel or '.'}: {exc.strerror}")
 
     def _scan_fd(self, dfd: int, rel: str, depth: int, partition: bool, foreign: bool,
-                 meta: bool, shard: tuple[str, str] | None,
-                 subdirs: list[tuple[str, str, bool, bool]]) -> None:
+                 meta: bool, shard: tuple[str, str] | None, descend: DescendFn) -> None:
         """The hot loop over one directory's entries.
 
         Chunk files whose ``prefix_rank_group`` head was seen before take the fast path: one
@@ -379,7 +381,7 @@ class _Walker:
                         if shard is not None:
                             a[6] += 1
                         continue
-                slow(e, name, rel, depth, foreign, meta, shard, subdirs)
+                slow(e, name, rel, depth, foreign, meta, shard, descend)
         self.count = count
 
     def _stat_error(self, exc: OSError, rel: str, name: str) -> None:
@@ -388,8 +390,7 @@ class _Walker:
             self._error(f"{rel}/{name}: {exc.strerror}")
 
     def _slow_entry(self, e: os.DirEntry[str], name: str, rel: str, depth: int, foreign: bool,
-                    meta: bool, shard: tuple[str, str] | None,
-                    subdirs: list[tuple[str, str, bool, bool]]) -> None:
+                    meta: bool, shard: tuple[str, str] | None, descend: DescendFn) -> None:
         """Classify and count one entry that did not take the fast path."""
         res = self.res
         path = f"{rel}/{name}" if rel else name
@@ -411,13 +412,13 @@ class _Walker:
             elif e.is_dir(follow_symlinks=False):
                 res.directories.add(e.stat(follow_symlinks=False))
                 if meta or (depth == 0 and name == META_DIR):
-                    subdirs.append((name, path, False, True))
+                    descend((name, _META))
                 elif foreign or not (depth < 2 and is_shard_dir_name(name)):
                     if not foreign:
                         res.foreign_dirs += 1
-                    subdirs.append((name, path, True, False))
+                    descend((name, _FOREIGN))
                 else:
-                    subdirs.append((name, path, False, False))
+                    descend((name, _PLAIN))
             else:
                 # sockets, fifos, devices: foreign, counted with their lstat size
                 res.foreign.add(e.stat(follow_symlinks=False), sample=path)
@@ -455,7 +456,7 @@ class _Walker:
         self.accs.clear()
 
 
-def _want_workers(root: str, workers: int | None) -> int:
+def _want_workers(root_fd: int, workers: int | None) -> int:
     """How many processes to scan with: one for a small tree; for a big one, as many as there
     are idle CPUs (by the 1-minute load average), at most 4. A forked worker on a busy CPU
     makes the scan slower, not faster (measured: docs/benchmarks.md)."""
@@ -465,7 +466,7 @@ def _want_workers(root: str, workers: int | None) -> int:
     if not cpus or cpus < 2:
         return 1
     try:
-        st = os.lstat(root)
+        st = os.fstat(root_fd)
     except OSError:
         return 1
     big = st.st_size >= PARALLEL_MIN_DIR_BYTES or st.st_nlink >= 2 + 64
@@ -488,20 +489,20 @@ def scan_root(
     scaled to an estimate of the total). ``workers`` forces the number of processes (default:
     one, or up to four on a multi-core host when the tree is big). ``hist`` keeps the last-use
     histogram needed by retention planning. Errors on single entries are collected in
-    ``result.errors``; raises OSError only if ``root`` is not a readable directory.
+    ``result.errors``. Raises UsageError if ``root`` does not exist or is not a directory,
+    KvpError if it cannot be opened.
     """
     # the root itself may be a symlink the operator set up; nothing below it is followed
-    root_s = os.path.realpath(os.fspath(root))
-    if not os.path.isdir(root_s):
-        raise NotADirectoryError(f"not a directory: {root_s}")
-    started = time.time_ns()
-    t0 = time.perf_counter()
-    n = _want_workers(root_s, workers)
-    result: ScanResult
-    if n == 1:
-        result = _Walker(root_s, 0, 1, progress, hist).walk_root()
-    else:
-        result = _scan_forked(root_s, n, progress, hist)
+    with open_root(root, purpose="scan") as opened:
+        root_s = opened.path
+        started = time.time_ns()
+        t0 = time.perf_counter()
+        n = _want_workers(opened.fd, workers)
+        result: ScanResult
+        if n == 1:
+            result = _Walker(root_s, 0, 1, progress, hist).walk_root(opened.fd)
+        else:
+            result = _scan_forked(root_s, opened.fd, n, progress, hist)
     result.root = root_s
     result.started_ns = started
     result.duration_s = time.perf_counter() - t0
@@ -510,10 +511,15 @@ def scan_root(
     return result
 
 
-def _scan_forked(root: str, n: int, progress: ProgressFn | None, hist: bool) -> ScanResult:
-    """Scan with ``n`` processes: this one takes part 0, forked children the rest."""
-    parts = run_parts(n, lambda part, prog: _Walker(root, part, n, prog, hist).walk_root(),
-                      progress, "scan")
+def _scan_forked(root: str, root_fd: int, n: int, progress: ProgressFn | None,
+                 hist: bool) -> ScanResult:
+    """Scan with ``n`` processes: this one takes part 0 (on ``root_fd``), forked children the
+    rest. A child opens the root itself: a directory descriptor shared between processes would
+    share its read position too."""
+    parts = run_parts(
+        n, lambda part, prog: _Walker(root, part, n, prog, hist).walk_root(
+            root_fd if part == 0 else None),
+        progress, "scan")
     result = parts[0]
     for other in parts[1:]:
         result.merge(other)

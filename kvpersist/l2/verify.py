@@ -13,7 +13,10 @@ after every restart, forever. ``verify`` finds:
 Quarantine renames a file out of its deterministic name into
 ``<cache root>/.kvpersist/quarantine/`` (same filesystem, atomic), so LMCache stores the chunk
 afresh on the next miss. Nothing is deleted; ``prune`` or the operator removes the
-quarantine. A file that changed between check and rename is left alone.
+quarantine. Files are found, read and renamed relative to directory descriptors of the walk
+(:mod:`kvpersist.l2.tree`), never through a symlink, and a file that is no longer the one
+checked (device, inode, size, mtime) is left alone; a ``.kvpersist`` or ``quarantine`` that is a
+symlink is refused.
 
 I/O is bounded: ``rate_mb_s`` caps read bandwidth; ``progress`` is called as files go by.
 Pure helpers: ``expected_sizes``, ``frame_candidates``; the rest reads files.
@@ -21,15 +24,17 @@ Pure helpers: ``expected_sizes``, ``frame_candidates``; the rest reads files.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat as stat_mod
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvpersist.l2 import layout
+from kvpersist.l2.tree import FILE_FLAGS, RootDir, chunk_dirs, meta_dir, open_rel, open_root
 
 SCHEMA = "kvpersist.verify/1"
 QUARANTINE_DIR = "quarantine"
@@ -128,21 +133,26 @@ def authenticate(blob: bytes, key: bytes, known_plaintext: int | None) -> int | 
 # --------------------------------------------------------------------------- walking (I/O)
 
 
-def _entries(root: Path) -> Iterator[tuple[Path, str]]:
-    """(path, name) of every regular file in the root and its shard directories."""
-    with os.scandir(root) as it:
-        for e in it:
-            if e.is_file(follow_symlinks=False):
-                yield Path(e.path), e.name
-            elif e.is_dir(follow_symlinks=False) and layout.is_shard_dir_name(e.name):
-                with os.scandir(e.path) as it2:
-                    for e2 in it2:
-                        if e2.is_dir(follow_symlinks=False) and \
-                                layout.is_shard_dir_name(e2.name):
-                            with os.scandir(e2.path) as it3:
-                                for e3 in it3:
-                                    if e3.is_file(follow_symlinks=False):
-                                        yield Path(e3.path), e3.name
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """A file as verify saw it: where (directory relative to the root, name) and which inode
+    (device, inode, size, mtime), so quarantine moves only that very file."""
+
+    rel: str
+    name: str
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, rel: str, name: str, st: os.stat_result) -> _Seen:
+        return cls(rel, name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def same(self, st: os.stat_result) -> bool:
+        return (stat_mod.S_ISREG(st.st_mode) and st.st_dev == self.dev
+                and st.st_ino == self.ino and st.st_size == self.size
+                and st.st_mtime_ns == self.mtime_ns)
 
 
 class _Throttle:
@@ -159,6 +169,41 @@ class _Throttle:
                 time.sleep(ahead)
 
 
+class _DirCache:
+    """The directory of the last file asked for, opened below the root without following a
+    symlink (verify visits files directory by directory)."""
+
+    def __init__(self, root_fd: int) -> None:
+        self.root_fd = root_fd
+        self.rel: str | None = None
+        self.fd = -1
+
+    def get(self, rel: str) -> int:
+        """The descriptor of directory ``rel``. Raises OSError."""
+        if rel != self.rel:
+            self.close()
+            self.fd = open_rel(self.root_fd, rel)
+            self.rel = rel
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd, self.rel = -1, None
+
+
+def _read(dfd: int, name: str) -> tuple[bytes, os.stat_result]:
+    """The contents of regular file ``name`` of directory ``dfd`` (never through a symlink),
+    with its fstat. Raises OSError (ELOOP for a symlink, EISDIR/ENXIO style errors for
+    anything that is not a regular file)."""
+    fd = os.open(name, FILE_FLAGS, dir_fd=dfd)
+    with open(fd, "rb", closefd=True) as f:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return f.read(), st
+
+
 def verify_root(root: str | os.PathLike[str], namespace: str, *, serde: str = "aesgcm",
                 key: bytes | None = None, aes_bits: int = 128, apply: bool = False,
                 temp_age: float = 600.0, rate_mb_s: float | None = 200.0,
@@ -167,98 +212,165 @@ def verify_root(root: str | os.PathLike[str], namespace: str, *, serde: str = "a
     """Check the chunk files under ``root``; quarantine findings when ``apply``.
 
     ``key`` is the master key (aesgcm); files of ``namespace`` (all prefixes when
-    ``all_namespaces``) are authenticated with it. Raises FileNotFoundError if ``root`` is
-    not a directory.
+    ``all_namespaces``) are authenticated with it. Only the chunk directories are visited (the
+    root and ``ab/cd`` shard directories, never through a symlink), and only files named as
+    chunks or temp files of their directory (a chunk in the wrong shard directory is foreign:
+    never touched). Files that cannot be read are listed in ``skipped``. Raises UsageError if
+    ``root`` does not exist or is not a directory, KvpError if it cannot be opened or, with
+    ``apply``, the quarantine directory cannot be made safely.
     """
     t0 = time.monotonic()
-    rootp = Path(root)
-    if not rootp.is_dir():
-        raise FileNotFoundError(f"cache root {rootp} is not a directory")
-    res = VerifyResult(str(rootp), namespace, serde, apply)
-    now = time.time()
-    chunks: list[tuple[Path, layout.ChunkName, int]] = []
-    sizes: dict[tuple[str, int], list[int]] = {}
-    for path, name in _entries(rootp):
-        kind, parsed = layout.classify(name)
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            continue
-        if kind == layout.Kind.TEMP:
-            age = now - st.st_mtime
-            if age >= temp_age:
-                res.findings.append(Finding(str(path), "temp",
-                                            f"interrupted write, untouched {age:.0f} s",
-                                            st.st_size))
-            continue
-        if kind != layout.Kind.CHUNK or parsed is None:
-            continue
-        res.files += 1
-        chunks.append((path, parsed, st.st_size))
-        sizes.setdefault((parsed.prefix, parsed.rank.world_size), []).append(st.st_size)
-    usual = expected_sizes(sizes)
-    keys: dict[str, bytes] = {}
-    known_plain: dict[tuple[str, int], int] = {}
-    throttle = _Throttle(rate_mb_s)
-    for i, (path, parsed, size) in enumerate(chunks):
-        if progress is not None and (i % 64 == 0 or i == len(chunks) - 1):
-            progress(i + 1, len(chunks))
-        group = (parsed.prefix, parsed.rank.world_size)
-        want = usual.get(group)
-        if want is not None and size != want:
-            res.findings.append(Finding(str(path), "size",
-                                        f"{size} bytes where this namespace's chunks have "
-                                        f"{want}", size))
-            continue
-        if serde != "aesgcm":
-            continue
-        if size < FRAME_OVERHEAD:
-            res.findings.append(Finding(str(path), "size", "too small for an aesgcm frame",
-                                        size))
-            continue
-        if key is None or not (all_namespaces or parsed.prefix == namespace):
-            continue
-        salt = parsed.salt or ""
-        if salt not in keys:
-            keys[salt] = _derive(key, salt, aes_bits // 8)
-        try:
-            blob = path.read_bytes()
-        except FileNotFoundError:
-            continue
-        throttle.account(len(blob))
-        res.bytes_read += len(blob)
-        n = authenticate(blob, keys[salt], known_plain.get(group))
-        if n is None:
-            res.findings.append(Finding(str(path), "auth",
-                                        "frame fails AES-GCM authentication with the "
-                                        "deployment's key (corrupt, or another key)", size))
-        else:
-            known_plain[group] = n
-            res.authenticated += 1
-    if apply:
-        _quarantine(rootp, res)
+    with open_root(root, purpose="verify") as r:
+        res = VerifyResult(os.fspath(root), namespace, serde, apply)
+        targets = _check(r, res, key=key, aes_bits=aes_bits, temp_age=temp_age,
+                         rate_mb_s=rate_mb_s, all_namespaces=all_namespaces, progress=progress)
+        if apply:
+            _quarantine(r, res, targets)
     res.seconds = time.monotonic() - t0
     return res
 
 
-def _quarantine(root: Path, res: VerifyResult) -> None:
-    qdir = root / layout.META_DIR / QUARANTINE_DIR
-    qdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
+           temp_age: float, rate_mb_s: float | None, all_namespaces: bool,
+           progress: Callable[[int, int], None] | None) -> list[_Seen]:
+    """Fill ``res.findings``; return, for each finding, the file it is about."""
+    namespace, serde = res.namespace, res.serde
+    targets: list[_Seen] = []
+    now = time.time()
+    chunks: list[tuple[_Seen, layout.ChunkName]] = []
+    sizes: dict[tuple[str, int], list[int]] = {}
+
+    def shown(rel: str, name: str = "") -> str:
+        return os.path.join(res.root, rel, name) if name else os.path.join(res.root, rel)
+
+    def note(rel: str, exc: OSError) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            res.skipped.append(f"{shown(rel)}: {exc.strerror}")
+
+    def finding(seen: _Seen, kind: str, detail: str) -> None:
+        res.findings.append(Finding(shown(seen.rel, seen.name), kind, detail, seen.size))
+        targets.append(seen)
+
+    with chunk_dirs(r.fd, on_error=note) as dirs:
+        for d in dirs:
+            try:
+                for e in d.entries():
+                    if not e.is_file(follow_symlinks=False):
+                        continue
+                    kind, parsed = layout.classify(e.name, d.shard)
+                    if parsed is None:
+                        continue
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError as exc:
+                        note(d.path_of(e.name), exc)
+                        continue
+                    seen = _Seen.of(d.rel, e.name, st)
+                    if kind == layout.Kind.TEMP:
+                        age = now - st.st_mtime
+                        if age >= temp_age:
+                            finding(seen, "temp", f"interrupted write, untouched {age:.0f} s")
+                        continue
+                    res.files += 1
+                    chunks.append((seen, parsed))
+                    sizes.setdefault((parsed.prefix, parsed.rank.world_size),
+                                     []).append(st.st_size)
+            except OSError as exc:  # the listing itself failed
+                note(d.rel or ".", exc)
+    usual = expected_sizes(sizes)
+    keys: dict[str, bytes] = {}
+    known_plain: dict[tuple[str, int], int] = {}
+    throttle = _Throttle(rate_mb_s)
+    dirs_open = _DirCache(r.fd)
+    try:
+        for i, (seen, parsed) in enumerate(chunks):
+            if progress is not None and (i % 64 == 0 or i == len(chunks) - 1):
+                progress(i + 1, len(chunks))
+            size = seen.size
+            group = (parsed.prefix, parsed.rank.world_size)
+            want = usual.get(group)
+            if want is not None and size != want:
+                finding(seen, "size", f"{size} bytes where this namespace's chunks have {want}")
+                continue
+            if serde != "aesgcm":
+                continue
+            if size < FRAME_OVERHEAD:
+                finding(seen, "size", "too small for an aesgcm frame")
+                continue
+            if key is None or not (all_namespaces or parsed.prefix == namespace):
+                continue
+            salt = parsed.salt or ""
+            if salt not in keys:
+                keys[salt] = _derive(key, salt, aes_bits // 8)
+            try:
+                blob, st = _read(dirs_open.get(seen.rel), seen.name)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                note(os.path.join(seen.rel, seen.name), exc)
+                continue
+            if not seen.same(st):
+                res.skipped.append(f"{shown(seen.rel, seen.name)}: changed while it was "
+                                   "being checked")
+                continue
+            throttle.account(len(blob))
+            res.bytes_read += len(blob)
+            n = authenticate(blob, keys[salt], known_plain.get(group))
+            if n is None:
+                finding(seen, "auth", "frame fails AES-GCM authentication with the "
+                                      "deployment's key (corrupt, or another key)")
+            else:
+                known_plain[group] = n
+                res.authenticated += 1
+    finally:
+        dirs_open.close()
+    return targets
+
+
+def _quarantine(r: RootDir, res: VerifyResult, targets: list[_Seen]) -> None:
+    """Rename each finding's file into ``.kvpersist/quarantine/`` if it is still the file that
+    was checked (same device, inode, size and mtime), relative to directory descriptors opened
+    without following a symlink. Raises KvpError if the quarantine directory cannot be opened
+    or made safely (``.kvpersist`` or ``quarantine`` a symlink, no permission)."""
+    qfd = meta_dir(r, QUARANTINE_DIR)
+    qpath = os.path.join(res.root, layout.META_DIR, QUARANTINE_DIR)
     stamp = time.strftime("%Y%m%dT%H%M%S")
-    for f in res.findings:
-        src = Path(f.path)
+    dirs_open = _DirCache(r.fd)
+    try:
+        for f, seen in zip(res.findings, targets, strict=True):
+            src = f.path
+            try:
+                dfd = dirs_open.get(seen.rel)
+                st = os.lstat(seen.name, dir_fd=dfd)
+            except FileNotFoundError:
+                res.skipped.append(f"{src}: gone")
+                continue
+            except OSError as exc:
+                res.skipped.append(f"{src}: {exc.strerror}")
+                continue
+            if not seen.same(st):
+                res.skipped.append(f"{src}: changed since it was checked")
+                continue
+            try:
+                dst = _free_name(qfd, f"{seen.name}.{f.kind}.{stamp}")
+                os.rename(seen.name, dst, src_dir_fd=dfd, dst_dir_fd=qfd)
+            except OSError as exc:
+                res.skipped.append(f"{src}: {exc.strerror}")
+                continue
+            res.quarantined.append(os.path.join(qpath, dst))
+    finally:
+        dirs_open.close()
+        os.close(qfd)
+
+
+def _free_name(dir_fd: int, name: str) -> str:
+    """``name``, or ``name.1``, ``name.2``... : the first that does not exist in ``dir_fd``
+    (a quarantined file never replaces another). Raises OSError."""
+    candidate, n = name, 0
+    while True:
         try:
-            st = src.stat()
+            os.lstat(candidate, dir_fd=dir_fd)
         except FileNotFoundError:
-            res.skipped.append(f"{src}: gone")
-            continue
-        if st.st_size != f.size:
-            res.skipped.append(f"{src}: changed since it was checked")
-            continue
-        dst = qdir / f"{src.name}.{f.kind}.{stamp}"
-        try:
-            os.rename(src, dst)
-        except OSError as exc:
-            res.skipped.append(f"{src}: {exc}")
-            continue
-        res.quarantined.append(str(dst))
+            return candidate
+        n += 1
+        candidate = f"{name}.{n}"

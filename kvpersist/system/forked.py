@@ -7,15 +7,17 @@ import pickle
 from collections.abc import Callable
 from typing import TypeVar
 
-T = TypeVar("T")
+from kvpersist.errors import KvpError
+
+R = TypeVar("R")
 
 
-def run_parts(n: int, work: Callable[[int, Callable[[int], None] | None], T],
-              progress: Callable[[int], None] | None, what: str) -> list[T]:
+def run_parts(n: int, work: Callable[[int, Callable[[int], None] | None], R],
+              progress: Callable[[int], None] | None, what: str) -> list[R]:
     """Run ``work(part, progress)`` for parts 0..n-1 and return the results in part order.
 
     Part 0 runs in this process (reporting ``progress`` scaled by ``n``); parts 1..n-1 run in
-    forked children that send back their pickled result through a pipe. Raises OSError if a
+    forked children that send back their pickled result through a pipe. Raises KvpError if a
     worker fails.
     """
     if n <= 1:
@@ -38,12 +40,14 @@ def run_parts(n: int, work: Callable[[int, Callable[[int], None] | None], T],
         os.close(w)
         children.append((pid, r))
     scaled = (lambda k: progress(k * n)) if progress is not None else None
-    results = [work(0, scaled)]
+    results: list[R] = [work(0, scaled)]
     for pid, r in children:
         with os.fdopen(r, "rb") as f:
             data = f.read()
         _, status = os.waitpid(pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0 or not data:
-            raise OSError(f"{what} worker {pid} failed")
-        results.append(pickle.loads(data))  # the same T, from the forked copy of work
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 or not data:
+            raise KvpError(f"{what} worker process {pid} failed (exit status {code}) and its "
+                           f"share of the work is unknown; run the {what} again")
+        results.append(pickle.loads(data))
     return results

@@ -7,13 +7,14 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvpersist.l2.layout import ChunkName, temp_name
-from kvpersist.l2.prune import PruneLocked, execute_prune, plan_prune, prune_lock
+from kvpersist.l2.prune import PruneLocked, prune_lock, prune_stream
 from kvpersist.l2.retention import plan_explicit
 from kvpersist.l2.scan import scan_root
 from tests.conftest import REPO, clean_env
@@ -281,26 +282,65 @@ def test_symlinks_and_foreign_files_survive_every_prune(tmp_path: Path, tree: An
     assert left.chunk_files == 0 and left.temp.files == 0
 
 
-def test_file_replaced_between_plan_and_apply_is_not_deleted(tree: Any) -> None:
+class _Listing:
+    """What os.scandir returns, for entries read in advance."""
+
+    def __init__(self, entries: list[os.DirEntry[str]]) -> None:
+        self.entries = entries
+
+    def __enter__(self) -> _Listing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def __iter__(self) -> Iterator[os.DirEntry[str]]:
+        return iter(self.entries)
+
+
+def change_after_first_listing(monkeypatch: pytest.MonkeyPatch,
+                               change: Callable[[], None]) -> None:
+    """Run ``change`` once, after the next directory listing was read and before anything is
+    done with it: the tree changes between listing and deletion."""
+    real = os.scandir
+    pending = [change]
+
+    def scandir(path: Any) -> _Listing:
+        with real(path) as it:
+            entries = list(it)
+        if pending:
+            time.sleep(0.05)  # past the kernel's coarse clock tick: the change is datable
+            pending.pop()()
+        return _Listing(entries)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+def test_file_replaced_between_listing_and_deletion_is_not_deleted(
+        tree: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     root, g, _ = tree
     sel = plan_explicit(scan_root(root).prefixes, scan_root(root).temp, active=set(),
                         now_ns=time.time_ns(), namespaces=(NS_A,)).selections
-    plan = plan_prune(root, sel)
-    assert plan.files == 6
+    assert prune_stream(root, sel, dry_run=True).deleted_files == 6
     replaced, grown = g[NS_A][0], g[NS_A][1]
-    tmp = replaced.with_name("x.new")
-    tmp.write_bytes(b"new content")
-    os.replace(tmp, replaced)                 # new inode under the planned name
-    with open(grown, "ab") as f:              # same inode, different size
-        f.write(b"more")
-    g[NS_A][2].unlink()                       # vanished
-    res = execute_prune(plan, dry_run=False)
+
+    def change() -> None:
+        tmp = replaced.with_name("x.new")
+        tmp.write_bytes(b"new content")
+        os.replace(tmp, replaced)             # new inode under the listed name
+        with open(grown, "ab") as f:          # same inode, different size
+            f.write(b"more")
+        g[NS_A][2].unlink()                   # vanished
+
+    change_after_first_listing(monkeypatch, change)
+    res = prune_stream(root, sel, dry_run=False)
     assert res.deleted_files == 3
     assert res.skipped_changed == 2 and res.skipped_vanished == 1
     assert replaced.read_bytes() == b"new content" and grown.exists()
 
 
-def test_file_used_since_planned_is_kept_for_an_lru_prune(tree: Any) -> None:
+def test_file_used_since_listed_is_kept_for_an_lru_prune(
+        tree: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     root, g, _ = tree
     scan = scan_root(root)
     from kvpersist.l2.retention import plan_retention
@@ -309,12 +349,58 @@ def test_file_used_since_planned_is_kept_for_an_lru_prune(tree: Any) -> None:
                         now_ns=time.time_ns(), allow_active=True)
     act = [s for s in rp.selections if s.prefix == NS_A]
     assert act and act[0].before_ns is not None
-    plan = plan_prune(root, act)
     oldest = g[NS_A][0]
-    now = time.time()
-    os.utime(oldest, (now, os.lstat(oldest).st_mtime))  # read since: atime moves
-    res = execute_prune(plan, dry_run=False)
+
+    def read_since() -> None:                 # read since: atime moves
+        os.utime(oldest, (time.time(), os.lstat(oldest).st_mtime))
+
+    change_after_first_listing(monkeypatch, read_since)
+    res = prune_stream(root, act, dry_run=False)
     assert res.skipped_used == 1 and oldest.exists()
+
+
+def test_prune_stream_never_touches_symlinks_or_foreign_files(tree: Any) -> None:
+    from kvpersist.l2.retention import select_named
+
+    root, g, outside = tree
+    outside_before = snapshot(outside)
+    keep = {str(p.relative_to(root)): p.lstat().st_ino for p in g["foreign"] + g["symlink"]}
+    sels = select_named(active=set(), now_ns=time.time_ns(),
+                        namespaces=(NS_A, NS_B, UNP, "test-model", "--a--b"),
+                        temp_older_than_s=0).selections
+    res = prune_stream(root, sels, dry_run=False, workers=2)
+    assert not res.errors
+    assert snapshot(outside) == outside_before
+    for rel, ino in keep.items():
+        assert (root / rel).lstat().st_ino == ino, rel
+    assert (root / "lmcache-server.pid").exists()
+    left = scan_root(root)
+    assert left.chunk_files == 0 and left.temp.files == 0
+    # every file of NS_B and UNP is gone (temp files too), so are their manifests
+    assert sorted(res.manifests_removed) == sorted([NS_B, UNP])
+    assert [p.name for p in (root / ".kvpersist/manifests").iterdir()] == [f"kvp-{'99' * 16}.json"]
+
+
+def test_missing_or_symlinked_roots_are_clear_errors_and_nothing_is_created(
+        tmp_path: Path, tree: Any) -> None:
+    from kvpersist.errors import KvpError, UsageError
+
+    missing = tmp_path / "missing"
+    with pytest.raises(UsageError, match="cannot scan"):
+        scan_root(missing)
+    with pytest.raises(UsageError, match="cannot prune"):
+        prune_stream(missing, [], dry_run=False)
+    with pytest.raises(UsageError, match="cannot prune"), prune_lock(missing):
+        pass
+    assert not missing.exists()
+    root, _, _ = tree
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root / ".kvpersist").rename(tmp_path / "meta-moved")
+    (root / ".kvpersist").symlink_to(elsewhere)
+    with pytest.raises(KvpError, match="symbolic link"), prune_lock(root):
+        pass
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_second_prune_exits_clearly_while_one_runs(tree: Any) -> None:

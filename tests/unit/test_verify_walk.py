@@ -1,0 +1,147 @@
+"""verify on real trees: what it checks, and that quarantine moves only the file it checked,
+never through a symlink."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvpersist.errors import KvpError, UsageError
+from kvpersist.l2 import verify
+from kvpersist.l2.layout import ChunkName, temp_name
+
+NS = "kvp-" + "d4" * 16
+MASTER = bytes(range(32))
+PLAIN = 5000
+
+
+def frame(salt: str | None = None, corrupt: bool = False) -> bytes:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    dek = verify._derive(MASTER, salt or "", 16)
+    iv = os.urandom(12)
+    blob = bytearray(bytes([1]) + iv + AESGCM(dek).encrypt(iv, os.urandom(PLAIN), None))
+    if corrupt:
+        blob[100] ^= 1
+    return bytes(blob) + b"\0" * (-len(blob) % 4096)
+
+
+def chunk(i: int, salt: str | None = None) -> ChunkName:
+    return ChunkName(NS, 0x01000100, 0, f"{i:04x}" + "e" * 12, salt)
+
+
+def put(path: Path, data: bytes, age_s: float = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    if age_s:
+        t = time.time() - age_s
+        os.utime(path, (t, t))
+    return path
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> dict[str, Path]:
+    root = tmp_path / "cache"
+    outside = tmp_path / "outside"
+    t = {"root": root, "outside": outside}
+    for i in range(3):
+        put(root / chunk(i).filename(), frame())
+    put(root / chunk(3, "tenant").relpath(shard_dirs=True), frame("tenant"))
+    t["corrupt"] = put(root / chunk(4).relpath(shard_dirs=True), frame(corrupt=True))
+    t["short"] = put(root / chunk(5).filename(), frame()[:4096 - 512])  # truncated
+    t["temp"] = put(root / temp_name(chunk(6), "ab" * 16), b"partial", age_s=3600)
+    # foreign: a chunk in the wrong shard directory (LMCache never reads it)
+    t["wrong_shard"] = put(root / "ff/ff" / chunk(7).filename(), frame(corrupt=True))
+    # symlinks named like chunks, and a shard-named symlink, pointing at corrupt files
+    t["precious"] = put(outside / "precious.bin", frame(corrupt=True))
+    (root / chunk(8).filename()).symlink_to(t["precious"])
+    put(outside / "shard" / chunk(0x1200).filename(), frame(corrupt=True))
+    (root / "12").mkdir()
+    (root / "12" / "00").symlink_to(outside / "shard")
+    return t
+
+
+def run(root: Path, apply: bool = False,
+        progress: Callable[[int, int], None] | None = None) -> verify.VerifyResult:
+    return verify.verify_root(root, NS, key=MASTER, apply=apply, rate_mb_s=None,
+                              progress=progress)
+
+
+def test_findings_cover_the_layout_and_nothing_else(tree: dict[str, Path]) -> None:
+    res = run(tree["root"])
+    assert res.files == 6 and res.authenticated == 4
+    kinds = {Path(f.path).name: f.kind for f in res.findings}
+    assert kinds == {tree["corrupt"].name: "auth", tree["short"].name: "size",
+                     tree["temp"].name: "temp"}
+    assert {f.path for f in res.findings} == {
+        os.path.join(str(tree["root"]), str(tree[k].relative_to(tree["root"])))
+        for k in ("corrupt", "short", "temp")}
+    assert res.quarantined == [] and res.skipped == []
+
+
+def test_apply_quarantines_through_descriptors_and_leaves_the_rest(tree: dict[str, Path]) -> None:
+    root = tree["root"]
+    precious = tree["precious"].read_bytes()
+    res = run(root, apply=True)
+    q = root / ".kvpersist/quarantine"
+    assert sorted(Path(p).parent for p in res.quarantined) == [q] * 3
+    assert {p.name.split(".")[0] for p in q.iterdir()} == {
+        tree[k].name.split(".")[0] for k in ("corrupt", "short", "temp")}
+    for k in ("corrupt", "short", "temp"):
+        assert not tree[k].exists()
+    assert tree["wrong_shard"].exists() and tree["precious"].read_bytes() == precious
+    assert (root / chunk(8).filename()).is_symlink()
+    assert len(list((tree["outside"] / "shard").iterdir())) == 1
+    # nothing left to find; a second run moves nothing
+    again = run(root, apply=True)
+    assert again.findings == [] and again.quarantined == []
+
+
+def test_a_file_changed_after_it_was_checked_is_not_quarantined(tree: dict[str, Path]) -> None:
+    root = tree["root"]
+    changed: list[str] = []
+
+    def progress(done: int, total: int) -> None:
+        # before the last check (a shard directory's): the root's files were checked already
+        if done == total and not changed:
+            new = tree["temp"].with_name("new")
+            new.write_bytes(b"partial")
+            os.replace(new, tree["temp"])          # another inode under the name
+            with open(tree["short"], "ab") as f:   # same inode, other size
+                f.write(b"\0" * 512)
+            changed.append("yes")
+
+    res = run(root, apply=True, progress=progress)
+    assert changed
+    assert [Path(p).name.split(".")[0] for p in res.quarantined] == [
+        tree["corrupt"].name.split(".")[0]]
+    assert sorted(res.skipped) == sorted(
+        f"{os.path.join(str(root), str(tree[k].relative_to(root)))}: changed since it was "
+        "checked" for k in ("short", "temp"))
+    assert tree["temp"].exists() and tree["short"].exists()
+
+
+@pytest.mark.parametrize("link", [".kvpersist", ".kvpersist/quarantine"])
+def test_a_symlinked_quarantine_is_refused(tree: dict[str, Path], tmp_path: Path,
+                                           link: str) -> None:
+    root = tree["root"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root / link).parent.mkdir(parents=True, exist_ok=True)
+    (root / link).symlink_to(elsewhere)
+    with pytest.raises(KvpError, match="symbolic link"):
+        run(root, apply=True)
+    assert list(elsewhere.iterdir()) == []
+    assert all(tree[k].exists() for k in ("corrupt", "short", "temp"))
+
+
+def test_a_missing_root_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="cannot verify .*no such directory"):
+        run(tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="not a directory"):
+        run(tmp_path / "file")
