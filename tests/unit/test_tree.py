@@ -146,15 +146,29 @@ def test_open_root_resolves_a_symlinked_root_and_explains_failures(root: Path,
         open_root(root / "ff", purpose="scan")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any directory")
 def test_open_root_unreadable(tmp_path: Path) -> None:
+    """Root reads any directory, so the unreadable case runs as another user (uid 65534)."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("setpriv") is None or os.geteuid() != 0:
+        pytest.fail("this test runs as root with setpriv (util-linux) to act as another user")
     d = tmp_path / "locked"
-    d.mkdir(mode=0)
-    try:
-        with pytest.raises(KvpError, match="run as the user that owns"):
-            open_root(d, purpose="verify")
-    finally:
-        d.chmod(0o700)
+    d.mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o755)
+    code = ("import sys\n"
+            "from kvpersist.errors import KvpError\n"
+            "from kvpersist.l2.tree import open_root\n"
+            "try:\n"
+            f"    open_root({str(d)!r}, purpose='verify')\n"
+            "except KvpError as exc:\n"
+            "    print(exc); sys.exit(3)\n")
+    res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=60)
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert "run as the user that owns" in res.stdout
 
 
 def test_meta_dir_creates_and_refuses_symlinks(tmp_path: Path) -> None:
