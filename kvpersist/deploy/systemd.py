@@ -31,7 +31,7 @@ from kvpersist.errors import EXIT_USAGE, KvpError
 from kvpersist.system.templates import environment
 
 #: Where the unit templates live in a source checkout.
-DEFAULT_TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates" / "systemd"
+DEFAULT_TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates" / "systemd"
 
 #: Stamp written at the top of every rendered file.
 GENERATED_STAMP = (
