@@ -71,7 +71,9 @@ def _environment(templates: Mapping[str, str]) -> jinja2.Environment:
 
 
 def _lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.strip() != ""]
+    """The argv elements of a rendered argv template: one per line. Lines end at ``\n``
+    only (``str.splitlines`` would also split a value at VT, FF, NEL or U+2028)."""
+    return [line for line in text.split("\n") if line.strip(" ") != ""]
 
 
 def kv_transfer_config(dep: Deployment) -> dict[str, Any]:
