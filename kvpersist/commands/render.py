@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -32,6 +33,11 @@ def render_cmd(config: str, as_json: bool, out: Path | None, allow_unpinned: boo
     if not result.pinned:
         click.echo("WARNING: unpinned identity: one-off namespace, nothing will be reused",
                    err=True)
+    for lst in result.listeners:
+        if not lst["loopback"]:
+            click.echo(f"NOTE: {lst['component']} binds {_address(lst)}, not loopback; "
+                       f"peers allowed by {lst['allow_key']}: "
+                       f"{' '.join(lst['allowed_peers'])}", err=True)
     click.echo(f"namespace:          {result.namespace}")
     click.echo(f"LMCache model name: {result.lmcache_model_name}")
     click.echo(f"\nlmcache server:\n  {shlex.join(result.lmcache_server_argv)}")
@@ -39,5 +45,15 @@ def render_cmd(config: str, as_json: bool, out: Path | None, allow_unpinned: boo
                f"{result.model_link['target']}):\n  {shlex.join(result.vllm_argv)}")
     if result.container_argv:
         click.echo(f"\ncontainer:\n  {shlex.join(result.container_argv)}")
+    click.echo("\nlisteners:")
+    for lst in result.listeners:
+        where = "loopback" if lst["loopback"] else (
+            f"NOT loopback, peers {' '.join(lst['allowed_peers'])} ({lst['allow_key']})")
+        click.echo(f"  {lst['component']:13} {_address(lst):22} {where}")
     if out is not None:
         click.echo(f"\nwritten to {out}")
+
+
+def _address(listener: dict[str, Any]) -> str:
+    host, port = listener["host"], listener["port"]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

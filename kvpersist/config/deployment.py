@@ -7,12 +7,15 @@ build frozen objects or raise one :class:`ConfigError` listing every problem at 
 from __future__ import annotations
 
 import ipaddress
+import math
+import re
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+from kvpersist.config.envfile import value_problem
 from kvpersist.config.identity import (
     IDENTITY_KEYS,
     CacheIdentity,
@@ -20,7 +23,16 @@ from kvpersist.config.identity import (
     identity_problems,
     unpinned_namespace,
 )
-from kvpersist.config.values import is_loopback, is_wildcard, parse_size_or_percent
+from kvpersist.config.values import (
+    SYSTEM_TREES,
+    is_loopback,
+    is_scoped,
+    parse_decimal,
+    parse_size_or_percent,
+    parse_uint,
+    path_problem,
+    system_dir,
+)
 from kvpersist.errors import ConfigError, Problem
 
 # --------------------------------------------------------------------------- generic config
@@ -90,10 +102,33 @@ def _any(v: Any) -> str:
     return ""
 
 
+def _host(v: Any) -> str:
+    return host_problem(str(v))
+
+
+def host_problem(value: str) -> str:
+    """Why ``value`` is not a listen address kvpersist accepts, or ''."""
+    if value == "localhost":
+        return ""
+    if is_scoped(value):
+        return f"must be an IP address without a zone, got {value!r}"
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError:
+        return f"must be an IP address (e.g. 127.0.0.1), got {value!r}"
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return f"write the IPv4 address {address.ipv4_mapped}, not {value!r}"
+    if str(address) != value:
+        # one spelling per address: the loopback rule, systemd's IPAddressAllow= and the
+        # Ansible role compare addresses as text
+        return f"write the address in its canonical form {address}, not {value!r}"
+    return ""
+
+
 _GENERIC_SCHEMA: dict[tuple[str, str], tuple[str, type, _Check]] = {
-    ("server", "host"): ("host", str, _any),
+    ("server", "host"): ("host", str, _host),
     ("server", "port"): ("port", int, _port),
-    ("server", "http_host"): ("http_host", str, _any),
+    ("server", "http_host"): ("http_host", str, _host),
     ("server", "http_port"): ("http_port", int, _port),
     ("server", "supported_transfer_mode"): (
         "supported_transfer_mode", str, _choice("auto", "lmcache_driven", "engine_driven")),
@@ -172,9 +207,10 @@ def _coerce(raw: Any, typ: type) -> tuple[Any, str]:
         if isinstance(raw, bool):
             return None, "must be a number"
         try:
-            return float(str(raw).strip()), ""
+            number = float(str(raw).strip())
         except ValueError:
             return None, "must be a number"
+        return (number, "") if math.isfinite(number) else (None, "must be a finite number")
     if isinstance(raw, (dict, list)):
         return None, "must be a plain value"
     return str(raw), ""
@@ -213,22 +249,27 @@ class DeploymentSettings:
     generic_config: str = "generic"
     model_link_dir: str = ""
     log_dir: str = ""
+    #: peers allowed to reach a non-loopback bind (addresses, prefixes or "any"); empty:
+    #: the listener must bind loopback
+    allow_remote_lmcache: tuple[str, ...] = ()
+    allow_remote_lmcache_http: tuple[str, ...] = ()
+    allow_remote_vllm: tuple[str, ...] = ()
 
 
 #: env key -> (field, kind, default-or-None-if-required). Defaults starting with "generic."
 #: come from the generic config; "{state_dir}" is substituted.
 DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
-    "KVP_CACHE_ROOT": ("cache_root", "abspath", None),
+    "KVP_CACHE_ROOT": ("cache_root", "dir", None),
     "KVP_SERVED_MODEL_NAME": ("served_model_name", "name", None),
     "KVP_MODEL_PATH": ("model_path", "path", None),
-    "KVP_STATE_DIR": ("state_dir", "abspath", "{cache_root}/.kvpersist"),
+    "KVP_STATE_DIR": ("state_dir", "dir", "{cache_root}/.kvpersist"),
     "KVP_L1_SIZE_GB": ("l1_size_gb", "float", "generic.l1_size_gb"),
     "KVP_LMCACHE_HOST": ("lmcache_host", "host", "generic.host"),
     "KVP_LMCACHE_PORT": ("lmcache_port", "port", "generic.port"),
     "KVP_LMCACHE_HTTP_HOST": ("lmcache_http_host", "host", "generic.http_host"),
     "KVP_LMCACHE_HTTP_PORT": ("lmcache_http_port", "port", "generic.http_port"),
-    "KVP_CONTAINER_NAME": ("container_name", "name?", ""),
-    "KVP_IMAGE": ("image", "str", ""),
+    "KVP_CONTAINER_NAME": ("container_name", "container?", ""),
+    "KVP_IMAGE": ("image", "image?", ""),
     "KVP_VLLM_HOST": ("vllm_host", "host", "127.0.0.1"),
     "KVP_VLLM_PORT": ("vllm_port", "port", "8000"),
     "KVP_GPU_COUNT": ("gpu_count", "count", "0"),
@@ -241,51 +282,129 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_L2_SERDE": ("serde", "serde", "generic.l2_serde"),
     "KVP_SERDE_KEY_FILE": ("serde_key_file", "abspath", "{state_dir}/keys/l2-master.key"),
     "KVP_ALLOW_UNPINNED": ("allow_unpinned", "bool", "false"),
-    "KVP_GENERIC_CONFIG": ("generic_config", "str", "generic"),
-    "KVP_MODEL_LINK_DIR": ("model_link_dir", "abspath", "{state_dir}/models"),
-    "KVP_LOG_DIR": ("log_dir", "abspath", "{state_dir}/logs"),
+    "KVP_GENERIC_CONFIG": ("generic_config", "confname", "generic"),
+    "KVP_MODEL_LINK_DIR": ("model_link_dir", "dir", "{state_dir}/models"),
+    "KVP_LOG_DIR": ("log_dir", "dir", "{state_dir}/logs"),
+    "KVP_ALLOW_REMOTE_LMCACHE": ("allow_remote_lmcache", "peers", ""),
+    "KVP_ALLOW_REMOTE_LMCACHE_HTTP": ("allow_remote_lmcache_http", "peers", ""),
+    "KVP_ALLOW_REMOTE_VLLM": ("allow_remote_vllm", "peers", ""),
 }
 
-#: vLLM flags the launcher owns; KVP_VLLM_EXTRA_ARGS may not set them.
+#: vLLM flags the launcher owns; KVP_VLLM_EXTRA_ARGS may not set them (nor ``--config``,
+#: a YAML file of vLLM arguments that could set every one of them).
 OWNED_VLLM_FLAGS = (
     "--model", "--served-model-name", "--tensor-parallel-size", "-tp", "--kv-cache-dtype",
     "--max-model-len", "--block-size", "--kv-transfer-config", "--dtype", "--host", "--port",
-    "--tokenizer", "--revision", "--tokenizer-revision", "--chat-template",
+    "--tokenizer", "--revision", "--tokenizer-revision", "--chat-template", "--config",
 )
+
+
+def owned_flag(arg: str) -> str:
+    """The flag of :data:`OWNED_VLLM_FLAGS` that ``arg`` sets in vLLM's argument parser, or
+    ''. The parser reads ``--kv_transfer_config`` as ``--kv-transfer-config``,
+    ``--kv-transfer-config.x`` as a part of it, and accepts any unambiguous prefix
+    (``--hos``) of a long flag; a prefix of ``-tp`` or ``-tp<N>`` is ``-tp``."""
+    if not arg.startswith("-") or arg in ("-", "--"):
+        return ""
+    name = arg.split("=", 1)[0]
+    if name.startswith("--"):
+        norm = "--" + name[2:].split(".", 1)[0].replace("_", "-")
+        if len(norm) <= 2:
+            return ""
+        return next((f for f in OWNED_VLLM_FLAGS if f.startswith("--") and f.startswith(norm)),
+                    "")
+    return next((f for f in OWNED_VLLM_FLAGS if not f.startswith("--")
+                 and (name.startswith(f) or f.startswith(name))), "")
+
+
+def parse_peers(value: str) -> tuple[tuple[str, ...], str]:
+    """The peers of a ``KVP_ALLOW_REMOTE_*`` value (addresses or prefixes separated by spaces
+    or commas, or ``any`` alone), as written and without repeats; and an error message."""
+    tokens = [t for t in re.split(r"[ ,]+", value) if t]
+    peers: list[str] = []
+    for token in tokens:
+        if token == "any":
+            if len(tokens) > 1:
+                return (), "'any' stands alone (it allows every peer)"
+        else:
+            try:
+                if is_scoped(token):
+                    raise ValueError(token)
+                ipaddress.ip_network(token, strict=False)
+            except ValueError:
+                return (), (f"{token!r} is not an IP address or prefix (e.g. 10.1.0.0/16), "
+                            "nor 'any'")
+        if token not in peers:
+            peers.append(token)
+    return tuple(peers), ""
+
+
+_CONTAINER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
+_IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]{0,511}\Z")
+_CONFNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+
+
+def config_name_problem(name: str) -> str:
+    """Why ``name`` cannot name a directory under configs/ (KVP_GENERIC_CONFIG), or ''."""
+    return "" if _CONFNAME.match(name) else (
+        f"must be the name of a directory under configs/, got {name!r}")
 
 
 def _convert(kind: str, raw: str) -> tuple[Any, str]:
     """Convert one raw deployment value; return (value, error message or '')."""
+    problem = value_problem(raw)
+    if problem:
+        return None, problem
     value = raw.strip()
     optional = kind.endswith("?")
     kind = kind.rstrip("?")
     if optional and value == "":
         return "", ""
-    if kind in ("abspath", "path", "name", "host") and value == "":
+    if kind in ("abspath", "dir", "path", "name", "host", "confname") and value == "":
         return None, "must not be empty"
-    if kind == "abspath":
-        return (value, "") if PurePosixPath(value).is_absolute() else (
-            None, f"must be an absolute path, got {value!r}")
-    if kind == "host":
-        try:
-            ipaddress.ip_address(value)
-        except ValueError:
-            if value != "localhost":
-                return None, f"must be an IP address (e.g. 127.0.0.1), got {value!r}"
+    if kind in ("abspath", "dir", "path"):
+        if value.startswith("-"):
+            return None, f"must not start with '-', got {value!r}"
+        problem = path_problem(value)
+        if problem:
+            return None, f"{problem}: {value[:64]!r}"
+    if kind in ("abspath", "dir"):
+        if not PurePosixPath(value).is_absolute():
+            return None, f"must be an absolute path, got {value!r}"
+        system = system_dir(value) if kind == "dir" else ""
+        if system:
+            return None, (f"{value!r} is the system directory {system}"
+                          f"{' (or lies below it)' if system in SYSTEM_TREES else ''}: never "
+                          "a cache, state, log or model-link directory")
         return value, ""
+    if kind == "host":
+        message = host_problem(value)
+        return (None, message) if message else (value, "")
     if kind in ("port", "count"):
-        if not value.isdigit():
+        n = parse_uint(value, 5 if kind == "port" else 4)
+        if n is None:
             return None, f"must be an integer, got {value!r}"
-        n = int(value)
         if kind == "port" and not 1 <= n <= 65535:
             return None, f"must be a TCP port (1-65535), got {n}"
         return n, ""
     if kind == "float":
-        try:
-            f = float(value)
-        except ValueError:
+        f = parse_decimal(value)
+        if f is None:
             return None, f"must be a number, got {value!r}"
         return (f, "") if f > 0 else (None, "must be > 0")
+    if kind == "peers":
+        peers, message = parse_peers(value)
+        return (None, message) if message else (peers, "")
+    if kind == "container":
+        return (value, "") if _CONTAINER.match(value) else (
+            None, f"must be a container name ([A-Za-z0-9][A-Za-z0-9_.-]*), got {value!r}")
+    if kind == "image":
+        return (value, "") if _IMAGE.match(value) else (
+            None, f"must be an image reference (registry/name:tag or @sha256:...), "
+            f"got {value!r}")
+    if kind == "confname":
+        message = config_name_problem(value)
+        return (None, message) if message else (value, "")
     if kind == "bool":
         if value.lower() in ("1", "true", "yes", "on"):
             return True, ""
@@ -312,12 +431,15 @@ def _convert(kind: str, raw: str) -> tuple[Any, str]:
             argv = tuple(shlex.split(value))
         except ValueError as exc:
             return None, f"cannot be split like a shell word list: {exc}"
-        owned = [a for a in argv if a.split("=", 1)[0] in OWNED_VLLM_FLAGS]
+        owned = [f"{a} ({owned_flag(a)})" if owned_flag(a) != a.split("=", 1)[0] else a
+                 for a in argv if owned_flag(a)]
         if owned:
             return None, f"sets flags kvpersist owns: {', '.join(owned)}"
         return argv, ""
     if kind == "name" and any(ch.isspace() for ch in value):
         return None, f"must not contain whitespace, got {value!r}"
+    if kind == "name" and value.startswith("-"):
+        return None, f"must not start with '-', got {value!r}"
     return value, ""
 
 
@@ -358,7 +480,9 @@ def settings_from_env(
             converted[name] = value
     if problems:
         return None, problems
-    return DeploymentSettings(**converted), problems
+    settings = DeploymentSettings(**converted)
+    problems = listener_problems(settings, origin)
+    return (None, problems) if problems else (settings, problems)
 
 
 _DEPLOY_FIX = {
@@ -367,7 +491,93 @@ _DEPLOY_FIX = {
     "KVP_MODEL_PATH": "set the real weights directory (or hub id) vLLM loads",
     "KVP_VLLM_EXTRA_ARGS": "remove those flags; kvpersist renders them from identity.env",
     "KVP_STATE_DIR": "use an absolute path",
+    "KVP_ALLOW_REMOTE_LMCACHE": "peers allowed to reach KVP_LMCACHE_HOST, e.g. 10.1.0.0/16",
+    "KVP_ALLOW_REMOTE_LMCACHE_HTTP": "peers allowed to reach KVP_LMCACHE_HTTP_HOST, e.g. "
+    "10.9.0.5",
+    "KVP_ALLOW_REMOTE_VLLM": "peers allowed to reach KVP_VLLM_HOST, e.g. 10.0.0.0/8 or any",
 }
+
+
+# --------------------------------------------------------------------------- listeners
+
+
+@dataclass(frozen=True)
+class Listener:
+    """One port a deployment listens on, with its bind address and its remote opt-in."""
+
+    component: str  # lmcache / lmcache_http / vllm
+    what: str
+    host_key: str
+    allow_key: str
+    host: str
+    port: int
+    #: peers allowed by ``allow_key`` (empty: loopback only)
+    peers: tuple[str, ...]
+
+    @property
+    def remote(self) -> bool:
+        """True when the bind address is not loopback (other hosts can connect)."""
+        return not is_loopback(self.host)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` (``[host]:port`` for IPv6)."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def enforced_by(self) -> str:
+        """What keeps peers other than :attr:`peers` out."""
+        if self.component == "vllm":
+            return "nothing in kvpersist: put a firewall in front of vLLM"
+        return "the systemd unit's IPAddressAllow= (not a launch by hand)"
+
+    def describe(self) -> str:
+        """One line for launch, health and render: where it listens, and who may connect."""
+        if not self.remote:
+            return f"{self.what} on {self.address} (loopback)"
+        return (f"{self.what} on {self.address} is NOT loopback: reachable from the network; "
+                f"peers allowed by {self.allow_key}: {' '.join(self.peers) or 'none'}, "
+                f"enforced by {self.enforced_by}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"component": self.component, "host": self.host, "port": self.port,
+                "loopback": not self.remote, "allow_key": self.allow_key,
+                "allowed_peers": list(self.peers)}
+
+
+def listeners(s: DeploymentSettings) -> tuple[Listener, ...]:
+    """The three listeners of a deployment: the cache server's request (ZMQ) port, its HTTP
+    admin port (no authentication) and vLLM's OpenAI server."""
+    return (
+        Listener("lmcache", "cache server (ZMQ requests)", "KVP_LMCACHE_HOST",
+                 "KVP_ALLOW_REMOTE_LMCACHE", s.lmcache_host, s.lmcache_port,
+                 s.allow_remote_lmcache),
+        Listener("lmcache_http", "cache server HTTP admin (no authentication)",
+                 "KVP_LMCACHE_HTTP_HOST", "KVP_ALLOW_REMOTE_LMCACHE_HTTP",
+                 s.lmcache_http_host, s.lmcache_http_port, s.allow_remote_lmcache_http),
+        Listener("vllm", "vLLM OpenAI server", "KVP_VLLM_HOST", "KVP_ALLOW_REMOTE_VLLM",
+                 s.vllm_host, s.vllm_port, s.allow_remote_vllm),
+    )
+
+
+def listener_problems(s: DeploymentSettings, origin: Mapping[str, str]) -> list[Problem]:
+    """A non-loopback bind needs its opt-in, and an opt-in needs a non-loopback bind.
+    ``origin`` names where each key's value came from (file, environment, default)."""
+    problems: list[Problem] = []
+    for lst in listeners(s):
+        if lst.remote and not lst.peers:
+            problems.append(Problem(
+                origin.get(lst.host_key, lst.host_key),
+                f"{lst.host} is not a loopback address: the {lst.what} would be reachable "
+                "from the network",
+                f"bind 127.0.0.1, or opt in by naming the peers allowed to connect in "
+                f"{lst.allow_key} (addresses or prefixes, or 'any')"))
+        elif lst.peers and not lst.remote:
+            problems.append(Problem(
+                origin.get(lst.allow_key, lst.allow_key),
+                f"is set but {lst.host_key} is {lst.host} (loopback): nothing to allow",
+                f"remove {lst.allow_key}, or set {lst.host_key} to the address to bind"))
+    return problems
 
 
 # --------------------------------------------------------------------------- the deployment
@@ -462,7 +672,8 @@ def _valid_identity_values(values: Mapping[str, str], id_problems: list[Problem]
         if f"{source}: {key}" in bad or key not in values:
             continue
         raw = values[key].strip()
-        out[name] = int(raw) if raw.isdigit() and name in _INT_IDENTITY else raw
+        number = parse_uint(raw, 18) if name in _INT_IDENTITY else None
+        out[name] = number if number is not None else raw
     return out
 
 
@@ -503,10 +714,6 @@ def agreement_problems(identity: CacheIdentity | None, s: DeploymentSettings,
                                     f"{s.model_dtype} differs from KVP_KV_CACHE_DTYPE "
                                     f"{identity.kv_cache_dtype}",
                                     "the KV cache is stored in the model dtype; make them agree"))
-    if not is_loopback(s.lmcache_host) and is_wildcard(s.lmcache_http_host):
-        problems.append(Problem(f"{source}: KVP_LMCACHE_HTTP_HOST",
-                                "the HTTP admin API has no authentication",
-                                "bind it to loopback or a private management address"))
     return problems
 
 

@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
+from kvpersist.config.values import describe_char, forbidden_char, parse_uint
 from kvpersist.errors import ConfigError, Problem
 
 NAMESPACE_PREFIX = "kvp-"
@@ -159,10 +160,14 @@ def diff_identities(a: CacheIdentity, b: CacheIdentity) -> list[tuple[str, objec
 def _check_field(name: str, raw: str) -> str:
     """Return an error message for one identity field value, or '' if it is fine."""
     value = raw.strip()
-    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in value):
-        return "contains control characters"
+    bad = forbidden_char(value)
+    if bad is not None:
+        return f"contains {describe_char(bad)}"
+    if "$" in value or "`" in value:
+        return "contains $ or a backtick (values are never expanded)"
     if name in _INT_FIELDS:
-        if not re.fullmatch(r"[0-9]+", value) or int(value) <= 0:
+        number = parse_uint(value, 18)
+        if number is None or number <= 0:
             return f"must be a positive integer, got {value!r}"
         return ""
     if name in ("model_revision", "tokenizer_revision"):

@@ -17,6 +17,7 @@ from kvpersist.config.deployment import (
     Deployment,
     GenericConfig,
     build_deployment,
+    config_name_problem,
     generic_from_dict,
 )
 from kvpersist.config.envfile import parse_env
@@ -95,7 +96,14 @@ def load_deployment(config: str, environ: Mapping[str, str] | None = None,
     name, path = resolve_config(config)
     source = str(path)
     values = parse_env(read_text(path, "the identity file"), source)
-    generic_name = env.get("KVP_GENERIC_CONFIG") or values.get("KVP_GENERIC_CONFIG") or "generic"
+    generic_key = "KVP_GENERIC_CONFIG"
+    generic_name = env.get(generic_key) or values.get(generic_key) or "generic"
+    problem = config_name_problem(generic_name)
+    if problem:
+        origin = f"environment {generic_key}" if env.get(generic_key) else f"{source}: " \
+            f"{generic_key}"
+        raise ConfigError(Problem(origin, problem, "name a directory under configs/ holding "
+                                  "lmcache.yaml"), source)
     generic = load_generic(generic_name)
     return build_deployment(name, source, values, env, generic,
                             allow_unpinned=allow_unpinned,

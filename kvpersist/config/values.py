@@ -1,13 +1,20 @@
-"""Values as operators write them (pure): sizes, durations and listen addresses."""
+"""Values as operators write them (pure): sizes, durations, numbers, paths, listen
+addresses, and the characters no configuration value may hold."""
 
 from __future__ import annotations
 
 import ipaddress
+import posixpath
 import re
+import unicodedata
 
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGTP]?)(i?B?)?\s*\Z", re.IGNORECASE)
+# re.ASCII: with IGNORECASE alone, U+212A KELVIN SIGN would match "k" and U+017F LONG S "s".
+# At most 15 integer digits: the value stays finite as a float.
+_NUMBER = r"([0-9]{1,15}(?:\.[0-9]{1,9})?)"
+_SIZE = re.compile(r"\s*" + _NUMBER + r"\s*([KMGTP]?)(i?B?)?\s*\Z", re.IGNORECASE | re.ASCII)
 _FACTOR = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4, "P": 1024**5}
-_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(s|m|h|d|w)?\s*\Z", re.IGNORECASE)
+_DURATION = re.compile(r"\s*" + _NUMBER + r"\s*(s|m|h|d|w)?\s*\Z", re.IGNORECASE | re.ASCII)
+_PERCENT = re.compile(r"\s*([0-9]{1,3}(?:\.[0-9]{1,9})?)\s*%\s*\Z", re.ASCII)
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 GIB = 1024**3
@@ -25,10 +32,10 @@ def parse_size_or_percent(text: str) -> tuple[int | None, float | None]:
     """('80%') -> (None, 0.8); ('500G') -> (bytes, None). Raises ValueError."""
     s = str(text).strip()
     if s.endswith("%"):
-        try:
-            pct = float(s[:-1])
-        except ValueError:
-            raise ValueError(f"not a percentage: {text!r}") from None
+        m = _PERCENT.match(s)
+        if not m:
+            raise ValueError(f"not a percentage: {text!r} (use e.g. 80%)")
+        pct = float(m.group(1))
         if not 0 < pct <= 100:
             raise ValueError(f"percentage must be in (0, 100]: {text!r}")
         return None, pct / 100.0
@@ -84,3 +91,108 @@ def url_host(host: str) -> str:
     """``host`` as it stands in a URL (wildcards reached through loopback, IPv6 bracketed)."""
     h = reach_host(host)
     return f"[{h}]" if ":" in h else h
+
+
+def is_scoped(host: str) -> bool:
+    """True for an IPv6 address with a zone (``fe80::1%eth0``)."""
+    return "%" in host
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def parse_uint(text: str, max_digits: int) -> int | None:
+    """The integer written in ASCII digits (at most ``max_digits``), or None.
+
+    Strict where ``str.isdigit``/``int`` are not: ``²`` is a digit to ``isdigit`` but not
+    to ``int``, ``int`` also reads ``١٢`` (Arabic-Indic), ``1_0`` and `` 7``."""
+    if not 0 < len(text) <= max_digits or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
+
+
+_DECIMAL = re.compile(r"(?:[0-9]{1,9}(?:\.[0-9]{0,9})?|\.[0-9]{1,9})\Z", re.ASCII)
+
+
+def parse_decimal(text: str) -> float | None:
+    """A plain decimal number (``64``, ``1.5``, ``.5``) or None: no exponent, sign,
+    ``inf``/``nan``, underscores or non-ASCII digits, all of which ``float`` accepts."""
+    return float(text) if _DECIMAL.match(text) else None
+
+
+# --------------------------------------------------------------------------- characters
+
+#: Unicode categories no configuration value may hold: control characters (C0 — NUL, tab,
+#: LF, VT, FF, CR… — DEL and C1, NEL among them), format characters (bidi overrides,
+#: zero-width characters, the BOM), surrogates (undecodable bytes from the environment),
+#: line and paragraph separators. Python's ``str.splitlines`` breaks lines at VT, FF, the
+#: C0 separators, NEL, U+2028 and U+2029; systemd and a shell do not.
+FORBIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+_CHAR_NAMES = {"\0": "NUL", "\t": "TAB", "\n": "LF", "\v": "VT", "\f": "FF", "\r": "CR",
+               "\x1b": "ESC", "\x7f": "DEL", "\x85": "NEL"}
+
+
+def forbidden_char(text: str) -> str | None:
+    """The first character of ``text`` that no configuration value may hold, or None.
+
+    Forbidden: :data:`FORBIDDEN_CATEGORIES` and every space but U+0020 (NBSP and friends
+    are whitespace to Python but not to systemd or a shell)."""
+    for ch in text:
+        if ch.isascii() and (" " <= ch <= "~"):
+            continue
+        cat = unicodedata.category(ch)
+        if cat in FORBIDDEN_CATEGORIES or (cat == "Zs" and ch != " "):
+            return ch
+    return None
+
+
+def describe_char(ch: str) -> str:
+    """``U+000B (VT)``: a character named safely (never the character itself)."""
+    name = _CHAR_NAMES.get(ch) or unicodedata.name(ch, "") or "a control character"
+    return f"U+{ord(ch):04X} ({name})"
+
+
+# --------------------------------------------------------------------------- paths
+
+#: Longest file-name component (Linux NAME_MAX, in bytes).
+NAME_MAX = 255
+#: Longest configured path, in bytes: well under PATH_MAX (4096), leaving room for what
+#: kvpersist appends (``/.kvpersist/manifests/<namespace>.json`` and the like).
+PATH_LIMIT = 2048
+
+#: Never a cache root, state, log or model-link directory: these directories themselves...
+SYSTEM_DIRS = ("/", "/home", "/root", "/tmp", "/var", "/var/tmp", "/var/lib", "/var/cache",
+               "/var/log", "/var/spool", "/var/mail", "/mnt", "/media", "/opt", "/srv")
+#: ...and these together with everything below them (kernel and runtime filesystems,
+#: configuration and the installed system).
+SYSTEM_TREES = ("/proc", "/sys", "/dev", "/run", "/var/run", "/var/lock", "/etc", "/usr",
+                "/bin", "/sbin", "/boot", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+def path_problem(path: str) -> str:
+    """Why ``path`` cannot name a file kvpersist uses, or '': a component longer than
+    NAME_MAX bytes (ENAMETOOLONG), the whole longer than PATH_LIMIT bytes, a ``..``
+    component (the path would not say where it leads)."""
+    raw = path.encode("utf-8", "surrogateescape")
+    if len(raw) > PATH_LIMIT:
+        return f"is {len(raw)} bytes long (at most {PATH_LIMIT})"
+    for part in raw.split(b"/"):
+        if len(part) > NAME_MAX:
+            return (f"has a component of {len(part)} bytes (at most {NAME_MAX}): "
+                    f"{part[:24].decode('utf-8', 'replace')}…")
+        if part == b"..":
+            return "has a '..' component"
+    return ""
+
+
+def system_dir(path: str) -> str:
+    """The system directory (:data:`SYSTEM_DIRS`, :data:`SYSTEM_TREES`) that the absolute
+    ``path`` is or lies under, or '' (pure: ``.`` and repeated slashes are normalised,
+    symlinks are not resolved)."""
+    p = "/" + posixpath.normpath(path).lstrip("/")
+    if p in SYSTEM_DIRS:
+        return p
+    for tree in SYSTEM_TREES:
+        if p == tree or p.startswith(tree + "/"):
+            return tree
+    return ""

@@ -20,6 +20,7 @@ Template variables:
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -27,11 +28,13 @@ from pathlib import Path
 
 import jinja2
 
+from kvpersist.config.deployment import Deployment
+from kvpersist.config.values import is_loopback, is_wildcard
 from kvpersist.errors import EXIT_USAGE, KvpError
 from kvpersist.system.templates import environment
 
 #: Where the unit templates live in a source checkout.
-DEFAULT_TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates" / "systemd"
+DEFAULT_TEMPLATE_DIR = Path(__file__).resolve().parents[2] / "templates" / "systemd"
 
 #: Stamp written at the top of every rendered file.
 GENERATED_STAMP = (
@@ -98,6 +101,13 @@ class InstanceSettings:
     whether this host runs the deployment's vLLM unit (the health check covers it),
     ``extra_settings`` further ``Key=value`` lines for the cache server's [Service]
     (site-specific relaxations, e.g. ``PrivateUsers=no``).
+
+    From the deployment's identity.env (see :func:`instance_for`): ``remote_peers``, the
+    peers its ``KVP_ALLOW_REMOTE_LMCACHE`` and ``KVP_ALLOW_REMOTE_LMCACHE_HTTP`` allow (the
+    cache server's ``IPAddressAllow=``), and ``bind_addresses``, the non-loopback,
+    non-wildcard addresses it binds (``KVP_LMCACHE_HOST``, ``KVP_LMCACHE_HTTP_HOST``,
+    ``KVP_VLLM_HOST``): local clients and the health check talk to the server through
+    them, so both units allow them.
     """
 
     name: str
@@ -106,6 +116,28 @@ class InstanceSettings:
     gpu_devices: bool = False
     allow_networks: tuple[str, ...] = field(default_factory=tuple)
     extra_settings: tuple[str, ...] = field(default_factory=tuple)
+    remote_peers: tuple[str, ...] = field(default_factory=tuple)
+    bind_addresses: tuple[str, ...] = field(default_factory=tuple)
+
+
+def instance_for(dep: Deployment, *, vllm: bool = False, gpu_devices: bool = False,
+                 allow_networks: tuple[str, ...] = (),
+                 extra_settings: tuple[str, ...] = ()) -> InstanceSettings:
+    """The drop-in values of a loaded deployment: its name and cache root, and the network
+    allowance that follows its binds (the Ansible role computes the same from the
+    deployment's ``env``, see ``ansible/roles/kvp/tasks/units.yml``)."""
+    s = dep.settings
+    return InstanceSettings(
+        name=dep.name, cache_root=s.cache_root, vllm=vllm, gpu_devices=gpu_devices,
+        allow_networks=allow_networks, extra_settings=extra_settings,
+        remote_peers=_unique(s.allow_remote_lmcache + s.allow_remote_lmcache_http),
+        bind_addresses=_unique(tuple(h for h in (s.lmcache_host, s.lmcache_http_host,
+                                                 s.vllm_host)
+                                     if not is_loopback(h) and not is_wildcard(h))))
+
+
+def _unique(items: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(items))
 
 
 def _comment(text: str) -> str:
@@ -159,10 +191,25 @@ def validate_instance(instance: InstanceSettings) -> list[str]:
     for index, setting in enumerate(instance.extra_settings):
         if not _SETTING.fullmatch(setting):
             errors.append(f"At 'extra_settings[{index}]': {setting!r} must be one Key=value line")
-    for index, network in enumerate(instance.allow_networks):
-        if not network or any(ch.isspace() for ch in network):
-            errors.append(f"At 'allow_networks[{index}]': {network!r} must be one address/prefix")
+    for name in ("allow_networks", "remote_peers", "bind_addresses"):
+        for index, network in enumerate(getattr(instance, name)):
+            if not _ip_allow_entry(network):
+                errors.append(f"At '{name}[{index}]': {network!r} must be one address/prefix "
+                              "(or any)")
     return errors
+
+
+def _ip_allow_entry(text: str) -> bool:
+    """One ``IPAddressAllow=`` entry: an address, a prefix or a systemd keyword."""
+    if text in ("any", "localhost", "link-local", "multicast"):
+        return True
+    if "%" in text:
+        return False
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return True
 
 
 def render_units(
@@ -207,7 +254,9 @@ def render_instance_dropins(
     env = _environment(template_dir)
     context = {
         "kvp_instance": {**asdict(instance), "allow_networks": list(instance.allow_networks),
-                         "extra_settings": list(instance.extra_settings)},
+                         "extra_settings": list(instance.extra_settings),
+                         "remote_peers": list(instance.remote_peers),
+                         "bind_addresses": list(instance.bind_addresses)},
         "ansible_managed": stamp,
     }
     rendered: dict[str, str] = {}

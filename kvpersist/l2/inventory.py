@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvpersist.config.deployment import Deployment
+from kvpersist.config.values import system_dir
 from kvpersist.errors import ConfigError, KvpError, UsageError
 from kvpersist.l2.budget import BudgetPlan, plan_for_deployment
 from kvpersist.l2.manifests import manifest_dirs, read_manifests
@@ -139,11 +140,17 @@ class Measurement:
 
 
 def require_root(root: str | os.PathLike[str]) -> None:
-    """Check that ``root`` is an existing, readable directory; never create it.
+    """Check that ``root`` is an existing, readable directory and not a system directory
+    (also through a symlink: see :func:`~kvpersist.config.values.system_dir`); never create
+    it.
 
-    Raises UsageError naming the root when it is missing or not a directory, KvpError when
-    this user cannot read it."""
+    Raises UsageError naming the root when it is missing, not a directory or a system
+    directory, KvpError when this user cannot read it."""
     path = os.fspath(root)
+    system = system_dir(os.path.realpath(path))
+    if system:
+        raise UsageError(f"{path} is (or resolves to) the system directory {system}: never a "
+                         "cache root (check --root or KVP_CACHE_ROOT)")
     if not os.path.isdir(path):
         what = "not a directory" if os.path.lexists(path) else "no such directory"
         raise UsageError(f"cannot scan the cache root {path}: {what} (check --root or "

@@ -20,8 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvpersist.config.deployment import Deployment
-from kvpersist.config.values import is_loopback, is_wildcard
+from kvpersist.config.deployment import Deployment, listeners
+from kvpersist.config.values import is_loopback
 from kvpersist.errors import KvpError
 from kvpersist.l2.budget import resolve_size
 from kvpersist.stack.locate import Location
@@ -57,6 +57,8 @@ class Facts:
     http_listener_ours: bool | None = None
     http_listener_cmd: str = ""
     configured_hosts: list[str] = field(default_factory=list)
+    #: the deployment's non-loopback binds (each opted in): component, allow key, detail
+    remote_binds: list[dict[str, str]] = field(default_factory=list)
     root_exists: bool = False
     root_mode: int | None = None
     root_writable: bool = False
@@ -117,7 +119,10 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
     s = dep.settings
     f = Facts(expect_vllm=expect_vllm, served_model_name=s.served_model_name,
               namespace=dep.namespace, lmcache_port=s.lmcache_port,
-              configured_hosts=[s.lmcache_host, s.lmcache_http_host])
+              configured_hosts=[s.lmcache_host, s.lmcache_http_host],
+              remote_binds=[{"component": lst.component, "allow_key": lst.allow_key,
+                             "detail": lst.describe()}
+                            for lst in listeners(s) if lst.remote])
     st = lc.server_state(plan)
     f.server_pid_state, f.server_pid = st.state, st.pid
     code, _ = _get(f"{plan.server_http_url}/healthcheck", timeout)
@@ -267,20 +272,23 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
                                 "execution may be enabled; restart without "
                                 "--run-script-api-enabled"))
         if f.server_listen:
+            # Loopback is always fine; any other address must be one the deployment binds
+            # (and has opted in for): anything else is reachable without an opt-in.
             allowed = set(f.configured_hosts)
-            stray = [a for a in f.server_listen
-                     if a.rsplit(":", 1)[0] not in allowed
-                     and not (all(is_loopback(h) for h in allowed)
-                              and is_loopback(a.rsplit(":", 1)[0]))]
-            wide = [a for a in f.server_listen if is_wildcard(a.rsplit(":", 1)[0])
-                    and not any(is_wildcard(h) for h in allowed)]
-            if wide:
+            stray = [a for a in f.server_listen if a.rsplit(":", 1)[0] not in allowed
+                     and not is_loopback(a.rsplit(":", 1)[0])]
+            if stray:
                 checks.append(Check("lmcache.listen", "degraded",
-                                    f"listens on all interfaces: {', '.join(wide)}"))
+                                    f"listens on {', '.join(stray)}, which this deployment "
+                                    "does not bind: reachable from the network without an "
+                                    "opt-in; restart it (kvp-admin stop, then launch)"))
             else:
                 checks.append(Check("lmcache.listen", "ok",
-                                    f"listens on {', '.join(f.server_listen)}"
-                                    + (f" (also {', '.join(stray)})" if stray else "")))
+                                    f"listens on {', '.join(f.server_listen)}"))
+    # ---- non-loopback binds: opted in (a config without the opt-in never loads), shown
+    for bind in f.remote_binds:
+        if f.expect_vllm or bind["component"] != "vllm":
+            checks.append(Check(f"network.{bind['component']}", "ok", bind["detail"]))
     # ---- cache root
     if not f.root_exists:
         checks.append(Check("cache_root", "down", "cache root missing"))

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from kvpersist.config.deployment import Deployment
+from kvpersist.config.deployment import Deployment, listeners
 from kvpersist.errors import CheckFailed, ConfigError, KvpError, Problem
 from kvpersist.l2.inventory import Sizing
 from kvpersist.stack.locate import Location, locate, vllm_mode
@@ -109,6 +109,7 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
     if not dep.pinned:
         notes.append(f"identity unpinned: one-off namespace {dep.namespace}, "
                      "nothing will be reused after a restart")
+    notes += listener_notes(dep, with_vllm=with_vllm)
     if not root.exists():
         if root.parent.is_dir():
             try:
@@ -171,6 +172,13 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
         problems.append(Problem("KVP_IMAGE", "docker is not installed",
                                 "install Docker or set KVP_DEVICE=cpu for a direct process"))
     return Preflight(tuple(problems), tuple(notes))
+
+
+def listener_notes(dep: Deployment, *, with_vllm: bool) -> list[str]:
+    """A note for every port that binds a non-loopback address (each opted in by its
+    ``KVP_ALLOW_REMOTE_*`` key; a bind without one never gets this far)."""
+    return [f"network: {lst.describe()}" for lst in listeners(dep.settings)
+            if lst.remote and (with_vllm or lst.component != "vllm")]
 
 
 def budget_notes(sizing: Sizing) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 
 from kvpersist import __version__
-from kvpersist.config.deployment import Deployment
+from kvpersist.config.deployment import Deployment, listeners
 from kvpersist.config.identity import MODEL_KV_DTYPES
 from kvpersist.config.values import reach_host
 from kvpersist.errors import ConfigError, Problem
@@ -46,6 +46,8 @@ class Rendered:
     manifest: dict[str, Any]
     model_link: dict[str, str]
     container_argv: list[str] = field(default_factory=list)
+    #: where each port binds and who may connect (see Listener.to_dict)
+    listeners: list[dict[str, Any]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         """The stable JSON object of ``kvp-admin render --json``."""
@@ -60,6 +62,7 @@ class Rendered:
             "manifest": self.manifest,
             "model_link": self.model_link,
             "container_argv": self.container_argv,
+            "listeners": self.listeners,
         }
 
 
@@ -71,7 +74,9 @@ def _environment(templates: Mapping[str, str]) -> jinja2.Environment:
 
 
 def _lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.strip() != ""]
+    """The argv elements of a rendered argv template: one per line. Lines end at ``\n``
+    only (``str.splitlines`` would also split a value at VT, FF, NEL or U+2028)."""
+    return [line for line in text.split("\n") if line.strip(" ") != ""]
 
 
 def kv_transfer_config(dep: Deployment) -> dict[str, Any]:
@@ -196,6 +201,7 @@ def render(dep: Deployment, templates: Mapping[str, str], *, l1_size_gb: float,
         manifest=json.loads(manifest_text),
         model_link={"dir": s.model_link_dir, "name": dep.namespace, "target": s.model_path},
         container_argv=container,
+        listeners=[lst.to_dict() for lst in listeners(s)],
     )
 
 

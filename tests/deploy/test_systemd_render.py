@@ -120,6 +120,42 @@ def test_dropins_per_instance():
     assert "--no-vllm" in cpu["kvp-health@m-1.service.d/10-kvpersist.conf"]
 
 
+def _deployment(**settings: str):  # type: ignore[no-untyped-def]
+    from kvpersist.config.deployment import GenericConfig, build_deployment
+
+    from ..unit.test_identity import BASE
+
+    values = {**BASE, "KVP_CACHE_ROOT": "/nvme/r", "KVP_SERVED_MODEL_NAME": "m",
+              "KVP_MODEL_PATH": "/models/m", **settings}
+    return build_deployment("r", "r.env", values, {}, GenericConfig())
+
+
+def test_dropins_follow_the_deployments_binds():
+    """IPAddressDeny=any/IPAddressAllow=localhost stays for a loopback deployment; a remote
+    bind (refused without its KVP_ALLOW_REMOTE_* key) allows its peers and, for a specific
+    address, that address in both the server's and the health check's unit."""
+    loop = sr.render_instance_dropins(sr.instance_for(_deployment()))
+    assert not [t for t in loop.values() if "IPAddressAllow" in t]
+    dep = _deployment(KVP_LMCACHE_HOST="10.1.2.3", KVP_ALLOW_REMOTE_LMCACHE="10.1.0.0/16",
+                      KVP_LMCACHE_HTTP_HOST="0.0.0.0",
+                      KVP_ALLOW_REMOTE_LMCACHE_HTTP="10.9.0.5, 10.1.0.0/16",
+                      KVP_VLLM_HOST="0.0.0.0", KVP_ALLOW_REMOTE_VLLM="any")
+    inst = sr.instance_for(dep, vllm=True, allow_networks=("192.168.0.0/24",))
+    assert inst.remote_peers == ("10.1.0.0/16", "10.9.0.5")  # vLLM's peers: not this unit's
+    assert inst.bind_addresses == ("10.1.2.3",)  # wildcards are reached through loopback
+    files = sr.render_instance_dropins(inst)
+    lm = files["kvp-lmcache@r.service.d/10-kvpersist.conf"].splitlines()
+    assert [ln for ln in lm if ln.startswith("IPAddress")] == [
+        "IPAddressAllow=192.168.0.0/24", "IPAddressAllow=10.1.0.0/16 10.9.0.5",
+        "IPAddressAllow=10.1.2.3"]
+    health = files["kvp-health@r.service.d/10-kvpersist.conf"].splitlines()
+    assert [ln for ln in health if ln.startswith("IPAddress")] == ["IPAddressAllow=10.1.2.3"]
+    anyone = sr.instance_for(_deployment(KVP_LMCACHE_HTTP_HOST="::",
+                                         KVP_ALLOW_REMOTE_LMCACHE_HTTP="any"))
+    lm_any = sr.render_instance_dropins(anyone)["kvp-lmcache@r.service.d/10-kvpersist.conf"]
+    assert "\nIPAddressAllow=any\n" in lm_any
+
+
 def test_invalid_values_are_all_reported():
     bad = sr.UnitSettings(user="Root!", kvp_admin="bin/kvp-admin", config_dir="/a b",
                           stop_timeout_sec=0)
@@ -131,8 +167,10 @@ def test_invalid_values_are_all_reported():
     with pytest.raises(sr.UnitRenderError) as err:
         sr.render_instance_dropins(sr.InstanceSettings(
             name="../x", cache_root="relative", allow_networks=("a b",),
-            extra_settings=("PrivateUsers=no\n[Install]",)))
-    for field in ("'name'", "'cache_root'", "'allow_networks[0]'", "'extra_settings[0]'"):
+            extra_settings=("PrivateUsers=no\n[Install]",), remote_peers=("10.0.0.0/8\nX=1",),
+            bind_addresses=("fe80::1%eth0",)))
+    for field in ("'name'", "'cache_root'", "'allow_networks[0]'", "'extra_settings[0]'",
+                  "'remote_peers[0]'", "'bind_addresses[0]'"):
         assert f"At {field}" in str(err.value)
 
 

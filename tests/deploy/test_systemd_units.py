@@ -25,7 +25,12 @@ from .unit_examples import EXAMPLE_INSTANCES, example_files
 
 pytestmark = pytest.mark.deploy
 
-INSTANCES = [i.name for i in EXAMPLE_INSTANCES]
+#: a deployment that binds non-loopback addresses with its opt-ins (see instance_for): the
+#: drop-ins then carry IPAddressAllow= lines for its peers and its own bind addresses
+REMOTE_INSTANCE = InstanceSettings(name="remote-bind", cache_root="/mnt/nvme1/kvp/remote",
+                                   vllm=True, remote_peers=("10.1.0.0/16", "fd00::/8"),
+                                   bind_addresses=("10.1.2.3",))
+INSTANCES = [i.name for i in EXAMPLE_INSTANCES] + [REMOTE_INSTANCE.name]
 UNIT_NAMES = ["kvp-lmcache@{}.service", "kvp-vllm@{}.service", "kvp-health@{}.service",
               "kvp-health@{}.timer"]
 
@@ -44,7 +49,7 @@ def rendered_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             scripts_dir=str(bin_dir))
     unit_dir = base / "system"
     files = dict(render_units(settings))
-    for instance in EXAMPLE_INSTANCES:
+    for instance in (*EXAMPLE_INSTANCES, REMOTE_INSTANCE):
         files.update(render_instance_dropins(instance))
     for rel, text in files.items():
         path = unit_dir / rel
@@ -75,8 +80,8 @@ def test_exposure_of_committed_examples_matches(tmp_path):
         path = tmp_path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    for instance in INSTANCES:
-        level, report = exposure(f"kvp-lmcache@{instance}.service", tmp_path)
+    for instance in EXAMPLE_INSTANCES:
+        level, report = exposure(f"kvp-lmcache@{instance.name}.service", tmp_path)
         assert level <= MAX_EXPOSURE, report
 
 

@@ -115,6 +115,13 @@ def _facts(**kw: object) -> health.Facts:
     ({"vllm_kv_checked": True, "vllm_kv_port": 9999}, "degraded"),
     ({"server_listen": ["0.0.0.0:5555"], "configured_hosts": ["127.0.0.1", "127.0.0.1"]},
      "degraded"),
+    # a non-loopback address the deployment does not bind: reachable without an opt-in
+    ({"server_listen": ["127.0.0.1:5555", "10.0.0.5:8080"],
+      "configured_hosts": ["127.0.0.1", "127.0.0.1"]}, "degraded"),
+    ({"server_listen": [":::8080"], "configured_hosts": ["127.0.0.1", "0.0.0.0"]},
+     "degraded"),
+    ({"server_listen": ["0.0.0.0:5555", "127.0.0.1:8080", "127.0.0.1:40001"],
+      "configured_hosts": ["0.0.0.0", "127.0.0.1"]}, "healthy"),
     ({"root_exists": False}, "down"),
     # something else answers /healthcheck on the admin port
     ({"http_listener_ours": False, "http_listener_pid": 42, "expect_vllm": False}, "down"),
@@ -131,6 +138,22 @@ def test_health_verdict(change: dict[str, object], status: str) -> None:
     got, checks = health.verdict(_facts(**change))
     assert got == status, checks
     assert health.EXIT[got] == {"healthy": 0, "degraded": 1, "down": 2}[status]
+
+
+def test_health_shows_every_opted_in_remote_bind() -> None:
+    """An opted-in non-loopback bind is not a fault (health stays 0) but never silent: each
+    gets a check line naming the address, the peers and the key that allowed it."""
+    binds = [{"component": "lmcache_http", "allow_key": "KVP_ALLOW_REMOTE_LMCACHE_HTTP",
+              "detail": "HTTP admin on 0.0.0.0:8080 is NOT loopback"},
+             {"component": "vllm", "allow_key": "KVP_ALLOW_REMOTE_VLLM",
+              "detail": "vLLM on 0.0.0.0:8000 is NOT loopback"}]
+    status, checks = health.verdict(_facts(remote_binds=binds))
+    assert status == "healthy"
+    shown = {c.name: c for c in checks if c.name.startswith("network.")}
+    assert sorted(shown) == ["network.lmcache_http", "network.vllm"]
+    assert all(c.status == "ok" and "NOT loopback" in c.detail for c in shown.values())
+    _, checks = health.verdict(_facts(remote_binds=binds, expect_vllm=False))
+    assert [c.name for c in checks if c.name.startswith("network.")] == ["network.lmcache_http"]
 
 
 # ----------------------------------------------------------------------------- hook

@@ -1,53 +1,130 @@
-"""The strict identity.env parser: data, never shell."""
+"""The strict identity.env parser: data, never shell, read the same way by kvpersist, systemd
+(EnvironmentFile=) and a shell, or refused. tests/deploy/test_envfile_agreement.py checks the
+agreement against the real readers (systemd, bash, Ansible's template)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpersist.config.envfile import format_env, parse_env
+from kvpersist.config.envfile import format_env, parse_env, value_problem
 from kvpersist.errors import ConfigError
 
 
-def test_comments_blank_lines_quotes_and_export() -> None:
+def test_comments_blank_lines_and_quotes() -> None:
     text = """
 # a comment
 KVP_A=plain
 KVP_B="double quoted value"
 KVP_C='single # not a comment'
-export KVP_D=exported
-KVP_E=value # trailing comment
+   KVP_D=indented
+KVP_E=trailing-spaces-dropped   \n\
 KVP_F=
+KVP_G=''
+KVP_H='x"y\\z;&|<>()~*?!{}[]#'
+KVP_I="ünïcødé ok"
+KVP_J=a=b,c:d/e@f%g+h-i.j_k
 """
     assert parse_env(text) == {
         "KVP_A": "plain", "KVP_B": "double quoted value", "KVP_C": "single # not a comment",
-        "KVP_D": "exported", "KVP_E": "value", "KVP_F": "",
+        "KVP_D": "indented", "KVP_E": "trailing-spaces-dropped", "KVP_F": "", "KVP_G": "",
+        "KVP_H": 'x"y\\z;&|<>()~*?!{}[]#', "KVP_I": "ünïcødé ok",
+        "KVP_J": "a=b,c:d/e@f%g+h-i.j_k",
     }
 
 
-@pytest.mark.parametrize("line", [
-    "KVP_A=$(rm -rf /)",
-    "KVP_A=`id`",
-    "KVP_A=${HOME}",
-    "KVP_A=\"unterminated",
-    "KVP_A='a' trailing",
-    "not a line",
-    "1KVP=x",
-    "KVP_A=a\\",
-])
-def test_shell_constructs_are_errors_not_executed(line: str) -> None:
+#: Whole lines that are refused: shell constructs, quoting systemd and a shell read
+#: differently, and lines that would not be one key to every reader.
+HOSTILE_LINES = [
+    # command substitution and expansion, unquoted and quoted (the README: errors)
+    "KVP_A=$(rm -rf /)", "KVP_A=`id`", "KVP_A=${HOME}", "KVP_A=$HOME",
+    'KVP_MODEL_ID="$(id)"', "KVP_MODEL_ID='$(id)'", 'KVP_A="`id`"', "KVP_A='`id`'",
+    'KVP_A="${HOME}"', "KVP_A='${HOME}'", 'KVP_A="a$b"', "KVP_A='price $5'",
+    "KVP_A='$((1+1))'", 'KVP_A="$[1]"',
+    # quoting
+    "KVP_A=\"unterminated", "KVP_A='unterminated", "KVP_A='a' trailing", "KVP_A='a'b",
+    "KVP_A='a''b'", "KVP_A=\"a\"'b'", "KVP_A='x' # comment", 'KVP_A="x" # comment',
+    'KVP_A="a\\\\b"', 'KVP_A="a\\"b"', 'KVP_A="a\\nb"',
+    # unquoted values outside the safe set (a shell splits, expands or runs them)
+    "KVP_A=a\\", "KVP_A=a b", "KVP_E=value # trailing comment", "KVP_A=a;id", "KVP_A=a&",
+    "KVP_A=a|b", "KVP_A=<x", "KVP_A=>x", "KVP_A=(x)", "KVP_A=~/x", "KVP_A=a:~/x",
+    "KVP_A=*", "KVP_A=a?", "KVP_A=[a]", "KVP_A={a,b}", "KVP_A=!x", "KVP_A=a#b",
+    "KVP_A=a\"b", "KVP_A=a'b", "KVP_A=ünï",
+    # not KEY=VALUE, or not the same key for every reader
+    "not a line", "1KVP=x", "KVP-A=x", "=x", "KVP_A", "export KVP_A=x", "export",
+    "KVP_A =x", "KVP_A= x", "KVP_A = x", "; systemd comment", "KVP_Ä=x",
+    # a comment ending in a backslash: systemd < 254 continues it onto the next line
+    "# continued \\",
+]
+
+#: Characters refused anywhere in a line (inside quotes too): C0 controls, DEL, C1 (NEL),
+#: Unicode format characters (bidi, zero-width, BOM), line and paragraph separators, and
+#: spaces other than U+0020.
+HOSTILE_CHARS = [
+    "\0", "\x01", "\t", "\v", "\f", "\r", "\x1b", "\x1c", "\x1d", "\x1e", "\x1f", "\x7f",
+    "\x80", "\x85", "\x9f", "\u2028", "\u2029", "\u200b", "\u200e", "\u202e", "\u2066",
+    "\ufeff", "\u00a0", "\u2003", "\u3000", "\u00ad", "\udcff",
+]
+CHAR_PLACES = [
+    "KVP_L1_SIZE_GB=1{c}KVP_L2_QUOTA=10%",   # the VT example of the issue
+    "KVP_A='a{c}b'", 'KVP_A="a{c}b"', "KVP_A=a{c}", "{c}KVP_A=a", "KVP_A{c}=a",
+    "# comment {c} here",
+]
+
+
+@pytest.mark.parametrize("line", HOSTILE_LINES)
+def test_hostile_lines_are_errors_naming_the_line(line: str) -> None:
     with pytest.raises(ConfigError) as err:
-        parse_env(line, "f.env")
-    assert err.value.problems[0].where == "f.env:1"
+        parse_env(f"KVP_OK=1\n{line}\n", "f.env")
+    assert [p.where for p in err.value.problems] == ["f.env:2"], err.value.problems
+
+
+@pytest.mark.parametrize("place", CHAR_PLACES)
+@pytest.mark.parametrize("char", HOSTILE_CHARS, ids=lambda c: f"U+{ord(c):04X}")
+def test_hostile_characters_are_errors_anywhere(char: str, place: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_env(f"KVP_OK=1\n{place.format(c=char)}\nKVP_LAST=2\n", "f.env")
+    (problem,) = err.value.problems
+    assert problem.where == "f.env:2"
+    assert f"U+{ord(char):04X}" in problem.message
+    assert char not in str(err.value)  # named, never echoed raw
+
+
+def test_lines_end_at_newline_only() -> None:
+    """str.splitlines() would make two keys of the VT example; every other reader sees one
+    line, so the whole line is refused rather than read as two keys."""
+    with pytest.raises(ConfigError) as err:
+        parse_env("KVP_L1_SIZE_GB=1\vKVP_L2_QUOTA=10%\n")
+    assert "U+000B (VT)" in err.value.problems[0].message
+    with pytest.raises(ConfigError) as err:
+        parse_env("KVP_A=1\r\nKVP_B=2\r\n")
+    assert "dos2unix" in err.value.problems[0].fix
+    assert [p.where for p in err.value.problems] == ["identity.env:1", "identity.env:2"]
 
 
 def test_every_bad_line_reported_at_once() -> None:
     with pytest.raises(ConfigError) as err:
-        parse_env("bad one\nKVP_A=1\nKVP_A=2\nalso bad\n", "f.env")
+        parse_env("bad one\nKVP_A=1\nKVP_A=2\nalso bad\nKVP_B='$(x)'\n", "f.env")
     wheres = [p.where for p in err.value.problems]
-    assert wheres == ["f.env:1", "f.env:3", "f.env:4"]
+    assert wheres == ["f.env:1", "f.env:3", "f.env:4", "f.env:5"]
     assert "set twice" in err.value.problems[1].message
 
 
 def test_format_round_trips() -> None:
-    values = {"KVP_A": "x y", "KVP_B": "--flag=1 --other", "KVP_C": "/a/b", "KVP_D": ""}
-    assert parse_env(format_env(values, header="generated")) == values
+    values = {"KVP_A": "x y", "KVP_B": "--flag=1 --other", "KVP_C": "/a/b", "KVP_D": "",
+              "KVP_E": 'q"uo\\te', "KVP_F": "ünï"}
+    assert parse_env(format_env(values, header="generated\nby a test")) == values
+
+
+@pytest.mark.parametrize("value", ["it's", "$(id)", "a`b", "a\nb", "a\0b", "a\u2028b"])
+def test_format_refuses_values_no_env_file_can_hold(value: str) -> None:
+    with pytest.raises(ValueError):
+        format_env({"KVP_A": value})
+
+
+@pytest.mark.parametrize("value", ["a\0b", "a\x1bb", "a\u2028b", "a\u00a0b", "$(id)", "`x`"])
+def test_value_problem_for_environment_values(value: str) -> None:
+    assert value_problem(value)
+
+
+def test_value_problem_accepts_plain_values() -> None:
+    assert value_problem("/var/lib/kvp cache/ünï") == ""

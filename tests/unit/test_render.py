@@ -70,7 +70,8 @@ def test_fp8_kv_dtype_is_passed_to_vllm() -> None:
 
 
 def test_wildcard_bind_is_reached_through_loopback() -> None:
-    r = render(dep({"KVP_LMCACHE_HOST": "0.0.0.0"}), TEMPLATES, l1_size_gb=8, l2_capacity_gb=1)
+    r = render(dep({"KVP_LMCACHE_HOST": "0.0.0.0", "KVP_ALLOW_REMOTE_LMCACHE": "10.1.0.0/16"}),
+               TEMPLATES, l1_size_gb=8, l2_capacity_gb=1)
     assert r.kv_transfer_config["kv_connector_extra_config"]["lmcache.mp.host"] == \
         "tcp://127.0.0.1"
 
