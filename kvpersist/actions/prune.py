@@ -57,7 +57,7 @@ def check_request(req: PruneRequest) -> None:
         raise UsageError("--to-budget chooses what to delete itself; do not combine it with "
                          "--namespace, --stale or --unpinned")
     for ns in req.namespaces:
-        if not ns or "/" in ns or ns.startswith(".") or "\0" in ns:
+        if not ns or "/" in ns or ns.startswith(".") or not ns.isprintable():
             raise UsageError(f"--namespace {ns!r}: not a file-name prefix")
 
 

@@ -152,9 +152,12 @@ def parse_chunk_name(name: str) -> ChunkName | None:
     """Parse a final chunk file name; None if ``name`` is not one (then it is foreign).
 
     Parsing goes from the right: the last three ``_`` separate rank, group and hash, so the
-    prefix may itself contain ``_``. An ``@`` after the hash starts the cache salt.
+    prefix may itself contain ``_``. An ``@`` after the hash starts the cache salt. A name
+    that is not printable text (bytes that are not UTF-8, control or format characters) is
+    never a chunk name: kvpersist's namespaces never contain such characters, so the file is
+    foreign and never touched.
     """
-    if not name.endswith(BIN_SUFFIX):
+    if not name.endswith(BIN_SUFFIX) or not name.isprintable():
         return None
     parts = name[:-4].rsplit("_", 3)
     if len(parts) == 4:
@@ -220,3 +223,17 @@ def classify(name: str, shard: tuple[str, str] | None = None) -> tuple[Kind, Chu
 def manifest_relpath(namespace: str) -> str:
     """Where a namespace's manifest lives, relative to the cache root."""
     return f"{META_DIR}/{MANIFESTS_DIR}/{namespace}.json"
+
+
+def display_name(name: str) -> str:
+    """``name`` (a path or file name as the OS gave it) safe to print and to put in JSON.
+
+    Bytes that are not UTF-8 (kept by Python as lone surrogates) are shown as ``\\xNN``;
+    control characters (a newline, an escape sequence) as ``\\xNN`` too, so a hostile file
+    name can neither crash an encoder nor rewrite a terminal (pure)."""
+    raw = name.encode("utf-8", "surrogateescape")
+    text = raw.decode("utf-8", "backslashreplace")
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 0x100
+                   else f"\\u{ord(c):04x}" for c in text)

@@ -38,6 +38,7 @@ from kvpersist.l2.layout import (
     PRUNE_LOCK,
     Kind,
     classify,
+    display_name,
     is_namespace,
     manifest_relpath,
     parse_chunk_name,
@@ -182,7 +183,7 @@ def _remove_manifests(root: RootDir, selections: Sequence[Selection], active: fr
         except FileNotFoundError:
             pass
         except OSError as exc:
-            res.errors.append(f"{rel}: {exc.strerror}")
+            res.errors.append(f"{display_name(rel)}: {exc.strerror}")
         finally:
             os.close(dfd)
 
@@ -219,7 +220,7 @@ def _stream_part(root: str, selections: Sequence[Selection], part: int, parts: i
 
     def error(rel: str, exc: OSError) -> None:
         if not isinstance(exc, FileNotFoundError) and len(errors) < ERRORS_CAP:
-            errors.append(f"{rel}: {exc.strerror}")
+            errors.append(f"{display_name(rel)}: {exc.strerror}")
 
     def do_dir(dfd: int, entries: Iterator[os.DirEntry[str]], rel: str, shard: Shard | None,
                split_names: bool) -> None:

@@ -33,6 +33,7 @@ from kvpersist.l2.layout import (
     PID_FILE,
     Kind,
     classify,
+    display_name,
     is_shard_dir_name,
     namespace_of_prefix,
 )
@@ -151,6 +152,11 @@ class PrefixUsage(Usage):
                 self.salts.add(s)
 
 
+#: A file with several names, as a walker met it: (name, path below the root, depth, under a
+#: foreign directory, under the metadata directory, shard directory, its lstat)
+LinkedFile = tuple[str, str, int, bool, bool, "tuple[str, str] | None", os.stat_result]
+
+
 @dataclass
 class ScanResult:
     """Everything a scan found, aggregated."""
@@ -168,6 +174,9 @@ class ScanResult:
     directories: Usage = field(default_factory=Usage)
     errors: list[str] = field(default_factory=list)
     workers: int = 1
+    #: regular files with more than one name, counted once each at the end of the scan
+    #: (:func:`_count_links`), after the workers' results are merged
+    links: list[LinkedFile] = field(default_factory=list)
 
     def merge(self, other: ScanResult) -> None:
         for p, u in other.prefixes.items():
@@ -183,6 +192,7 @@ class ScanResult:
         self.foreign_dirs += other.foreign_dirs
         self.directories.merge(other.directories)
         self.errors.extend(other.errors[: max(0, SAMPLE_CAP - len(self.errors))])
+        self.links.extend(other.links)
 
     @property
     def chunk_files(self) -> int:
@@ -226,7 +236,6 @@ class _Walker:
         self.progress = progress
         self.hist = hist
         self.res = ScanResult(root=root)
-        self.seen_links: set[tuple[int, int]] = set()
         self.count = 0
         # (prefix, rank hex, group hex) -> PrefixUsage, or None if that triple is invalid
         self.keys: dict[str, list[Any]] = {}
@@ -238,38 +247,8 @@ class _Walker:
         if len(self.res.errors) < SAMPLE_CAP:
             self.res.errors.append(msg)
 
-    def _first_link(self, st: os.stat_result) -> bool:
-        """False for a second name of an already counted hard-linked inode."""
-        key = (st.st_dev, st.st_ino)
-        if key in self.seen_links:
-            return False
-        self.seen_links.add(key)
-        return True
-
     def _prefix(self, prefix: str) -> PrefixUsage:
-        u = self.res.prefixes.get(prefix)
-        if u is None:
-            u = self.res.prefixes[prefix] = PrefixUsage(prefix=prefix)
-        return u
-
-    def _add_chunk_slow(self, name: str, st: os.stat_result, shard: tuple[str, str] | None,
-                        rel: str) -> None:
-        kind, chunk = classify(name, shard)
-        if kind is Kind.CHUNK and chunk is not None:
-            u = self._prefix(chunk.prefix)
-            u.add(st, hist=self.hist)
-            u.ranks.add(chunk.kv_rank)
-            u.groups.add(chunk.group)
-            if shard is not None:
-                u.sharded_files += 1
-            if chunk.salt is not None:
-                u.salted_files += 1
-                if len(u.salts) < SAMPLE_CAP:
-                    u.salts.add(chunk.salt)
-        elif kind is Kind.TEMP:
-            self.res.temp.add(st, hist=True)
-        else:
-            self.res.foreign.add(st, sample=rel)
+        return _prefix(self.res, prefix)
 
     # -- the walk ------------------------------------------------------------------------
 
@@ -306,7 +285,7 @@ class _Walker:
         return res
 
     def _open_error(self, rel: str, exc: OSError) -> None:
-        self._error(f"{rel or '.'}: {exc.strerror}")
+        self._error(f"{display_name(rel or '.')}: {exc.strerror}")
 
     def _scan_fd(self, dfd: int, rel: str, depth: int, partition: bool, foreign: bool,
                  meta: bool, shard: tuple[str, str] | None, descend: DescendFn) -> None:
@@ -341,7 +320,8 @@ class _Walker:
                     if (
                         len(tail) > 4
                         and tail.endswith(".bin")
-                        and tail.encode().translate(None, hex_bytes) == b".in"
+                        and tail.encode("utf-8", "surrogateescape")
+                        .translate(None, hex_bytes) == b".in"
                     ):
                         a = keys.get(head)
                         if a is None and head:
@@ -356,7 +336,9 @@ class _Walker:
                         except OSError as exc:
                             self._stat_error(exc, rel, name)
                             continue
-                        if st.st_nlink > 1 and not self._first_link(st):
+                        if st.st_nlink > 1:
+                            self.res.links.append((name, f"{rel}/{name}" if rel else name,
+                                                   depth, foreign, meta, shard, st))
                             continue
                         sz = st.st_size
                         a[0] += 1
@@ -387,7 +369,7 @@ class _Walker:
     def _stat_error(self, exc: OSError, rel: str, name: str) -> None:
         # vanished between readdir and lstat: simply not there any more
         if not isinstance(exc, FileNotFoundError):
-            self._error(f"{rel}/{name}: {exc.strerror}")
+            self._error(f"{display_name(f'{rel}/{name}')}: {exc.strerror}")
 
     def _slow_entry(self, e: os.DirEntry[str], name: str, rel: str, depth: int, foreign: bool,
                     meta: bool, shard: tuple[str, str] | None, descend: DescendFn) -> None:
@@ -397,18 +379,12 @@ class _Walker:
         try:
             if e.is_file(follow_symlinks=False):
                 st = e.stat(follow_symlinks=False)
-                if st.st_nlink > 1 and not self._first_link(st):
+                if st.st_nlink > 1:
+                    res.links.append((name, path, depth, foreign, meta, shard, st))
                     return
-                if meta:
-                    res.metadata.add(st)
-                elif foreign or depth == 1:
-                    res.foreign.add(st, sample=path)
-                elif depth == 0 and name == PID_FILE:
-                    res.metadata.add(st)
-                else:
-                    self._add_chunk_slow(name, st, shard, path)
+                _count_file(res, name, path, depth, foreign, meta, shard, st, self.hist)
             elif e.is_symlink():
-                res.symlinks.add(e.stat(follow_symlinks=False), sample=path)
+                res.symlinks.add(e.stat(follow_symlinks=False), sample=display_name(path))
             elif e.is_dir(follow_symlinks=False):
                 res.directories.add(e.stat(follow_symlinks=False))
                 if meta or (depth == 0 and name == META_DIR):
@@ -421,7 +397,7 @@ class _Walker:
                     descend((name, _PLAIN))
             else:
                 # sockets, fifos, devices: foreign, counted with their lstat size
-                res.foreign.add(e.stat(follow_symlinks=False), sample=path)
+                res.foreign.add(e.stat(follow_symlinks=False), sample=display_name(path))
         except OSError as exc:
             self._stat_error(exc, rel, name)
 
@@ -437,6 +413,8 @@ class _Walker:
             return None
         prefix, rank, group = fields
         if not prefix or len(rank) != 8 or rank.strip(_HEX) or not group or group.strip(_HEX):
+            return None
+        if not prefix.isprintable():  # not UTF-8, control characters: a foreign name
             return None
         acc = self.accs.get((prefix, rank, group))
         if acc is None:
@@ -454,6 +432,54 @@ class _Walker:
             u.ranks.add(int(rank, 16))
             u.groups.add(int(group, 16))
         self.accs.clear()
+
+
+def _prefix(res: ScanResult, prefix: str) -> PrefixUsage:
+    u = res.prefixes.get(prefix)
+    if u is None:
+        u = res.prefixes[prefix] = PrefixUsage(prefix=prefix)
+    return u
+
+
+def _count_file(res: ScanResult, name: str, path: str, depth: int, foreign: bool, meta: bool,
+                shard: tuple[str, str] | None, st: os.stat_result, hist: bool) -> None:
+    """Count one regular file into its category (the slow path, and linked files)."""
+    if meta:
+        res.metadata.add(st)
+    elif foreign or depth == 1:
+        res.foreign.add(st, sample=display_name(path))
+    elif depth == 0 and name == PID_FILE:
+        res.metadata.add(st)
+    else:
+        kind, chunk = classify(name, shard)
+        if kind is Kind.CHUNK and chunk is not None:
+            u = _prefix(res, chunk.prefix)
+            u.add(st, hist=hist)
+            u.ranks.add(chunk.kv_rank)
+            u.groups.add(chunk.group)
+            if shard is not None:
+                u.sharded_files += 1
+            if chunk.salt is not None:
+                u.salted_files += 1
+                if len(u.salts) < SAMPLE_CAP:
+                    u.salts.add(display_name(chunk.salt))
+        elif kind is Kind.TEMP:
+            res.temp.add(st, hist=True)
+        else:
+            res.foreign.add(st, sample=display_name(path))
+
+
+def _count_links(res: ScanResult, hist: bool) -> None:
+    """Count each file with several names once, as du does, whichever worker met which name:
+    the first name in path order counts, the others are skipped."""
+    seen: set[tuple[int, int]] = set()
+    for name, path, depth, foreign, meta, shard, st in sorted(res.links, key=lambda x: x[1]):
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            continue
+        seen.add(key)
+        _count_file(res, name, path, depth, foreign, meta, shard, st, hist)
+    res.links = []
 
 
 def _want_workers(root_fd: int, workers: int | None) -> int:
@@ -503,6 +529,7 @@ def scan_root(
             result = _Walker(root_s, 0, 1, progress, hist).walk_root(opened.fd)
         else:
             result = _scan_forked(root_s, opened.fd, n, progress, hist)
+    _count_links(result, hist)
     result.root = root_s
     result.started_ns = started
     result.duration_s = time.perf_counter() - t0

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpersist.l2 import layout
+from kvpersist.l2.layout import display_name
 from kvpersist.l2.tree import FILE_FLAGS, RootDir, chunk_dirs, meta_dir, open_rel, open_root
 
 SCHEMA = "kvpersist.verify/1"
@@ -241,7 +242,8 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
     sizes: dict[tuple[str, int], list[int]] = {}
 
     def shown(rel: str, name: str = "") -> str:
-        return os.path.join(res.root, rel, name) if name else os.path.join(res.root, rel)
+        return display_name(os.path.join(res.root, rel, name) if name
+                            else os.path.join(res.root, rel))
 
     def note(rel: str, exc: OSError) -> None:
         if not isinstance(exc, FileNotFoundError):

@@ -173,3 +173,58 @@ def test_writes_failing_like_a_full_disk_keep_the_server_serving(stack: Stack) -
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_power_loss_torn_files_are_misses_and_verify_quarantines_them(stack: Stack) -> None:
+    """LMCache publishes a chunk file by rename without fsync, so after a host crash a final
+    file can be empty, cut short, or of full size with zeros where the data never reached the
+    disk. With aesgcm each is a miss (recompute), never wrong bytes; verify finds them and
+    --apply quarantines them, after which the chunks are stored afresh."""
+    ns = stack.render()["namespace"]
+    stack.launch("--no-vllm")
+    digests: dict[int, list[str]] = {}
+    files: dict[int, list[Path]] = {}
+    with connect(stack.rpc, stack.http, ns) as d:
+        for seq in (1, 2, 3, 4, 5):
+            before = set(stack.chunk_files(ns))
+            digests[seq] = d.store(seq)
+            assert wait_until(lambda b=before: len(set(stack.chunk_files(ns)) - b) == 4, 30)
+            files[seq] = sorted(set(stack.chunk_files(ns)) - before)
+    stack.stop()
+
+    def zero(path: Path, start: int) -> None:
+        with open(path, "r+b") as f:
+            f.seek(start)
+            f.write(b"\0" * (path.stat().st_size - start))
+
+    torn = {1: files[1][0], 2: files[2][1], 3: files[3][2], 4: files[4][3]}
+    os.truncate(torn[1], 0)                                  # the rename landed, no data
+    os.truncate(torn[2], torn[2].stat().st_size // 2)        # cut short
+    zero(torn[3], 0)                                         # full size, all zeros
+    zero(torn[4], torn[4].stat().st_size - 4096)             # the last block never written
+
+    stack.launch("--no-vllm")
+    with connect(stack.rpc, stack.http, ns) as d:
+        for seq in (1, 2, 3, 4):
+            lk, got = d.lookup_and_retrieve(seq)
+            assert got is None and lk.hit_chunks < 4, (seq, lk)  # a miss, never wrong bytes
+        lk, got = d.lookup_and_retrieve(5)
+        assert lk.hit_chunks == 4 and got == digests[5]
+    stack.stop()
+
+    found = json.loads(stack.kvp("verify", stack.config, "--json").stdout)
+    assert sorted(Path(f["path"]).name for f in found["findings"]) == sorted(
+        p.name for p in torn.values()), found
+    applied = stack.kvp("verify", stack.config, "--apply", "--json")
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert len(json.loads(applied.stdout)["quarantined"]) == 4
+    assert not any(p.exists() for p in torn.values())
+
+    stack.launch("--no-vllm")
+    with connect(stack.rpc, stack.http, ns) as d:
+        for seq in (1, 2, 3, 4):
+            assert d.store(seq) == digests[seq]  # recomputed and stored afresh
+    stack.stop()
+    assert all(p.exists() for p in torn.values())
+    clean = stack.kvp("verify", stack.config, "--json")
+    assert clean.returncode == 0 and json.loads(clean.stdout)["findings"] == []

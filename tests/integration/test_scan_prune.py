@@ -185,6 +185,24 @@ def test_hard_links_count_once_like_du(tmp_path: Path) -> None:
     assert res.total_bytes == du_bytes(root)
 
 
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+def test_hard_links_split_between_workers_count_once(tmp_path: Path, workers: int) -> None:
+    """60 hard-link pairs whose two names land with different workers (the split is by a
+    hash of the name): each inode is counted once whatever the worker count, as du counts."""
+    root = tmp_path / "c"
+    for i in range(60):
+        f = write(root / chunk(NS_A, i).filename(), 1000 + i)
+        os.link(f, root / chunk(NS_B, i).filename())  # a second chunk name, same inode
+        t = write(root / temp_name(chunk(NS_A, 1000 + i), f"{i:032x}"), 300 + i)
+        os.link(t, root / f"foreign-{i}")
+    res = scan_root(root, workers=workers)
+    assert res.workers == workers
+    assert res.total_bytes == du_bytes(root)
+    # the first name in path order counts: kvp-a1... sorts before kvp-b2..., foreign- first
+    assert res.prefixes[NS_A].files == 60 and NS_B not in res.prefixes
+    assert res.foreign.files == 60 and res.temp.files == 0
+
+
 def test_report_cli_json_and_table(tree: Any) -> None:
     root, g, _ = tree
     r = kvp("report", "--root", str(root), "--json")
