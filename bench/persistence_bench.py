@@ -126,7 +126,7 @@ def l2_roundtrip(tmp: Path, label: str, seqs: int, tokens: int, **generic: Any) 
     files = [p for p in root.rglob("*.bin") if p.name.startswith(ns)]
     nbytes = sum(p.stat().st_size for p in files)
     kvp(env, "launch", "cpu-demo", "--no-vllm")
-    log = root / ".kvpersist" / "logs" / "lmcache-server.log"
+    log = root.parent / ".kvpersist" / root.name / "logs" / "lmcache-server.log"
     offset = log.stat().st_size
     dropped = drop_caches()
     ok = 0

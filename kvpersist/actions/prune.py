@@ -23,6 +23,7 @@ from kvpersist.l2.inventory import (
     resolve_inventory,
     scan_existing,
 )
+from kvpersist.l2.manifests import manifest_dirs
 from kvpersist.l2.prune import PruneResult, prune_lock, prune_stream
 from kvpersist.l2.retention import RetentionPlan, plan_explicit, plan_retention, select_named
 from kvpersist.l2.scan import ScanResult
@@ -153,5 +154,5 @@ def prune(root: str | None, configs: Sequence[str], req: PruneRequest, *, apply:
         result = prune_stream(inv.root, plan.selections, active=inv.active, dry_run=not apply,
                               list_paths=list_paths,
                               progress=bar("files deleted" if apply else "files selected"),
-                              lock=False)
+                              lock=False, manifest_dirs=manifest_dirs(inv.deployments))
     return PruneOutcome(result, plan, set(inv.active), budget_doc)

@@ -127,6 +127,8 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
         "namespaces": rows,
         "temp": _usage(res.temp),
         "foreign": {**_usage(res.foreign, samples=True), "dirs": res.foreign_dirs},
+        # not LMCache's, but named like its temp files: its clean-up deletes them at a stop
+        "lmcache_deletes_at_stop": _usage(res.lmcache_cleans, samples=True),
         "symlinks": _usage(res.symlinks, samples=True),
         "metadata": {"files": res.metadata.files, "bytes": res.metadata.bytes},
         "directories": {"count": res.directories.files, "bytes": res.directories.bytes},

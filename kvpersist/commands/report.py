@@ -53,6 +53,11 @@ def format_report(doc: dict[str, Any]) -> str:
                f"{format_size(f['bytes'])} (never touched)")
     if s["files"]:
         out.append(f"symlinks  {s['files']:,} (never followed)")
+    doomed = doc["lmcache_deletes_at_stop"]
+    if doomed["files"]:
+        out.append(f"warning: {doomed['files']:,} file(s) that are not LMCache's have '.tmp.' in "
+                   "their names (" + ", ".join(doomed["samples"][:3]) + "): LMCache deletes "
+                   "every such file under its cache root when it stops cleanly; move them out")
     fs = doc["filesystem"]
     out.append(f"total     {format_size(doc['total_bytes'])} under the root "
                f"(du --apparent-size), filesystem {format_size(fs['total_bytes'])} with "

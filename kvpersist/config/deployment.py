@@ -254,15 +254,21 @@ class DeploymentSettings:
     allow_remote_lmcache: tuple[str, ...] = ()
     allow_remote_lmcache_http: tuple[str, ...] = ()
     allow_remote_vllm: tuple[str, ...] = ()
+    #: the user the cache server runs as (systemd User=); empty: whoever runs kvp-admin
+    service_user: str = ""
 
 
 #: env key -> (field, kind, default-or-None-if-required). Defaults starting with "generic."
-#: come from the generic config; "{state_dir}" is substituted.
+#: come from the generic config; "{cache_root}", "{cache_root_parent}", "{cache_root_name}"
+#: and "{state_dir}" are substituted. The state dir defaults to a directory *beside* the cache
+#: root: LMCache's clean-up at a graceful stop deletes every file whose name contains
+#: ``.tmp.`` anywhere under the cache root, so kvpersist keeps its own state out of there.
+LEGACY_STATE_DIR = "{cache_root}/.kvpersist"
 DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_CACHE_ROOT": ("cache_root", "dir", None),
     "KVP_SERVED_MODEL_NAME": ("served_model_name", "name", None),
     "KVP_MODEL_PATH": ("model_path", "path", None),
-    "KVP_STATE_DIR": ("state_dir", "dir", "{cache_root}/.kvpersist"),
+    "KVP_STATE_DIR": ("state_dir", "dir", "{cache_root_parent}/.kvpersist/{cache_root_name}"),
     "KVP_L1_SIZE_GB": ("l1_size_gb", "float", "generic.l1_size_gb"),
     "KVP_LMCACHE_HOST": ("lmcache_host", "host", "generic.host"),
     "KVP_LMCACHE_PORT": ("lmcache_port", "port", "generic.port"),
@@ -288,6 +294,7 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_ALLOW_REMOTE_LMCACHE": ("allow_remote_lmcache", "peers", ""),
     "KVP_ALLOW_REMOTE_LMCACHE_HTTP": ("allow_remote_lmcache_http", "peers", ""),
     "KVP_ALLOW_REMOTE_VLLM": ("allow_remote_vllm", "peers", ""),
+    "KVP_SERVICE_USER": ("service_user", "user?", ""),
 }
 
 #: vLLM flags the launcher owns; KVP_VLLM_EXTRA_ARGS may not set them (nor ``--config``,
@@ -350,6 +357,9 @@ def config_name_problem(name: str) -> str:
         f"must be the name of a directory under configs/, got {name!r}")
 
 
+_USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}\Z")
+
+
 def _convert(kind: str, raw: str) -> tuple[Any, str]:
     """Convert one raw deployment value; return (value, error message or '')."""
     problem = value_problem(raw)
@@ -395,6 +405,9 @@ def _convert(kind: str, raw: str) -> tuple[Any, str]:
     if kind == "peers":
         peers, message = parse_peers(value)
         return (None, message) if message else (peers, "")
+    if kind == "user":
+        return (value, "") if _USER.match(value) else (
+            None, f"must be a user name ([a-z_][a-z0-9_-]*, at most 32), got {value!r}")
     if kind == "container":
         return (value, "") if _CONTAINER.match(value) else (
             None, f"must be a container name ([A-Za-z0-9][A-Za-z0-9_.-]*), got {value!r}")
@@ -448,13 +461,16 @@ def settings_from_env(
     environ: Mapping[str, str],
     generic: GenericConfig,
     source: str,
+    defaults: Mapping[str, str] | None = None,
 ) -> tuple[DeploymentSettings | None, list[Problem]]:
     """Deployment settings from the file's ``values``, overridden by ``environ`` (deployment
-    keys only). Returns (settings or None, problems)."""
+    keys only); ``defaults`` replace built-in defaults (the loader's legacy state dir).
+    Returns (settings or None, problems)."""
     problems: list[Problem] = []
     merged: dict[str, str] = {}
     origin: dict[str, str] = {}
-    for key, (_, _, default) in DEPLOYMENT_KEYS.items():
+    for key, (_, _, builtin) in DEPLOYMENT_KEYS.items():
+        default = (defaults or {}).get(key, builtin)
         if key in environ:
             merged[key], origin[key] = environ[key], f"environment {key}"
         elif key in values:
@@ -471,8 +487,9 @@ def settings_from_env(
             converted[name] = getattr(generic, raw[len("generic."):])
             continue
         if origin[key].endswith("(default)") and "{" in raw:
-            raw = raw.format(cache_root=converted.get("cache_root", ""),
-                             state_dir=converted.get("state_dir", ""))
+            root = PurePosixPath(converted.get("cache_root", "/"))
+            raw = raw.format(cache_root=root, cache_root_parent=root.parent,
+                             cache_root_name=root.name, state_dir=converted.get("state_dir", ""))
         value, message = _convert(kind, raw)
         if message:
             problems.append(Problem(origin[key], message, _DEPLOY_FIX.get(key, "")))
@@ -596,6 +613,8 @@ class Deployment:
     unpinned_reasons: tuple[Problem, ...] = field(default=())
     #: identity fields that passed validation (all 14 when pinned); used by render
     identity_values: Mapping[str, Any] = field(default_factory=dict)
+    #: things an operator should know about this deployment's settings (shown by launch)
+    notes: tuple[str, ...] = ()
 
     @property
     def pinned(self) -> bool:
@@ -621,8 +640,12 @@ def build_deployment(
     *,
     allow_unpinned: bool = False,
     unpinned_token: str = "",
+    legacy_state_dir: bool = False,
 ) -> Deployment:
     """Validate env-file ``values`` (+ ``environ`` overrides) into a :class:`Deployment`.
+
+    ``legacy_state_dir`` (the loader found kvpersist 0.1's state inside the cache root and no
+    KVP_STATE_DIR is set) keeps the state dir at ``<cache root>/.kvpersist``, with a note.
 
     Unknown ``KVP_`` keys and any non-``KVP_`` key are errors. Identity problems are errors
     unless unpinned operation is opted into (``allow_unpinned`` or KVP_ALLOW_UNPINNED=true),
@@ -635,7 +658,9 @@ def build_deployment(
         if key not in known:
             problems.append(Problem(f"{source}: {key}", "unknown key",
                                     _closest(key, known)))
-    settings, setting_problems = settings_from_env(values, environ, generic, source)
+    settings, setting_problems = settings_from_env(
+        values, environ, generic, source,
+        {"KVP_STATE_DIR": LEGACY_STATE_DIR} if legacy_state_dir else None)
     problems += setting_problems
     id_problems = identity_problems(values, source)
     identity: CacheIdentity | None = None
@@ -661,7 +686,17 @@ def build_deployment(
     return Deployment(name=name, source=source, identity=identity, namespace=namespace,
                       settings=settings, generic=generic,
                       unpinned_reasons=tuple(id_problems) if identity is None else (),
-                      identity_values=_valid_identity_values(values, id_problems, source))
+                      identity_values=_valid_identity_values(values, id_problems, source),
+                      notes=(LEGACY_STATE_NOTE.format(root=settings.cache_root),)
+                      if legacy_state_dir else ())
+
+
+LEGACY_STATE_NOTE = (
+    "the state dir is {root}/.kvpersist, inside the cache root, where kvpersist 0.1 kept it: "
+    "LMCache's clean-up deletes every file whose name contains '.tmp.' under the cache root "
+    "when it stops. kvpersist's own files never carry that in their names, but to keep the "
+    "state out of its reach, stop the deployment, move the directory out (e.g. `mv "
+    "{root}/.kvpersist/* <new dir>` except prune.lock and quarantine/) and set KVP_STATE_DIR")
 
 
 def _valid_identity_values(values: Mapping[str, str], id_problems: list[Problem],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -107,7 +108,29 @@ def load_deployment(config: str, environ: Mapping[str, str] | None = None,
     generic = load_generic(generic_name)
     return build_deployment(name, source, values, env, generic,
                             allow_unpinned=allow_unpinned,
-                            unpinned_token=secrets.token_hex(16))
+                            unpinned_token=secrets.token_hex(16),
+                            legacy_state_dir=_legacy_state_dir(values, env))
+
+
+#: what kvpersist 0.1 kept in ``<cache root>/.kvpersist`` when KVP_STATE_DIR was not set
+_LEGACY_STATE_ENTRIES = ("keys", "manifests", "models")
+
+
+def _legacy_state_dir(values: Mapping[str, str], env: Mapping[str, str]) -> bool:
+    """True when no KVP_STATE_DIR is set and the cache root holds kvpersist 0.1's state (its
+    serde key above all: a new key would turn every chunk on disk into a miss)."""
+    if env.get("KVP_STATE_DIR") or values.get("KVP_STATE_DIR"):
+        return False
+    root = env.get("KVP_CACHE_ROOT") or values.get("KVP_CACHE_ROOT") or ""
+    if not root.startswith("/") or "\0" in root:
+        return False  # validation reports it
+    meta = os.path.join(root, ".kvpersist")
+    try:
+        if not stat.S_ISDIR(os.lstat(meta).st_mode):
+            return False
+        return any(os.path.lexists(os.path.join(meta, e)) for e in _LEGACY_STATE_ENTRIES)
+    except (OSError, ValueError):
+        return False
 
 
 def load_identity_values(config: str) -> tuple[str, dict[str, str]]:

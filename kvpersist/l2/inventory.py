@@ -205,6 +205,7 @@ class Sizing:
     l1_size_gb: float
     l2_capacity_gb: float
     plan: BudgetPlan
+    measurement: Measurement | None = None
 
     @property
     def reasons(self) -> tuple[str, ...]:
@@ -218,7 +219,8 @@ def size_deployment(dep: Deployment, *, environ: Mapping[str, str] | None = None
     With ``strict`` (render, launch) a plan with problems raises ConfigError (exit 2); without
     it (``kvp-admin budget``) the plan is returned for display.
     """
-    plan = plan_with(dep, measure(dep.settings.cache_root), other_deployments(dep, environ))
+    m = measure(dep.settings.cache_root)
+    plan = plan_with(dep, m, other_deployments(dep, environ))
     if strict:
         plan.raise_for_problems()
-    return Sizing(plan.l1_size_gb, plan.l2_max_capacity_gb, plan)
+    return Sizing(plan.l1_size_gb, plan.l2_max_capacity_gb, plan, m)

@@ -84,7 +84,8 @@ def ensure_key(path: str | os.PathLike[str]) -> KeyInfo:
     created = False
     if not p.exists():
         p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = p.with_name(f".{p.name}.tmp.{os.getpid()}")
+        # never ".tmp." in a name kvpersist writes: LMCache deletes such names under its root
+        tmp = p.with_name(f".{p.name}.new-{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.write(fd, os.urandom(KEY_BYTES))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,17 +59,27 @@ def parse_manifest(text: str, source: str = "") -> Manifest:
     )
 
 
+def default_manifest_dirs(root: str | os.PathLike[str]) -> list[str]:
+    """Where manifests of a root's deployments are when KVP_STATE_DIR is not set: beside the
+    root (``<parent>/.kvpersist/<root name>/manifests``, the default since 0.2) and inside it
+    (``<root>/.kvpersist/manifests``, kvpersist 0.1)."""
+    r = Path(os.path.abspath(root))
+    return [str(r.parent / META_DIR / r.name / MANIFESTS_DIR),
+            str(r / META_DIR / MANIFESTS_DIR)]
+
+
 def read_manifests(
     root: str | os.PathLike[str], extra_dirs: tuple[str, ...] | list[str] = ()
 ) -> tuple[dict[str, Manifest], list[str]]:
     """All readable manifests by namespace, and messages about bad ones.
 
-    Reads ``<root>/.kvpersist/manifests/`` and any ``extra_dirs`` (the manifest directories of
-    deployments whose KVP_STATE_DIR is elsewhere); the newest manifest of a namespace wins.
+    Reads the :func:`default_manifest_dirs` of ``root`` and any ``extra_dirs`` (the manifest
+    directories of deployments whose KVP_STATE_DIR is set); the newest manifest of a
+    namespace wins.
     """
     found: dict[str, Manifest] = {}
     problems: list[str] = []
-    dirs = [str(Path(root) / META_DIR / MANIFESTS_DIR), *extra_dirs]
+    dirs = [*default_manifest_dirs(root), *extra_dirs]
     for mdir in dict.fromkeys(os.path.realpath(d) for d in dirs):
         try:
             entries = list(os.scandir(mdir))
@@ -106,3 +117,26 @@ def manifest_dirs(deployments: Iterable[Deployment]) -> list[str]:
         if d.settings.state_dir:
             out.append(os.path.join(d.settings.state_dir, MANIFESTS_DIR))
     return out
+
+
+def remove_manifest(manifest_dir: str, namespace: str) -> bool:
+    """Remove ``<manifest_dir>/<namespace>.json`` if it is a regular file; True if removed.
+
+    The directory is opened without following a symlink and the file is removed relative to
+    it. Raises OSError (other than a missing file or directory)."""
+    try:
+        dfd = os.open(manifest_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        name = f"{namespace}.json"
+        try:
+            st = os.lstat(name, dir_fd=dfd)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        os.unlink(name, dir_fd=dfd)
+        return True
+    finally:
+        os.close(dfd)

@@ -40,11 +40,11 @@ from kvpersist.l2.layout import (
     classify,
     display_name,
     is_namespace,
-    manifest_relpath,
     parse_chunk_name,
 )
+from kvpersist.l2.manifests import default_manifest_dirs, remove_manifest
 from kvpersist.l2.retention import Selection
-from kvpersist.l2.tree import RootDir, Shard, chunk_dirs, meta_dir, open_rel, open_root
+from kvpersist.l2.tree import RootDir, Shard, chunk_dirs, meta_dir, open_root
 from kvpersist.system.forked import run_parts
 
 PROGRESS_EVERY = 4096
@@ -163,29 +163,21 @@ def _prefix_has_files(root_fd: int, prefix: str) -> bool:
 
 
 def _remove_manifests(root: RootDir, selections: Sequence[Selection], active: frozenset[str],
-                      res: PruneResult) -> None:
-    """Remove the manifest of each namespace pruned whole, inactive, and now without files."""
+                      manifest_dirs: Sequence[str], res: PruneResult) -> None:
+    """Remove the manifest of each namespace pruned whole, inactive, and now without files,
+    from every manifest directory of this root (``manifest_dirs``)."""
     for s in selections:
         ns = s.prefix
         if ns is None or s.before_ns is not None or not is_namespace(ns) or ns in active:
             continue
-        rel = manifest_relpath(ns)
-        mdir, _, mname = rel.rpartition("/")
-        try:
-            dfd = open_rel(root.fd, mdir)
-        except OSError:
-            return  # no manifest directory (or not a real one): nothing to remove
-        try:
-            st = os.lstat(mname, dir_fd=dfd)
-            if stat_mod.S_ISREG(st.st_mode) and not _prefix_has_files(root.fd, ns):
-                os.unlink(mname, dir_fd=dfd)
-                res.manifests_removed.append(ns)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            res.errors.append(f"{display_name(rel)}: {exc.strerror}")
-        finally:
-            os.close(dfd)
+        if _prefix_has_files(root.fd, ns):
+            continue
+        for mdir in dict.fromkeys(manifest_dirs):
+            try:
+                if remove_manifest(mdir, ns) and ns not in res.manifests_removed:
+                    res.manifests_removed.append(ns)
+            except OSError as exc:
+                res.errors.append(f"{display_name(mdir)}/{ns}.json: {exc.strerror}")
 
 
 @dataclass
@@ -329,8 +321,12 @@ def prune_stream(
     progress: Callable[[int], None] | None = None,
     workers: int | None = None,
     lock: bool = True,
+    manifest_dirs: Sequence[str] = (),
 ) -> PruneResult:
     """Plan and delete in one pass (what ``kvp-admin prune`` runs; see the module docstring).
+
+    After an ``--apply``, the manifest of a namespace pruned whole is removed from the root's
+    default manifest directories and from ``manifest_dirs`` (those of its deployments).
 
     Large flat trees can be split between forked workers by a hash of each name. Takes the
     prune lock unless ``lock`` is False (the caller holds it; never needed for a dry run).
@@ -370,7 +366,8 @@ def prune_stream(
             res.deleted_bytes = sum(d[1] for d in done)
             res.planned_files, res.planned_bytes = res.deleted_files, res.deleted_bytes
             if not dry_run:
-                _remove_manifests(r, sels, frozenset(active), res)
+                _remove_manifests(r, sels, frozenset(active),
+                                  [*default_manifest_dirs(r.path), *manifest_dirs], res)
     res.per_selection = [
         {**s.to_dict(), "deleted_files": d[0], "deleted_bytes": d[1]}
         for s, d in zip(sels, done, strict=True)

@@ -31,6 +31,7 @@ from kvpersist.l2.layout import (
     _HEX,
     META_DIR,
     PID_FILE,
+    TEMP_MARKER,
     Kind,
     classify,
     display_name,
@@ -171,6 +172,10 @@ class ScanResult:
     symlinks: Usage = field(default_factory=Usage)
     foreign: Usage = field(default_factory=Usage)
     foreign_dirs: int = 0
+    #: foreign and metadata files with ``.tmp.`` in their names: LMCache's clean-up at a
+    #: graceful stop deletes every such file under the cache root (a subset of the others,
+    #: not added to the total)
+    lmcache_cleans: Usage = field(default_factory=Usage)
     directories: Usage = field(default_factory=Usage)
     errors: list[str] = field(default_factory=list)
     workers: int = 1
@@ -190,6 +195,7 @@ class ScanResult:
         self.symlinks.merge(other.symlinks)
         self.foreign.merge(other.foreign)
         self.foreign_dirs += other.foreign_dirs
+        self.lmcache_cleans.merge(other.lmcache_cleans)
         self.directories.merge(other.directories)
         self.errors.extend(other.errors[: max(0, SAMPLE_CAP - len(self.errors))])
         self.links.extend(other.links)
@@ -444,6 +450,9 @@ def _prefix(res: ScanResult, prefix: str) -> PrefixUsage:
 def _count_file(res: ScanResult, name: str, path: str, depth: int, foreign: bool, meta: bool,
                 shard: tuple[str, str] | None, st: os.stat_result, hist: bool) -> None:
     """Count one regular file into its category (the slow path, and linked files)."""
+    if TEMP_MARKER in name and (meta or foreign or depth == 1 or classify(name, shard)[0]
+                                is Kind.FOREIGN):
+        res.lmcache_cleans.add(st, sample=display_name(path))
     if meta:
         res.metadata.add(st)
     elif foreign or depth == 1:

@@ -365,9 +365,18 @@ def _quarantine(r: RootDir, res: VerifyResult, targets: list[_Seen]) -> None:
         os.close(qfd)
 
 
+def quarantine_name(name: str) -> str:
+    """The name a file gets in the quarantine (pure): ``.tmp.`` becomes ``.tmp~.``, because
+    LMCache's clean-up at a graceful stop deletes every file with ``.tmp.`` in its name
+    anywhere under the cache root, the quarantine included."""
+    return name.replace(layout.TEMP_MARKER, ".tmp~.")
+
+
 def _free_name(dir_fd: int, name: str) -> str:
-    """``name``, or ``name.1``, ``name.2``... : the first that does not exist in ``dir_fd``
-    (a quarantined file never replaces another). Raises OSError."""
+    """``name`` (made safe by :func:`quarantine_name`), or ``name.1``, ``name.2``... : the first
+    that does not exist in ``dir_fd`` (a quarantined file never replaces another). Raises
+    OSError."""
+    name = quarantine_name(name)
     candidate, n = name, 0
     while True:
         try:

@@ -109,6 +109,8 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
     if not dep.pinned:
         notes.append(f"identity unpinned: one-off namespace {dep.namespace}, "
                      "nothing will be reused after a restart")
+    notes += dep.notes
+    notes += foreign_notes(sizing)
     notes += listener_notes(dep, with_vllm=with_vllm)
     if not root.exists():
         if root.parent.is_dir():
@@ -141,13 +143,23 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
         problems.append(Problem("KVP_CACHE_ROOT", f"{root} is not a directory"))
     if root.is_dir():
         notes += budget_notes(sizing)
+    also: tuple[int, ...] = ()
+    if dep.settings.service_user:
+        import pwd
+
+        try:
+            also = (pwd.getpwnam(dep.settings.service_user).pw_uid,)
+        except KeyError:
+            problems.append(Problem("KVP_SERVICE_USER", f"no user "
+                                    f"{dep.settings.service_user!r} on this host",
+                                    "create the service user or fix the name"))
     seen: set[str] = set()
     for key, path in (("KVP_CACHE_ROOT", plan.cache_root), ("KVP_STATE_DIR", plan.state_dir),
                       ("KVP_LOG_DIR", os.path.dirname(plan.server_log)),
                       ("KVP_SERDE_KEY_FILE", plan.serde_key_file)):
         if key == "KVP_SERDE_KEY_FILE" and plan.serde != "aesgcm":
             continue
-        for why in trust_problems(path):
+        for why in trust_problems(path, also=also):
             if why in seen:
                 continue
             seen.add(why)
@@ -179,6 +191,26 @@ def listener_notes(dep: Deployment, *, with_vllm: bool) -> list[str]:
     ``KVP_ALLOW_REMOTE_*`` key; a bind without one never gets this far)."""
     return [f"network: {lst.describe()}" for lst in listeners(dep.settings)
             if lst.remote and (with_vllm or lst.component != "vllm")]
+
+
+def foreign_notes(sizing: Sizing) -> list[str]:
+    """What launch should say about files under the cache root that are not LMCache's: they
+    are never touched by kvpersist, but LMCache deletes every file whose name contains
+    ``.tmp.`` under its root when it stops cleanly."""
+    scan = sizing.measurement.scan if sizing.measurement else None
+    if scan is None:
+        return []
+    out = []
+    if scan.foreign.files or scan.foreign_dirs:
+        out.append(f"{scan.foreign.files} foreign file(s) and {scan.foreign_dirs} foreign "
+                   f"dir(s) under the cache root {scan.root}: kvpersist never touches them, "
+                   "but keep only LMCache's files there")
+    if scan.lmcache_cleans.files:
+        out.append(f"WARNING: {scan.lmcache_cleans.files} file(s) that are not LMCache's have "
+                   f"'.tmp.' in their names under {scan.root} (e.g. "
+                   f"{', '.join(scan.lmcache_cleans.samples[:3])}): LMCache deletes every such "
+                   "file under its cache root when it stops cleanly; move them out")
+    return out
 
 
 def budget_notes(sizing: Sizing) -> list[str]:
@@ -332,7 +364,7 @@ def ensure_model_link(plan: LaunchPlan) -> None:
     target = os.path.abspath(plan.model_target)
     if link.is_symlink() and os.readlink(link) == target:
         return
-    tmp = link_dir / f".{link.name}.tmp.{os.getpid()}"
+    tmp = link_dir / f".{link.name}.new-{os.getpid()}"  # never ".tmp." (see keys.py)
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
     os.symlink(target, tmp)

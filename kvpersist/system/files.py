@@ -83,17 +83,20 @@ def fs_info(path: str | os.PathLike[str]) -> FsInfo:
                   avail_bytes=sv.f_bavail * sv.f_frsize)
 
 
-def trust_problems(path: str | os.PathLike[str], uid: int | None = None) -> list[str]:
+def trust_problems(path: str | os.PathLike[str], uid: int | None = None,
+                   also: tuple[int, ...] = ()) -> list[str]:
     """Why ``path`` cannot be trusted by the user ``uid`` (default: this process), as sshd
-    checks its key files: the path itself (if it exists) must belong to ``uid``; every
-    directory above it must belong to ``uid`` or root and must not be writable by group or
-    others unless it has the sticky bit (``/tmp``). Anyone who can replace a directory on
-    the way can replace what lies below it (a key, a chunk file that authenticates).
+    checks its key files: the path itself (if it exists) must belong to ``uid`` (or to one of
+    ``also``: the service user, when root acts for it); every directory above it must belong
+    to one of those or to root and must not be writable by group or others unless it has the
+    sticky bit (``/tmp``). Anyone who can replace a directory on the way can replace what
+    lies below it (a key, a chunk file that authenticates).
 
     Returns every problem found (empty when trusted); symlinks on the way are reported, not
     followed. Never raises.
     """
     me = os.geteuid() if uid is None else uid
+    trusted = {me, *also}
     out: list[str] = []
     current = Path(os.path.abspath(path))
     try:
@@ -105,9 +108,10 @@ def trust_problems(path: str | os.PathLike[str], uid: int | None = None) -> list
     if st is not None:
         if stat.S_ISLNK(st.st_mode):
             out.append(f"{current} is a symbolic link; point the setting at the real path")
-        elif st.st_uid != me:
-            out.append(f"{current} belongs to uid {st.st_uid}, not to this user (uid {me}): "
-                       f"chown it to the service user, or run as its owner")
+        elif st.st_uid not in trusted:
+            out.append(f"{current} belongs to uid {st.st_uid}, not to this user (uid {me})"
+                       + (f" nor to the service user (uid {also[0]})" if also else "")
+                       + ": chown it to the service user, or run as its owner")
     for parent in current.parents:
         try:
             pst = os.lstat(parent)
@@ -118,7 +122,7 @@ def trust_problems(path: str | os.PathLike[str], uid: int | None = None) -> list
             continue
         if stat.S_ISLNK(pst.st_mode):
             continue  # an operator's link (e.g. /var -> /srv/var): its target is checked too
-        if pst.st_uid not in (0, me):
+        if pst.st_uid not in trusted | {0}:
             out.append(f"{parent} (above {current}) belongs to uid {pst.st_uid}: that user "
                        f"could replace what lies below it")
         if pst.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not pst.st_mode & stat.S_ISVTX:

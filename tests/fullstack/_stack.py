@@ -79,14 +79,19 @@ class Stack:
         return f"http://127.0.0.1:{self.env['KVP_VLLM_PORT']}"
 
     @property
+    def state_dir(self) -> Path:
+        """KVP_STATE_DIR, by default beside the cache root."""
+        default = self.root.parent / ".kvpersist" / self.root.name
+        return Path(self.env.get("KVP_STATE_DIR", str(default)))
+
+    @property
     def pid_file(self) -> Path:
         """The cache server's pid file: per deployment, in its state dir."""
-        state = Path(self.env.get("KVP_STATE_DIR", str(self.root / ".kvpersist")))
-        return state / "pids" / f"{Path(self.config).name}.lmcache.pid"
+        return self.state_dir / "pids" / f"{Path(self.config).name}.lmcache.pid"
 
     @property
     def server_log(self) -> Path:
-        return self.root / ".kvpersist" / "logs" / "lmcache-server.log"
+        return self.state_dir / "logs" / "lmcache-server.log"
 
     def render(self) -> Any:
         return self.kvp_json("render", self.config)

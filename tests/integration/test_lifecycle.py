@@ -293,3 +293,55 @@ def test_health_reports_a_running_server_whose_pid_file_is_gone(stack: Stack) ->
     assert check["status"] == "degraded" and f"pid {pid}" in check["detail"]
     os.kill(pid, 15)
     assert wait_until(lambda: not psutil.pid_exists(pid), 30)
+
+
+def test_lmcache_clean_stop_never_reaches_kvpersist_state(stack: Stack) -> None:
+    """Stock LMCache deletes every file with '.tmp.' in its name anywhere under the cache root
+    when it stops cleanly. kvpersist keeps its state beside the root, names nothing it writes
+    under the root that way (the quarantine renames '.tmp.'), and warns about foreign files
+    that will be lost; this test watches the real server do it."""
+    ns = stack.render()["namespace"]
+    stack.root.mkdir(mode=0o700)
+    planted = [stack.root / "notes.tmp.txt", stack.root / "sub" / "draft.tmp.1"]
+    planted[1].parent.mkdir()
+    for p in planted:
+        p.write_text("operator's file\n")
+    stale_temp = stack.root / f"{ns}_01000100_0_{'ab' * 8}.bin.tmp.{'cd' * 16}"
+    stale_temp.write_bytes(b"\0" * 4096)  # an interrupted write, as LMCache leaves one
+
+    check = stack.kvp("launch", stack.config, "--check", "--no-vllm")
+    assert check.returncode == 0, check.stderr
+    assert "2 file(s) that are not LMCache's have '.tmp.'" in check.stderr, check.stderr
+    report = json.loads(stack.kvp("report", "--root", str(stack.root), "--json").stdout)
+    assert report["lmcache_deletes_at_stop"]["files"] == 2
+
+    stack.launch("--no-vllm")
+    verify = stack.kvp("verify", stack.config, "--apply", "--temp-age", "0", "--json")
+    assert json.loads(verify.stdout)["quarantined"], verify.stdout + verify.stderr
+    state = sorted(p.relative_to(stack.state_dir) for p in stack.state_dir.rglob("*"))
+    quarantine = sorted((stack.root / ".kvpersist" / "quarantine").iterdir())
+    assert len(quarantine) == 1 and ".tmp." not in quarantine[0].name
+    assert not stack.state_dir.is_relative_to(stack.root)
+
+    stack.stop()  # a clean stop: LMCache's clean-up runs
+    assert not any(p.exists() for p in planted), "LMCache deleted the operator's files"
+    assert sorted((stack.root / ".kvpersist" / "quarantine").iterdir()) == quarantine
+    after = sorted(p.relative_to(stack.state_dir) for p in stack.state_dir.rglob("*"))
+    assert [p for p in state if "pids" not in p.parts] == [p for p in after
+                                                           if "pids" not in p.parts]
+    assert Path("keys/l2-master.key") in after and Path(f"manifests/{ns}.json") in after
+
+
+def test_a_0_1_state_dir_inside_the_cache_root_is_kept(stack: Stack) -> None:
+    """A root where kvpersist 0.1 kept its state (no KVP_STATE_DIR): the same key and
+    manifests are used (a new key would turn every chunk into a miss), with a note."""
+    legacy = stack.root / ".kvpersist"
+    (legacy / "keys").mkdir(parents=True)
+    os.chmod(stack.root, 0o700)
+    key = legacy / "keys" / "l2-master.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    rendered = stack.render()
+    assert rendered["l2_adapter"]["serde"]["master_key_path"] == str(key)
+    check = stack.kvp("launch", stack.config, "--check", "--no-vllm")
+    assert check.returncode == 0 and "where kvpersist 0.1 kept it" in check.stderr

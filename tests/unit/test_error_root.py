@@ -131,7 +131,8 @@ def test_lifecycle_commands_with_a_pid_file_that_is_a_directory(paths: dict[str,
     root = paths["tmp"] / "cache"
     root.mkdir(mode=0o700)
     (root / "lmcache-server.pid").mkdir()  # where 0.1 kept it (still read)
-    (root / ".kvpersist" / "pids" / "cpu-demo.lmcache.pid").mkdir(parents=True)
+    (paths["tmp"] / ".kvpersist" / "cache" / "pids" / "cpu-demo.lmcache.pid").mkdir(
+        parents=True)
     res = kvp(what, "cpu-demo", "--json", env=relocated_env(root))
     assert res.returncode in (1, 2), res.stderr
     assert "Traceback" not in res.stderr

@@ -43,7 +43,7 @@ def test_server_argv_and_adapter() -> None:
     assert adapter["eviction"] == {"eviction_policy": "LRU", "trigger_watermark": 0.9,
                                    "eviction_ratio": 0.1}
     assert adapter["serde"]["type"] == "aesgcm"
-    assert adapter["serde"]["master_key_path"] == "/var/lib/kvp/test/.kvpersist/keys/l2-master.key"
+    assert adapter["serde"]["master_key_path"] == "/var/lib/kvp/.kvpersist/test/keys/l2-master.key"
 
 
 def test_vllm_args_carry_the_namespace() -> None:
@@ -57,7 +57,7 @@ def test_vllm_args_carry_the_namespace() -> None:
     assert r.kv_transfer_config["kv_connector_extra_config"] == {
         "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5555,
         "lmcache.mp.mq_timeout": 10.0, "lmcache.mp.heartbeat_interval": 2.0}
-    assert r.model_link == {"dir": "/var/lib/kvp/test/.kvpersist/models", "name": d.namespace,
+    assert r.model_link == {"dir": "/var/lib/kvp/.kvpersist/test/models", "name": d.namespace,
                             "target": "/models/llama"}
     assert r.container_argv == []  # no image: a direct process
 

@@ -28,7 +28,9 @@ def test_defaults_are_loopback_and_generic() -> None:
     assert (s.lmcache_host, s.lmcache_port, s.lmcache_http_host, s.lmcache_http_port) == (
         "127.0.0.1", 5555, "127.0.0.1", 8080)
     assert s.l1_size_gb == 64.0
-    assert s.state_dir == "/var/lib/kvp/test/.kvpersist"
+    # beside the cache root, out of reach of LMCache's clean-up of '.tmp.' names under it
+    assert s.state_dir == "/var/lib/kvp/.kvpersist/test"
+    assert s.log_dir == "/var/lib/kvp/.kvpersist/test/logs" and s.service_user == ""
     assert dep.pinned and dep.namespace.startswith("kvp-")
 
 
