@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvpersist.l2.verify import VerifyResult, verify_root
+from kvpersist.system.files import service_uids
 
 
 def verify(config: str, *, apply: bool = False, all_namespaces: bool = False,
@@ -19,7 +20,8 @@ def verify(config: str, *, apply: bool = False, all_namespaces: bool = False,
 
     dep = load_deployment(config, allow_unpinned=True)
     s = dep.settings
-    key = keys.read_key(s.serde_key_file) if s.serde == "aesgcm" else None
+    also = service_uids(s.service_user)
+    key = keys.read_key(s.serde_key_file, also) if s.serde == "aesgcm" else None
     return verify_root(s.cache_root, dep.namespace, serde=s.serde, key=key, apply=apply,
                        temp_age=temp_age, rate_mb_s=rate_mb_s or None,
                        all_namespaces=all_namespaces, progress=progress)

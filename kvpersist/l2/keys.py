@@ -50,8 +50,8 @@ def fingerprint(key: bytes) -> str:
     return hashlib.sha256(b"kvpersist-l2-key-fingerprint\0" + key).hexdigest()[:16]
 
 
-def _check_mode(path: Path) -> None:
-    trust = trust_problems(path)
+def _check_mode(path: Path, also: tuple[int, ...] = ()) -> None:
+    trust = trust_problems(path, also=also)
     if trust:
         raise KeyError_(f"key file {path} cannot be trusted: " + "; ".join(trust))
     st = path.stat()
@@ -62,11 +62,12 @@ def _check_mode(path: Path) -> None:
                         f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}")
 
 
-def read_key(path: str | os.PathLike[str]) -> bytes:
-    """The key bytes at ``path``; raises KeyError_ if missing, short or not owner-only."""
+def read_key(path: str | os.PathLike[str], also: tuple[int, ...] = ()) -> bytes:
+    """The key bytes at ``path``; raises KeyError_ if missing, short, not owner-only, or not
+    owned by this user (or the service user's uid in ``also``) under trusted directories."""
     p = Path(path)
     try:
-        _check_mode(p)
+        _check_mode(p, also)
         data = p.read_bytes()
     except FileNotFoundError as exc:
         raise KeyError_(f"key file {p} does not exist") from exc
@@ -77,7 +78,7 @@ def read_key(path: str | os.PathLike[str]) -> bytes:
     return data
 
 
-def ensure_key(path: str | os.PathLike[str]) -> KeyInfo:
+def ensure_key(path: str | os.PathLike[str], also: tuple[int, ...] = ()) -> KeyInfo:
     """Return the key at ``path``, creating it (32 random bytes, 0600, parent 0700) if it
     does not exist. Never overwrites. Raises KeyError_ if an existing key is unusable."""
     p = Path(path)
@@ -99,7 +100,7 @@ def ensure_key(path: str | os.PathLike[str]) -> KeyInfo:
             pass
         finally:
             tmp.unlink()
-    key = read_key(p)
+    key = read_key(p, also)
     return KeyInfo(str(p), fingerprint(key), created)
 
 

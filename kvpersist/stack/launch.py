@@ -26,7 +26,7 @@ from kvpersist.l2.inventory import Sizing
 from kvpersist.stack.locate import Location, locate, vllm_mode
 from kvpersist.stack.render import Rendered
 from kvpersist.system import procs
-from kvpersist.system.files import atomic_write_json, fs_info, trust_problems
+from kvpersist.system.files import atomic_write_json, fs_info, service_uids, trust_problems
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -144,15 +144,10 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
     if root.is_dir():
         notes += budget_notes(sizing)
     also: tuple[int, ...] = ()
-    if dep.settings.service_user:
-        import pwd
-
-        try:
-            also = (pwd.getpwnam(dep.settings.service_user).pw_uid,)
-        except KeyError:
-            problems.append(Problem("KVP_SERVICE_USER", f"no user "
-                                    f"{dep.settings.service_user!r} on this host",
-                                    "create the service user or fix the name"))
+    try:
+        also = service_uids(dep.settings.service_user)
+    except KvpError as exc:
+        problems.append(Problem("KVP_SERVICE_USER", str(exc)))
     seen: set[str] = set()
     for key, path in (("KVP_CACHE_ROOT", plan.cache_root), ("KVP_STATE_DIR", plan.state_dir),
                       ("KVP_LOG_DIR", os.path.dirname(plan.server_log)),
@@ -245,7 +240,7 @@ def prepare_state(plan: LaunchPlan, rendered: Rendered, sizing: Sizing, *,
                                            "recorded_at_ns": time.time_ns(),
                                            "plan": sizing.plan.to_dict()})
     if plan.serde == "aesgcm":
-        info = keys.ensure_key(plan.serde_key_file)
+        info = keys.ensure_key(plan.serde_key_file, also=service_uids(plan.service_user))
         if info.created:
             notes.append(f"created L2 master key {info.path} (0600, fingerprint "
                          f"{info.fingerprint})")

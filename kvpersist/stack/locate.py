@@ -59,6 +59,8 @@ class Location:
     served_model_name: str
     serde_key_file: str
     serde: str
+    #: KVP_SERVICE_USER (empty: whoever runs kvp-admin)
+    service_user: str
     #: component -> (host, port) as configured
     listen: dict[str, tuple[str, int]]
 
@@ -98,6 +100,7 @@ def locate(dep: Deployment) -> Location:
         served_model_name=s.served_model_name,
         serde_key_file=s.serde_key_file,
         serde=s.serde,
+        service_user=s.service_user,
         listen={"lmcache": (s.lmcache_host, s.lmcache_port),
                 "lmcache_http": (s.lmcache_http_host, s.lmcache_http_port),
                 "vllm": (s.vllm_host, s.vllm_port)},

@@ -130,3 +130,17 @@ def trust_problems(path: str | os.PathLike[str], uid: int | None = None,
                        f"the sticky bit (mode {stat.S_IMODE(pst.st_mode):04o}): anyone could "
                        f"replace what lies below it; chmod go-w {parent}")
     return out
+
+
+def service_uids(user: str) -> tuple[int, ...]:
+    """The uid of the service user ``user`` as a tuple for :func:`trust_problems` (empty for
+    no user). Raises KvpError if there is no such user on this host."""
+    if not user:
+        return ()
+    import pwd
+
+    try:
+        return (pwd.getpwnam(user).pw_uid,)
+    except KeyError:
+        raise KvpError(f"KVP_SERVICE_USER: no user {user!r} on this host; create the service "
+                       "user or fix the name") from None

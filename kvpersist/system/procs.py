@@ -56,9 +56,10 @@ def read_pid_file(path: str | os.PathLike[str]) -> int | None:
 
 
 def write_pid_file(path: str | os.PathLike[str], pid: int) -> None:
-    """Atomically write ``pid`` to ``path`` (mode 0644: readable by monitoring). Raises
+    """Atomically write ``pid`` to ``path`` (owner-only, like everything in the state dir;
+    monitoring reads it as the service user or through ``kvp-admin status``). Raises
     KvpError if it cannot be written."""
-    atomic_write(path, f"{pid}\n", mode=0o644)
+    atomic_write(path, f"{pid}\n")
 
 
 def remove_pid_file(path: str | os.PathLike[str], pid: int | None = None) -> None:

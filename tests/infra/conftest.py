@@ -82,6 +82,7 @@ def layout_from_vars(given: dict[str, Any], *, local_converge: bool) -> Layout:
             "KVP_CACHE_ROOT": prefix + d["cache_root"],
             "KVP_STATE_DIR": f"{state_dir}/{name}",
             "KVP_LOG_DIR": f"{log_dir}/{name}",
+            "KVP_SERVICE_USER": v["kvp_user"],
         })
         deployments.append(Deployment(
             name=name,
