@@ -25,6 +25,7 @@ from kvpersist.errors import CheckFailed, ConfigError, KvpError, Problem
 from kvpersist.l2.inventory import Sizing
 from kvpersist.stack.locate import Location, locate, vllm_mode
 from kvpersist.stack.render import Rendered
+from kvpersist.stack.weights import WeightsCheck, check_weights, manifest_with_weights
 from kvpersist.system import procs
 from kvpersist.system.files import atomic_write_json, fs_info, service_uids, trust_problems
 
@@ -92,6 +93,8 @@ class Preflight:
 
     problems: tuple[Problem, ...]
     notes: tuple[str, ...]
+    #: the weights fingerprint check (what prepare_state records in the manifest)
+    weights: WeightsCheck | None = None
 
 
 def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: bool,
@@ -100,8 +103,10 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
 
     Checks: identity pinned (or explicitly unpinned), cache root a writable directory that
     others cannot read, free space, the ports free, the lmcache executable, the model
-    weights (with vLLM). ``sizing`` is the launch's one budget plan (shown as notes, never
-    computed again here). Returns all problems at once; never raises for them.
+    weights (with vLLM), the weights' fingerprint against the namespace's record
+    (:func:`~kvpersist.stack.weights.check_weights`). ``sizing`` is the launch's one budget
+    plan (shown as notes, never computed again here). Returns all problems at once; never
+    raises for them.
     """
     problems: list[Problem] = []
     notes: list[str] = []
@@ -178,7 +183,8 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
     if with_vllm and plan.vllm_mode == "container" and not shutil.which("docker"):
         problems.append(Problem("KVP_IMAGE", "docker is not installed",
                                 "install Docker or set KVP_DEVICE=cpu for a direct process"))
-    return Preflight(tuple(problems), tuple(notes))
+    weights = check_weights(plan, pinned=dep.pinned, with_vllm=with_vllm)
+    return Preflight(tuple(problems) + weights.problems, tuple(notes) + weights.notes, weights)
 
 
 def listener_notes(dep: Deployment, *, with_vllm: bool) -> list[str]:
@@ -222,8 +228,9 @@ def budget_notes(sizing: Sizing) -> list[str]:
 
 
 def prepare_state(plan: LaunchPlan, rendered: Rendered, sizing: Sizing, *,
-                  progress: Progress = _quiet) -> list[str]:
-    """Create state/log directories (0700), write the manifest and the budget record (what
+                  progress: Progress = _quiet, weights: WeightsCheck | None = None) -> list[str]:
+    """Create state/log directories (0700), write the manifest (with the weights record:
+    the first launch's, or ``weights``' at the first) and the budget record (what
     ``health`` reports without scanning), ensure the serde key. Returns notes (e.g. a new
     key, a changed key fingerprint). Raises KvpError if the state cannot be written."""
     from kvpersist.l2 import keys
@@ -235,7 +242,8 @@ def prepare_state(plan: LaunchPlan, rendered: Rendered, sizing: Sizing, *,
         except OSError as exc:
             raise KvpError(f"cannot create {d}: {exc.strerror}; check KVP_STATE_DIR and "
                            "KVP_LOG_DIR and their owner") from exc
-    atomic_write_json(plan.manifest_file, rendered.manifest)
+    atomic_write_json(plan.manifest_file,
+                      manifest_with_weights(rendered.manifest, plan.manifest_file, weights))
     atomic_write_json(plan.budget_record, {"schema": "kvpersist.budget-record/1",
                                            "recorded_at_ns": time.time_ns(),
                                            "plan": sizing.plan.to_dict()})
@@ -414,7 +422,7 @@ def launch_foreground(dep: Deployment, rendered: Rendered, plan: LaunchPlan, siz
         raise ConfigError(list(pre.problems), "preflight")
     for n in pre.notes:
         progress(n)
-    for n in prepare_state(plan, rendered, sizing, progress=progress):
+    for n in prepare_state(plan, rendered, sizing, progress=progress, weights=pre.weights):
         progress(n)
     progress(f"exec lmcache server for {plan.namespace} (pid file {plan.server_pid_file})")
     procs.write_pid_file(plan.server_pid_file, os.getpid())
@@ -537,7 +545,8 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
     notes = list(pre.notes)
     for n in notes:
         progress(n)
-    state_notes = prepare_state(plan, rendered, sizing, progress=progress)
+    state_notes = prepare_state(plan, rendered, sizing, progress=progress,
+                                weights=pre.weights)
     for n in state_notes:
         progress(n)
     notes += state_notes

@@ -15,6 +15,8 @@ Files of a deployment (``S`` = ``KVP_STATE_DIR``, default ``<cache root>/.kvpers
 * ``S/logs/lmcache-server.log``, ``S/logs/vllm.log``
 * ``S/manifests/<namespace>.json``: the namespace manifest
 * ``S/budget.json``: the budget plan of the last launch (health reads it; it never scans)
+* ``S/weights-digests.json``: the sha256 of each weights file, keyed by its stat (see
+  :mod:`kvpersist.stack.weights`), so a launch costs one ``stat`` per file
 * ``S/models/<namespace>`` → the weights: vLLM runs in ``S/models`` with
   ``--model <namespace>``, so LMCache's model name (and every file name) is the namespace.
 """
@@ -30,6 +32,7 @@ from kvpersist.l2.layout import MANIFESTS_DIR, PID_FILE
 
 PIDS_DIR = "pids"
 BUDGET_RECORD = "budget.json"
+WEIGHTS_CACHE = "weights-digests.json"
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Location:
     vllm_log: str
     manifest_file: str
     budget_record: str
+    weights_cache: str
     model_link_dir: str
     model_link: str
     model_target: str
@@ -88,6 +92,7 @@ def locate(dep: Deployment) -> Location:
         vllm_log=os.path.join(s.log_dir, "vllm.log"),
         manifest_file=os.path.join(state, MANIFESTS_DIR, f"{dep.namespace}.json"),
         budget_record=os.path.join(state, BUDGET_RECORD),
+        weights_cache=os.path.join(state, WEIGHTS_CACHE),
         model_link_dir=link_dir,
         model_link=os.path.join(link_dir, dep.namespace),
         model_target=s.model_path,
