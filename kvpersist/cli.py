@@ -54,6 +54,9 @@ COMMANDS: dict[str, Entry] = {
     "verify": Entry("kvpersist.commands.verify:verify",
                     "Check CONFIG's cache root: wrong sizes, frames failing authentication "
                     "with the deployment's key, stale temp files."),
+    "weights": Entry("kvpersist.commands.weights:weights",
+                     "Check that the weights at CONFIG's KVP_MODEL_PATH are those its namespace "
+                     "was first served with."),
     "demo": Entry("kvpersist.commands.demo:demo",
                   "Launch the cache server and vLLM (CPU build) on a generated model, send a "
                   "long chat, restart both, send it again: cold vs after-restart time to first "

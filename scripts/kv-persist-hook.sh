@@ -6,7 +6,9 @@
 # on the bash array that holds the recipe's vLLM command, right before the recipe runs it.
 #
 # * Without KV_PERSIST=1 this does nothing: the command stays byte-for-byte unchanged.
-# * With KV_PERSIST=1 (and KVP_CONFIG naming the deployment) it makes sure the deployment's
+# * With KV_PERSIST=1 (and KVP_CONFIG naming the deployment) it checks the weights against
+#   the namespace's record (`kvp-admin weights CONFIG --record`: weights that changed since
+#   the namespace was first served refuse, return 2), makes sure the deployment's
 #   lmcache server is up and healthy (`kvp-admin launch CONFIG --no-vllm` when it is not),
 #   then rewrites the array with exactly the persistence arguments (`kvpersist/deploy/hook.py`):
 #   the model argument becomes the namespace (linked to the weights in the deployment's
@@ -33,6 +35,13 @@ kvp_persist_apply() {
     echo "kv-persist-hook: $admin not found (set KVP_ADMIN)" >&2; return 2; }
   py=${KVP_PYTHON:-$(dirname "$admin_path")/python}
   [ -x "$py" ] || py=python3
+
+  # The weights at KVP_MODEL_PATH must be those the namespace was first served with (they
+  # are recorded now if it never was): refused as `kvp-admin launch` refuses, exit 2.
+  if ! "$admin" weights "$KVP_CONFIG" --record >&2; then
+    echo "kv-persist-hook: not starting vLLM for $KVP_CONFIG (see above)" >&2
+    return 2
+  fi
 
   # The cache server: healthy already, or launch it (a concurrent launch is fine: the
   # second one is refused and we wait for health).

@@ -24,6 +24,10 @@ py=${KVP_PYTHON:-$(dirname "$admin_path")/python}
 [ -x "$py" ] || py=python3
 
 render=$("$admin" render "$config" --json)
+# The weights at KVP_MODEL_PATH must be those the namespace was first served with (they are
+# recorded now if it never was): refused as `kvp-admin launch` refuses, exit 2.
+"$admin" weights "$config" --record >&2 || {
+  echo "run-vllm-with-persist: not starting vLLM for $config (see above)" >&2; exit 2; }
 field() {  # field NAME: one value of the render JSON, NUL-separated if a list
   "$py" -c '
 import json, sys

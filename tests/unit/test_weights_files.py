@@ -1,6 +1,7 @@
 """The weights fingerprint over real directories (kvpersist/stack/weights.py): a plain
 directory, a hub cache (blobs + snapshot symlinks), a ``--local-dir`` download; the digest
-cache (a hit reads nothing; a changed file is read again); the launch check."""
+cache (a hit reads nothing; a changed file is read again); the launch check and the
+``weights`` command."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +20,8 @@ import pytest
 
 from kvpersist.stack import weights as w
 from kvpersist.stack.weights import WeightsError, fingerprint_weights, model_files
+
+from ..conftest import REPO, clean_env
 
 FILES = {
     "config.json": b'{"model_type": "llama"}\n',
@@ -372,3 +377,58 @@ def test_check_unreadable_weights_problem_with_vllm_note_without(
         "KVP_MODEL_PATH"
     chk = w.check_weights(loc, pinned=True, with_vllm=False)
     assert not chk.problems and "Permission denied" in chk.notes[0]
+
+
+# --------------------------------------------------------------------------- the CLI
+def kvp(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=300)
+
+
+def test_cli_weights_launch_check_and_foreground_refuse_changed_weights(tmp_path: Path) -> None:
+    m = plain(tmp_path / "m")
+    env = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"), KVP_MODEL_PATH=str(m))
+    first = kvp(env, "weights", "cpu-demo", "--json")
+    assert first.returncode == 0, first.stderr
+    data = json.loads(first.stdout)
+    assert data["status"] == "first" and data["recorded_now"] == ""
+    assert not Path(data["manifest"]).exists()  # only --record (or a launch) records
+    rec = kvp(env, "weights", "cpu-demo", "--record")
+    assert rec.returncode == 0 and "recorded in" in rec.stderr, rec.stderr
+    manifest = json.loads(Path(data["manifest"]).read_text())
+    assert manifest["weights"]["fingerprint"] == data["current"]["fingerprint"] == expected()
+    assert manifest["namespace"] == data["namespace"]
+
+    ok = kvp(env, "launch", "cpu-demo", "--check", "--no-vllm")
+    assert ok.returncode == 0 and "matches" in ok.stderr, ok.stderr
+
+    (m / "model-00002-of-00002.safetensors").write_bytes(os.urandom(1000))
+    for args in (["weights", "cpu-demo"], ["launch", "cpu-demo", "--check"],
+                 ["launch", "cpu-demo", "--check", "--no-vllm"],
+                 ["launch", "cpu-demo", "--foreground", "--no-vllm"],
+                 ["launch", "cpu-demo", "--no-vllm"]):
+        res = kvp(env, *args)
+        assert res.returncode == (1 if args[0] == "weights" else 2), (args, res.stderr)
+        assert f"changed since {data['namespace']} was first served" in res.stderr, args
+        assert "bump KVP_MODEL_REVISION, or restore them" in res.stderr
+    state = Path(data["manifest"]).parent.parent
+    assert not (state / "pids").exists()  # nothing was started
+    assert json.loads(Path(data["manifest"]).read_text()) == manifest  # record unchanged
+
+    missing = dict(env, KVP_MODEL_PATH=str(tmp_path / "none"))
+    assert kvp(missing, "weights", "cpu-demo").returncode == 2
+
+
+def test_weights_command_imports_nothing_heavy(tmp_path: Path) -> None:
+    m = plain(tmp_path / "m")
+    code = ("import runpy, sys\nsys.argv = ['kvp-admin', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('kvpersist.cli', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "heavy = [m for m in ('lmcache', 'torch', 'vllm', 'transformers')"
+            " if m in sys.modules]\n"
+            "print('HEAVY=' + ','.join(heavy), file=sys.stderr)\n")
+    env = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"), KVP_MODEL_PATH=str(m))
+    res = subprocess.run([sys.executable, "-c", code, "weights", "cpu-demo", "--record"],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert "recorded in" in res.stderr, res.stderr
+    assert res.stderr.rstrip().endswith("HEAVY="), res.stderr
