@@ -148,6 +148,51 @@ def decide(key: StatKey, cached: CacheEntry | None, named: str = "", named_sourc
     return Decision("read")
 
 
+def cache_id(key: StatKey) -> str:
+    """Where a digest is kept in the cache: the file's device and inode, so that weights
+    moved aside and restored (renamed, same inodes) still hit."""
+    return f"{key.dev}:{key.ino}"
+
+
+#: entries kept per path for files replaced there (another inode at the same path now)
+KEEP_PER_PATH = 2
+#: how long an entry whose path is gone is kept (weights moved aside may come back)
+KEEP_GONE_S = 30 * 86400
+#: at most this many entries in all (the most recently used win)
+MAX_ENTRIES = 8192
+
+
+def entries_to_keep(entries: Mapping[str, tuple[str, int, StatKey]], used: set[str],
+                    now_at: Mapping[str, StatKey | None], now: int) -> set[str]:
+    """Which cache entries to keep when the cache is written.
+
+    ``entries`` maps a :func:`cache_id` to (path last seen at, when last used, stat key);
+    ``used`` are the ids used now; ``now_at`` gives the stat of what is at each path now
+    (None: nothing); ``now`` is the time in the same unit as the "last used" values
+    (seconds). Kept: the used ones; of the others, never a file changed in place since
+    (it can never hit again); an unchanged file still at its path; the
+    :data:`KEEP_PER_PATH` most recent of those replaced at a path; those whose path is gone
+    for :data:`KEEP_GONE_S` after their last use (moved aside, perhaps to be restored);
+    :data:`MAX_ENTRIES` in all, the most recently used first."""
+    candidates: list[tuple[int, str]] = []
+    replaced: dict[str, list[tuple[int, str]]] = {}
+    for ident, (path, seen, key) in entries.items():
+        if ident in used:
+            continue
+        cur = now_at.get(path)
+        if cur is None:
+            if now - seen <= KEEP_GONE_S:
+                candidates.append((seen, ident))
+        elif cache_id(cur) != ident:
+            replaced.setdefault(path, []).append((seen, ident))
+        elif cur == key:
+            candidates.append((seen, ident))
+    for items in replaced.values():
+        candidates += sorted(items, reverse=True)[:KEEP_PER_PATH]
+    room = max(0, MAX_ENTRIES - len(used))
+    return set(used) | {ident for _, ident in sorted(candidates, reverse=True)[:room]}
+
+
 # --------------------------------------------------------------------------- the fingerprint
 
 

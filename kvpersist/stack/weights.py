@@ -4,11 +4,12 @@
 What counts and how digests combine is in :mod:`kvpersist.config.fingerprint` (pure). Here:
 
 * :func:`fingerprint_weights` stats every counted file once, takes each digest from the
-  digest cache (``S/weights-digests.json``, keyed by (device, inode, size, mtime_ns,
-  ctime_ns)), from the hub layout's blob name or a ``--local-dir`` download's metadata (the
-  sha256 etag huggingface_hub recorded, valid under its own rule: the file not modified more
-  than a second after the metadata was written), or else reads the file (streamed, 1 MiB
-  buffer) and caches the result. A later launch costs one ``stat`` per file.
+  digest cache (``S/weights-digests.json``: by (device, inode), valid while (size,
+  mtime_ns, ctime_ns) are unchanged), from the hub layout's blob name or a ``--local-dir``
+  download's metadata (the sha256 etag huggingface_hub recorded, valid under its own rule:
+  the file not modified more than a second after the metadata was written), or else reads
+  the file (streamed, 1 MiB buffer) and caches the result. A later launch costs one
+  ``stat`` per file.
 * :func:`check_weights` is the preflight step: fingerprint, then compare with the record
   in the namespace's manifest; a different fingerprint is a :class:`Problem` (the launch is
   refused before anything starts, nothing under the cache root is touched).
@@ -40,9 +41,11 @@ from kvpersist.config.fingerprint import (
     FileDigest,
     StatKey,
     WeightsRecord,
+    cache_id,
     compare,
     counts,
     decide,
+    entries_to_keep,
     is_sha256,
     make_record,
     record_from_manifest,
@@ -161,8 +164,19 @@ def read_sha256(path: str) -> tuple[str, StatKey]:
 # --------------------------------------------------------------------------- digest cache
 
 
-def load_cache(path: str) -> tuple[dict[str, CacheEntry], list[str]]:
-    """The digest cache at ``path`` (empty if missing) and notes about what was ignored."""
+@dataclass(frozen=True)
+class Cached:
+    """A digest cache entry, where its file was last seen and when (seconds since the
+    epoch)."""
+
+    entry: CacheEntry
+    path: str
+    seen: int
+
+
+def load_cache(path: str) -> tuple[dict[str, Cached], list[str]]:
+    """The digest cache at ``path`` by :func:`~kvpersist.config.fingerprint.cache_id`
+    (empty if missing) and notes about what was ignored."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -173,10 +187,12 @@ def load_cache(path: str) -> tuple[dict[str, CacheEntry], list[str]]:
     if not isinstance(data, dict) or data.get("schema") != CACHE_SCHEMA \
             or not isinstance(data.get("files"), dict):
         return {}, [f"weights digest cache {path} ignored (not {CACHE_SCHEMA})"]
-    out: dict[str, CacheEntry] = {}
-    for p, raw in data["files"].items():
-        with contextlib.suppress(ValueError):
-            out[p] = CacheEntry.from_dict(raw)
+    out: dict[str, Cached] = {}
+    for ident, raw in data["files"].items():
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            entry = CacheEntry.from_dict(raw)
+            if cache_id(entry.key) == ident:
+                out[ident] = Cached(entry, str(raw["path"]), int(raw["seen"]))
     return out, []
 
 
@@ -192,18 +208,29 @@ def _not_mine(state_dir: str) -> str:
     return "" if owner == os.geteuid() else f"{state_dir} belongs to uid {owner}"
 
 
-def save_cache(path: str, entries: dict[str, CacheEntry], used: set[str]) -> list[str]:
-    """Write the digest cache (atomic, 0600): the entries ``used`` now, and the others whose
-    files still exist (another model's, on a shared state dir). Returns notes; never raises.
-    Skipped when the state dir belongs to another user (root acting for the service user):
-    a file it could not read back would only cost a re-read."""
+def _stat_key(path: str) -> StatKey | None:
+    try:
+        return StatKey.of(os.stat(path))
+    except OSError:
+        return None
+
+
+def save_cache(path: str, entries: dict[str, Cached], used: set[str]) -> list[str]:
+    """Write the digest cache (atomic, 0600), keeping what
+    :func:`~kvpersist.config.fingerprint.entries_to_keep` keeps (one ``stat`` per path of
+    an entry not used now). Returns notes; never raises. Skipped when the state dir belongs
+    to another user (root acting for the service user): a file that user could not read
+    back would only cost a re-read."""
     why = _not_mine(os.path.dirname(path))
     if why:
         return [f"weights digest cache not written: {why}"]
-    keep = {p: e.to_dict() for p, e in sorted(entries.items())
-            if p in used or os.path.lexists(p)}
+    paths = {c.path for i, c in entries.items() if i not in used}
+    keep = entries_to_keep({i: (c.path, c.seen, c.entry.key) for i, c in entries.items()},
+                           used, {p: _stat_key(p) for p in paths}, int(time.time()))
+    files = {i: {**c.entry.to_dict(), "path": c.path, "seen": c.seen}
+             for i, c in sorted(entries.items()) if i in keep}
     try:
-        atomic_write_json(path, {"schema": CACHE_SCHEMA, "files": keep})
+        atomic_write_json(path, {"schema": CACHE_SCHEMA, "files": files})
     except KvpError as exc:
         return [f"weights digest cache not written: {exc}"]
     return []
@@ -244,6 +271,8 @@ def fingerprint_weights(model_path: str, cache_file: str, *, rehash: bool = Fals
     t0 = time.monotonic()
     files = model_files(model_path)
     cache, notes = load_cache(cache_file)
+    old_paths = {i: c.path for i, c in cache.items()}
+    now = int(time.time())
     model_dir = model_path if os.path.isdir(model_path) else os.path.dirname(model_path)
     sources: Counter[str] = Counter()
     digests: list[FileDigest] = []
@@ -259,7 +288,8 @@ def fingerprint_weights(model_path: str, cache_file: str, *, rehash: bool = Fals
         named, named_source = hub_blob_sha256(real), "hub-blob"
         if not named and not os.path.islink(path):
             named, named_source = local_dir_sha256(model_dir, name, st.st_mtime), "hf-metadata"
-        d = decide(key, cache.get(real), named, named_source, rehash=rehash)
+        old = cache.get(cache_id(key))
+        d = decide(key, old.entry if old else None, named, named_source, rehash=rehash)
         if d.how == "read":
             sha, key = read_sha256(real)
             bytes_read += key.size
@@ -270,10 +300,11 @@ def fingerprint_weights(model_path: str, cache_file: str, *, rehash: bool = Fals
         else:
             sha, source = d.sha256, d.source
         sources["cache" if d.how == "cache" else source] += 1
-        cache[real] = CacheEntry(key, sha, source, named)
-        used.add(real)
+        cache[cache_id(key)] = Cached(CacheEntry(key, sha, source, named), real, now)
+        used.add(cache_id(key))
         digests.append(FileDigest(name, key.size, sha))
-    if write_cache and (sources["read"] or sources["hub-blob"] or sources["hf-metadata"]):
+    if write_cache and (sources["read"] or sources["hub-blob"] or sources["hf-metadata"]
+                        or any(cache[i].path != old_paths.get(i) for i in used)):
         notes += save_cache(cache_file, cache, used)
     record = make_record(digests, os.path.abspath(model_path),
                          recorded_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -15,9 +15,11 @@ from kvpersist.config.fingerprint import (
     FileDigest,
     StatKey,
     WeightsRecord,
+    cache_id,
     combine,
     compare,
     decide,
+    entries_to_keep,
     make_record,
     refusal,
 )
@@ -167,3 +169,28 @@ def test_cache_entry_and_stat_key_parsing() -> None:
                 {**e.to_dict(), "named": "abc"}, "x"):
         with pytest.raises(ValueError):
             CacheEntry.from_dict(bad)
+
+
+def test_cache_entries_kept() -> None:
+    now = 10**9
+    k = {n: StatKey(1, n, 10, 20, 30) for n in range(1, 10)}
+    entries = {cache_id(k[1]): ("/m/a", now, k[1]),              # used now
+               cache_id(k[2]): ("/gone", now - 86400, k[2]),     # moved aside a day ago
+               cache_id(k[8]): ("/gone2", now - 40 * 86400, k[8]),  # gone for 40 days
+               cache_id(k[3]): ("/m/b", now, k[3]),              # same inode, changed since
+               cache_id(k[4]): ("/m/a", now - 10, k[4]),         # replaced at /m/a
+               cache_id(k[5]): ("/m/a", now - 20, k[5]),
+               cache_id(k[6]): ("/m/a", now - 30, k[6]),         # the third one: dropped
+               cache_id(k[7]): ("/n/c", 50, k[7])}               # another model's, unchanged
+    now_at = {"/gone": None, "/gone2": None, "/m/b": StatKey(1, 3, 11, 20, 31),
+              "/m/a": k[1], "/n/c": k[7]}
+    keep = entries_to_keep(entries, {cache_id(k[1])}, now_at, now)
+    assert keep == {cache_id(k[n]) for n in (1, 2, 4, 5, 7)}
+
+
+def test_cache_entries_capped_most_recent_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fp, "MAX_ENTRIES", 3)
+    k = {n: StatKey(1, n, 10, 20, 30) for n in range(1, 6)}
+    entries = {cache_id(k[n]): (f"/p{n}", 100 + n, k[n]) for n in k}
+    keep = entries_to_keep(entries, {cache_id(k[1])}, {f"/p{n}": k[n] for n in k}, 200)
+    assert keep == {cache_id(k[n]) for n in (1, 5, 4)}

@@ -291,17 +291,36 @@ def test_corrupt_cache_is_ignored_with_a_note(tmp_path: Path, reads: list[str]) 
     assert json.loads(Path(cache).read_text())["schema"] == w.CACHE_SCHEMA  # rewritten
 
 
-def test_cache_keeps_other_models_entries_while_their_files_exist(tmp_path: Path) -> None:
+def test_cache_keeps_other_models_entries_drops_files_changed_in_place(tmp_path: Path) -> None:
     a, b = plain(tmp_path / "a"), plain(tmp_path / "b", {"config.json": b"{}"})
     cache = tmp_path / "state" / "c.json"
     fingerprint_weights(str(a), str(cache))
     fingerprint_weights(str(b), str(cache))
     assert len(json.loads(cache.read_text())["files"]) == 5
-    shutil.rmtree(a)
-    (b / "config.json").write_bytes(b"{ }")
+    shutil.rmtree(a)  # gone (or moved aside): its entries stay a while
+    (b / "config.json").write_bytes(b"{ }")  # changed in place: its old entry can never hit
     fingerprint_weights(str(b), str(cache))
     kept = json.loads(cache.read_text())["files"]
-    assert list(kept) == [str(b / "config.json")]
+    assert sorted(e["path"] for e in kept.values()) == sorted(
+        [str(a / n) for n in FILES] + [str(b / "config.json")])
+    assert [e["sha256"] for e in kept.values() if e["path"] == str(b / "config.json")] == [
+        sha(b"{ }")]
+
+
+def test_weights_moved_aside_and_restored_still_hit(tmp_path: Path, reads: list[str]) -> None:
+    """Digests are kept by (device, inode): other weights at the same path, then the first
+    ones renamed back, cost no read."""
+    m, cache, before = _first(tmp_path)
+    m.rename(tmp_path / "aside")
+    other = plain(m, {"config.json": b"{}", "model.safetensors": b"other"})
+    reads.clear()
+    assert fingerprint_weights(str(other), cache).record.fingerprint != before
+    assert sorted(reads) == ["config.json", "model.safetensors"]
+    shutil.rmtree(m)
+    (tmp_path / "aside").rename(m)
+    reads.clear()
+    res = fingerprint_weights(str(m), cache)
+    assert reads == [] and res.record.fingerprint == before and res.sources == {"cache": 4}
 
 
 def test_cache_not_written_into_another_users_state_dir(tmp_path: Path,
