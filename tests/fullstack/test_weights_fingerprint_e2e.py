@@ -1,0 +1,149 @@
+"""The weights fingerprint end to end (real vLLM CPU build + real lmcache server, through
+the CLI): after a first launch, other weights at the same ``KVP_MODEL_PATH`` are refused by
+every way of starting the namespace, before anything starts and without reading or deleting
+anything under the cache root; the original weights, restored, launch and hit as before.
+
+One vLLM round makes the cache and one proves the hits after the restore; the refusals need
+no vLLM (each is refused before any process starts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpersist.demo.chat import chat_completion, long_chat
+
+from ..conftest import REPO
+from ._stack import Stack, l2_hits_in_log, vllm_metric
+
+pytestmark = pytest.mark.fullstack
+
+CHAT = long_chat(turns=8, words_per_turn=150, seed=23)
+HITS = "vllm:external_prefix_cache_hits_total"
+
+
+def tree_state(root: Path) -> dict[str, tuple[int, ...]]:
+    """Every entry under ``root``: (size, mtime_ns, atime_ns) of files, () for directories.
+    atime moves when a file is read (relatime: a file not read since it was written)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            out[os.path.relpath(os.path.join(dirpath, d), root)] = ()
+        for f in filenames:
+            st = os.lstat(os.path.join(dirpath, f))
+            out[os.path.relpath(os.path.join(dirpath, f), root)] = (
+                st.st_size, st.st_mtime_ns, st.st_atime_ns)
+    return out
+
+
+def file_state(path: Path) -> tuple[int, int] | None:
+    return (path.stat().st_size, path.stat().st_mtime_ns) if path.exists() else None
+
+
+def generate_other_model(dest: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo generator's tiny model with another seed: other weights, same geometry."""
+    from kvpersist.demo import model as dm
+
+    with monkeypatch.context() as mp:
+        mp.setitem(dm.SPECS, "tiny", dataclasses.replace(dm.SPECS["tiny"], seed=7))
+        dm.generate_model("tiny", dest)
+
+
+def test_changed_weights_refused_before_anything_starts_restored_hit(
+        tmp_path_factory: pytest.TempPathFactory, demo_model: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp = tmp_path_factory.mktemp("weights")
+    model = tmp / "model"
+    shutil.copytree(demo_model, model)
+    s = Stack(tmp, model=model)
+    try:
+        # 1. first launch: served, cached, the fingerprint recorded
+        ns = s.launch()["namespace"]
+        cold = chat_completion(s.vllm_url, "cpu-demo", CHAT, max_tokens=24)
+        assert cold.text and cold.prompt_tokens and cold.prompt_tokens > 5 * 256
+        s.stop()
+        manifest_file = s.state_dir / "manifests" / f"{ns}.json"
+        manifest = manifest_file.read_text()
+        record = json.loads(manifest)["weights"]
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(record["files"])
+        chunks = s.chunk_files(ns + "_")
+        assert len(chunks) >= cold.prompt_tokens // 256
+
+        # 2. other weights at the same KVP_MODEL_PATH
+        aside = tmp / "model.first"
+        model.rename(aside)
+        generate_other_model(model, monkeypatch)
+        assert (model / "model.safetensors").read_bytes() != \
+            (aside / "model.safetensors").read_bytes()
+        l2_before = tree_state(s.root)
+        logs = s.state_dir / "logs"
+        logs_before = {p.name: file_state(p) for p in logs.iterdir()}
+        refusal = f"changed since {ns} was first served"
+        for args in (["--no-vllm"], [], ["--check"], ["--check", "--no-vllm"],
+                     ["--foreground", "--no-vllm"]):
+            r = s.kvp("launch", s.config, *args, timeout=300)
+            assert r.returncode == 2, (args, r.stdout, r.stderr)
+            assert refusal in r.stderr and "model.safetensors" in r.stderr, args
+            assert "bump KVP_MODEL_REVISION, or restore them" in r.stderr
+        w = s.kvp("weights", s.config, "--record")
+        assert w.returncode == 1 and refusal in w.stderr, w.stderr
+        hook = _hook(s, model)
+        assert hook.returncode == 0, hook.stderr
+        rc, argv = hook.stdout.split("\n", 1)
+        assert rc == "rc=2" and refusal in hook.stderr, hook.stderr
+        assert argv.split("\0")[:-1] == _recipe(model)  # the command left as it was
+
+        # nothing started, nothing under the cache root read, written or deleted
+        assert not s.pid_file.exists()
+        assert not (s.state_dir / "pids" / "cpu-demo.vllm.pid").exists()
+        assert {p.name: file_state(p) for p in logs.iterdir()} == logs_before
+        assert tree_state(s.root) == l2_before
+        assert manifest_file.read_text() == manifest
+
+        # 3. the first weights restored: launched, and hits as before
+        shutil.rmtree(model)
+        aside.rename(model)
+        ok = s.kvp("weights", s.config, "--json")
+        assert ok.returncode == 0 and json.loads(ok.stdout)["status"] == "same", ok.stdout
+        assert json.loads(ok.stdout)["current"]["bytes_read"] == 0  # one stat per file
+        s.launch()
+        warm = chat_completion(s.vllm_url, "cpu-demo", CHAT, max_tokens=24)
+        assert warm.text == cold.text
+        assert vllm_metric(s.vllm_url, HITS) >= cold.prompt_tokens // 256 * 256
+        assert max(l2_hits_in_log(s.server_log)) >= cold.prompt_tokens // 256
+        s.stop()
+        assert json.loads(manifest_file.read_text())["weights"] == record
+    finally:
+        s.cleanup()
+
+
+def _recipe(model: Path) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--max-model-len", "4096"]
+
+
+def _hook(s: Stack, model: Path) -> subprocess.CompletedProcess[str]:
+    """The ``KV_PERSIST=1`` hook on a recipe's command; prints ``rc=N`` and the command."""
+    admin = s.tmp / "kvp-admin"
+    admin.write_text(f"#!/bin/bash\nexec {sys.executable} -m kvpersist.cli \"$@\"\n")
+    admin.chmod(0o755)
+    quoted = " ".join(f"'{a}'" for a in _recipe(model))
+    script = f"""
+source {REPO}/scripts/kv-persist-hook.sh
+CMD=({quoted})
+kvp_persist_apply CMD
+echo "rc=$?"
+printf '%s\\0' "${{CMD[@]}}"
+"""
+    env = dict(s.env, KV_PERSIST="1", KVP_CONFIG=s.config, KVP_ADMIN=str(admin),
+               KVP_PYTHON=sys.executable, PYTHONPATH=str(REPO))
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env,
+                          cwd=s.tmp, timeout=300)
