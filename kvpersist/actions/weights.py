@@ -44,7 +44,6 @@ def weights(config: str, *, record: bool = False, rehash: bool = False) -> Weigh
     result (``changed``), not raised."""
     from kvpersist.config.loader import load_deployment
     from kvpersist.stack.locate import locate
-    from kvpersist.stack.render import manifest
     from kvpersist.stack.weights import check_weights, record_in_manifest
     from kvpersist.system.files import service_uids, trust_problems
 
@@ -67,5 +66,7 @@ def weights(config: str, *, record: bool = False, rehash: bool = False) -> Weigh
         raise ConfigError(list(chk.problems), dep.name)
     done = ""
     if record and chk.status == "first" and chk.record is not None:
+        from kvpersist.stack.render import manifest  # jinja2: only when recording
+
         done = record_in_manifest(loc.manifest_file, chk.record, lambda: manifest(dep))
     return WeightsOutcome(dep.name, dep.namespace, loc, chk, done)
