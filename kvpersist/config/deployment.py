@@ -17,10 +17,12 @@ from typing import Any
 
 from kvpersist.config.envfile import value_problem
 from kvpersist.config.identity import (
+    ALL_IDENTITY_KEYS,
     IDENTITY_KEYS,
     CacheIdentity,
     identity_from_env,
     identity_problems,
+    parse_engine_args,
     unpinned_namespace,
 )
 from kvpersist.config.values import (
@@ -653,7 +655,7 @@ def build_deployment(
     agree (ports, TP vs GPU count, block size vs chunk size) are errors. Raises ConfigError.
     """
     problems: list[Problem] = []
-    known = set(IDENTITY_KEYS.values()) | set(DEPLOYMENT_KEYS)
+    known = set(ALL_IDENTITY_KEYS.values()) | set(DEPLOYMENT_KEYS)
     for key in values:
         if key not in known:
             problems.append(Problem(f"{source}: {key}", "unknown key",
@@ -673,6 +675,8 @@ def build_deployment(
         namespace = unpinned_namespace(unpinned_token) if unpinned_token else ""
         if not namespace:
             problems.append(Problem(source, "unpinned operation needs a random token"))
+        # an incomplete identity may run unpinned, but not with engine flags it cannot read
+        problems += [p for p in id_problems if p.where == f"{source}: KVP_ENGINE_ARGS"]
     else:
         problems += id_problems
         problems.append(Problem(source, "identity incomplete: refusing a persistent "
@@ -709,6 +713,9 @@ def _valid_identity_values(values: Mapping[str, str], id_problems: list[Problem]
         raw = values[key].strip()
         number = parse_uint(raw, 18) if name in _INT_IDENTITY else None
         out[name] = number if number is not None else raw
+    engine = values.get(ALL_IDENTITY_KEYS["engine_args"], "")
+    if engine.strip() and f"{source}: KVP_ENGINE_ARGS" not in bad:
+        out["engine_args"] = dict(parse_engine_args(engine))
     return out
 
 
