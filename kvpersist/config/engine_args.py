@@ -19,7 +19,9 @@ argparse then resolves abbreviations (``--max-model`` is ``--max-model-len``, ``
 and refuses what vLLM's parser refuses for its syntax (unknown or ambiguous options, missing
 values). It does not convert values (vLLM's types and choices): :func:`canonical_engine_args`
 does that for the flags ``KVP_ENGINE_ARGS`` accepts, and the launch runs vLLM's own parser
-(:mod:`kvpersist.stack.vllm_args`), which has the last word.
+(:mod:`kvpersist.stack.vllm_args`), which has the last word. argparse's own rules change
+between Python releases: the emulation is exact when kvp-admin runs on vLLM's Python version
+(tests/integration/test_engine_flags_vllm.py compares the two on ~4300 spellings).
 """
 
 from __future__ import annotations
