@@ -9,7 +9,8 @@
 # model-link directory, where `--model <namespace>` links to the weights. The namespace path
 # stays the same across restarts, so every restart finds the files on disk again.
 #
-# Arguments come from `kvp-admin render CONFIG --json`; identity.env is never sourced.
+# Arguments come from `kvp-admin render CONFIG --json`; identity.env is never sourced. EXTRA
+# VLLM ARGS are KV-neutral flags only, checked with the extra arguments by vLLM's own parser.
 # Environment: KVP_ADMIN (default kvp-admin), KVP_PYTHON (a Python with vLLM; default the
 # one next to kvp-admin), KVP_VLLM_PID_FILE (write the pid, which exec keeps).
 set -euo pipefail
@@ -28,6 +29,9 @@ render=$("$admin" render "$config" --json)
 # recorded now if it never was): refused as `kvp-admin launch` refuses, exit 2.
 "$admin" weights "$config" --record >&2 || {
   echo "run-vllm-with-persist: not starting vLLM for $config (see above)" >&2; exit 2; }
+# vLLM's own parser reads the extra and engine arguments (and ARGS) before vLLM starts: only
+# KV-neutral flags outside KVP_ENGINE_ARGS (docs/engine-flags.md)
+"$py" -m kvpersist.stack.vllm_args "$config" "$@" <<<"$render" || exit 2
 field() {  # field NAME: one value of the render JSON, NUL-separated if a list
   "$py" -c '
 import json, sys

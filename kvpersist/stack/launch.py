@@ -104,8 +104,10 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
     Checks: identity pinned (or explicitly unpinned), cache root a writable directory that
     others cannot read, free space, the ports free, the lmcache executable, the model
     weights (with vLLM), the weights' fingerprint against the namespace's record
-    (:func:`~kvpersist.stack.weights.check_weights`). ``sizing`` is the launch's one budget
-    plan (shown as notes, never computed again here). Returns all problems at once; never
+    (:func:`~kvpersist.stack.weights.check_weights`) and, once all of that passed,
+    the extra and engine arguments as vLLM's own parser reads them
+    (:mod:`kvpersist.stack.vllm_args`). ``sizing`` is the launch's one budget plan
+    (shown as notes, never computed again here). Returns all problems at once; never
     raises for them.
     """
     problems: list[Problem] = []
@@ -184,7 +186,15 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
         problems.append(Problem("KVP_IMAGE", "docker is not installed",
                                 "install Docker or set KVP_DEVICE=cpu for a direct process"))
     weights = check_weights(plan, pinned=dep.pinned, with_vllm=with_vllm)
-    return Preflight(tuple(problems) + weights.problems, tuple(notes) + weights.notes, weights)
+    problems += weights.problems
+    notes += weights.notes
+    if with_vllm and not problems:  # costs a vLLM import: last, when all else passed
+        from kvpersist.stack.vllm_args import check_deployment
+
+        args = check_deployment(dep, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
+        problems += args.problems
+        notes += args.notes
+    return Preflight(tuple(problems), tuple(notes), weights)
 
 
 def listener_notes(dep: Deployment, *, with_vllm: bool) -> list[str]:

@@ -17,7 +17,7 @@ from kvpersist.l2.scan import scan_root
 
 from ..conftest import REPO, clean_env, free_port
 
-NS = "kvp-ca2c704aca7085aa679e8a7f3497146d"  # cpu-demo's namespace
+NS = "kvp-8a8877c212dbb9f802c2eb354e22b53a"  # cpu-demo's namespace
 CHUNK = f"{NS}_01000100_0_".encode()
 
 HOSTILE: list[bytes] = [
