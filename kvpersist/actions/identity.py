@@ -17,6 +17,7 @@ from kvpersist.system.files import atomic_write
 
 if TYPE_CHECKING:
     from kvpersist.config.derive import Derivation, DeriveOptions
+    from kvpersist.stack.identity_check import IdentityCheck
 
 
 @dataclass(frozen=True)
@@ -104,3 +105,11 @@ def write_derived(d: Derivation, out: Path, *, force: bool = False) -> None:
     if out.exists() and not force:
         raise UsageError(f"{out} exists; pass --force to replace it")
     atomic_write(out, derived_env_text(d), mode=0o644)
+
+
+def check(config: str) -> IdentityCheck:
+    """Compare CONFIG's identity with the weights at its KVP_MODEL_PATH and the software
+    that would run it, as if vLLM started here (the model directory must exist)."""
+    from kvpersist.stack.identity_check import check_deployment
+
+    return check_deployment(load_deployment(config), vllm_launched=True, require_model=True)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from kvpersist.actions import identity as actions
 from kvpersist.commands.common import config_argument, echo_json, json_option, table
 from kvpersist.config.identity import IDENTITY_KEYS, RESOLVED_KV_DTYPES
+
+if TYPE_CHECKING:
+    from kvpersist.config.compare import FieldCheck
 
 
 @click.group()
@@ -140,3 +144,49 @@ def derive(model_dir: Path, out: Path | None, force: bool, revision: str | None,
         click.echo("set the PLACEHOLDER deployment keys before use", err=True)
     if not d.complete:
         raise click.exceptions.Exit(1)
+
+
+@identity.command("check")
+@config_argument
+@json_option
+def check(config: str, as_json: bool) -> None:
+    """Compare CONFIG's identity with the weights at KVP_MODEL_PATH and the installed software.
+
+    Every field is ok (compared, equal), mismatch, unchecked (cannot be known here, with the
+    reason; never counted as passed) or rendered (kvpersist passes it to vLLM as given).
+    Exit 0 when nothing mismatches, 1 when a field does, 2 for a configuration error (a
+    missing or unreadable model directory included).
+    """
+    from kvpersist.errors import ConfigError
+
+    res = actions.check(config)
+    if as_json:
+        echo_json(res.to_dict())
+    else:
+        rows = [(c.key, c.status, _short(c.configured), _short(c.found),
+                 _where(c, res.model_path)) for c in res.checks]
+        click.echo(f"{res.config}  namespace {res.namespace}  vLLM {res.vllm_mode}\n"
+                   f"MODEL_DIR (KVP_MODEL_PATH) {res.model_path}")
+        click.echo(table(rows, ("key", "status", "config", "found", "source / why")))
+        for c in res.mismatches:
+            click.echo(f"MISMATCH {c.problem()}", err=True)
+    if res.problems:
+        raise ConfigError(list(res.problems), "identity check")
+    if res.mismatches:
+        raise click.exceptions.Exit(1)
+    if not as_json:
+        unchecked = len(res.by_status("unchecked"))
+        click.echo(f"\nconsistent: no field mismatches ({unchecked} unchecked)")
+
+
+def _short(value: object) -> str:
+    """A value for the table: long digests shortened (the JSON has them whole)."""
+    text = "" if value is None else str(value)
+    return text[:16] + "…" if len(text) == 64 and text.isalnum() else text
+
+
+def _where(c: FieldCheck, model_path: str) -> str:
+    """The source (compared fields) or the reason (others), MODEL_DIR standing for the path."""
+    text = (f"{c.source}" + (f" ({c.detail})" if c.detail else "")
+            if c.status in ("ok", "mismatch") else c.detail)
+    return text.replace(model_path.rstrip("/"), "MODEL_DIR") if model_path else text

@@ -100,8 +100,10 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
 
     Checks: identity pinned (or explicitly unpinned), cache root a writable directory that
     others cannot read, free space, the ports free, the lmcache executable, the model
-    weights (with vLLM). ``sizing`` is the launch's one budget plan (shown as notes, never
-    computed again here). Returns all problems at once; never raises for them.
+    weights (with vLLM), the identity against the weights and the installed software
+    (:mod:`kvpersist.stack.identity_check`: a mismatch is a problem). ``sizing`` is the
+    launch's one budget plan (shown as notes, never computed again here). Returns all
+    problems at once; never raises for them.
     """
     problems: list[Problem] = []
     notes: list[str] = []
@@ -178,6 +180,11 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
     if with_vllm and plan.vllm_mode == "container" and not shutil.which("docker"):
         problems.append(Problem("KVP_IMAGE", "docker is not installed",
                                 "install Docker or set KVP_DEVICE=cpu for a direct process"))
+    from kvpersist.stack.identity_check import check_deployment
+
+    identity = check_deployment(dep, vllm_launched=with_vllm)
+    problems += identity.launch_problems()
+    notes += identity.launch_notes()
     return Preflight(tuple(problems), tuple(notes))
 
 

@@ -16,6 +16,8 @@ from kvpersist.l2 import keys, verify
 from kvpersist.stack import health
 from kvpersist.system import procs
 
+from ..model_dirs import plain_dir
+
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
@@ -264,8 +266,7 @@ exec {real} "$@"
     admin = tmp_path / "kvp-admin"
     admin.write_text(f"#!/bin/bash\nexec {real} -m kvpersist.cli \"$@\"\n")
     admin.chmod(0o755)
-    model = tmp_path / "weights"
-    model.mkdir()
+    model = plain_dir(tmp_path / "weights")  # the demo model's config and template
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
     env.update(KVP_CACHE_ROOT=str(tmp_path / "cache"), KVP_MODEL_PATH=str(model),
                KVP_ADMIN=str(admin), KVP_PYTHON=str(fake), PYTHONPATH=str(REPO))

@@ -361,8 +361,8 @@ def test_generate_is_idempotent_and_refuses_a_foreign_folder(generated_demo: Pat
         generate_model("tiny", tmp_path)
 
 
-@pytest.mark.parametrize("words", [["derive", "{snap}"]])
-def test_derive_never_imports_lmcache_vllm_or_torch(tmp_path: Path,
+@pytest.mark.parametrize("words", [["derive", "{snap}"], ["check", "cpu-demo"]])
+def test_derive_and_check_never_import_lmcache_vllm_or_torch(tmp_path: Path,
                                                              words: list[str]) -> None:
     import subprocess
     import sys
