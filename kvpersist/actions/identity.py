@@ -112,4 +112,9 @@ def check(config: str) -> IdentityCheck:
     that would run it, as if vLLM started here (the model directory must exist)."""
     from kvpersist.stack.identity_check import check_deployment
 
-    return check_deployment(load_deployment(config), vllm_launched=True, require_model=True)
+    dep = load_deployment(config)
+    if dep.identity is None:  # KVP_ALLOW_UNPINNED=true in the file
+        raise ConfigError([Problem(dep.source, "the identity is unpinned: there is nothing to "
+                                   "check (an unpinned namespace is never reused)",
+                                   "complete the identity fields")], dep.source)
+    return check_deployment(dep, vllm_launched=True, require_model=True)

@@ -157,7 +157,7 @@ def _check_model(cfg: Mapping[str, Any], m: ModelFacts) -> dict[str, FieldCheck]
     kv_dtype = str(cfg["kv_cache_dtype"])
     if declared and kv_dtype in MODEL_KV_DTYPES:
         out["kv_cache_dtype"] = FieldCheck(
-            "kv_cache_dtype", MISMATCH, kv_dtype, "fp8", declared,
+            "kv_cache_dtype", MISMATCH, kv_dtype, "fp8", m.file(declared),
             "vLLM applies the checkpoint's KV quantization under --kv-cache-dtype auto, "
             "which kvpersist renders for a model dtype",
             "set KVP_KV_CACHE_DTYPE to the stored fp8 dtype (e.g. fp8_e4m3; a new namespace)")

@@ -298,3 +298,10 @@ def test_run_vllm_with_persist_refuses_a_mismatch(tmp_path: Path) -> None:
     assert "At 'KVP_HEAD_DIM': config says 128" in res.stderr
     assert not (tmp_path / "ran").exists()
     assert os.listdir(tmp_path / "hub")  # untouched
+
+
+def test_an_unpinned_identity_has_nothing_to_check(tmp_path: Path) -> None:
+    config = cpu_demo_config(tmp_path, KVP_CHAT_TEMPLATE_SHA256="", KVP_ALLOW_UNPINNED="true")
+    code, _, err = kvp("identity", "check", str(config),
+                       env=env_for(tmp_path, hub_snapshot(tmp_path / "hub")))
+    assert code == 2 and "unpinned" in err
