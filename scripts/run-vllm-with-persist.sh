@@ -10,7 +10,8 @@
 # stays the same across restarts, so every restart finds the files on disk again.
 #
 # Arguments come from `kvp-admin render CONFIG --json`; identity.env is never sourced. Before
-# anything runs, `kvp-admin identity check CONFIG` must find no mismatch.
+# anything runs, `kvp-admin identity check CONFIG` must find no mismatch. EXTRA VLLM ARGS are
+# KV-neutral flags only, checked with the extra arguments by vLLM's own parser.
 # Environment: KVP_ADMIN (default kvp-admin), KVP_PYTHON (a Python with vLLM; default the
 # one next to kvp-admin), KVP_VLLM_PID_FILE (write the pid, which exec keeps).
 set -euo pipefail
@@ -33,6 +34,9 @@ if ! check=$("$admin" identity check "$config" 2>&1); then
   exit 2
 fi
 render=$("$admin" render "$config" --json)
+# vLLM's own parser reads the extra and engine arguments (and ARGS) before vLLM starts: only
+# KV-neutral flags outside KVP_ENGINE_ARGS (docs/engine-flags.md)
+"$py" -m kvpersist.stack.vllm_args "$config" "$@" <<<"$render" || exit 2
 field() {  # field NAME: one value of the render JSON, NUL-separated if a list
   "$py" -c '
 import json, sys

@@ -9,7 +9,12 @@ import click
 
 from kvpersist.actions import identity as actions
 from kvpersist.commands.common import config_argument, echo_json, json_option, table
-from kvpersist.config.identity import IDENTITY_KEYS, RESOLVED_KV_DTYPES
+from kvpersist.config.identity import (
+    ALL_IDENTITY_KEYS,
+    IDENTITY_KEYS,
+    RESOLVED_KV_DTYPES,
+    canonical_json,
+)
 
 if TYPE_CHECKING:
     from kvpersist.config.compare import FieldCheck
@@ -30,7 +35,9 @@ def show(config: str, as_json: bool) -> None:
     if as_json:
         echo_json(data)
         return
-    rows = [(name, IDENTITY_KEYS[name], value) for name, value in view.fields().items()]
+    rows = [(name, ALL_IDENTITY_KEYS[name],
+             canonical_json(value) if isinstance(value, dict) else value)
+            for name, value in view.fields().items()]
     click.echo(table(rows, ("field", "env key", "value")))
     click.echo(f"\ncanonical JSON:     {data['canonical_json']}")
     click.echo(f"namespace:          {dep.namespace}")

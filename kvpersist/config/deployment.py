@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+from kvpersist.config.engine_args import extra_args_problems
 from kvpersist.config.envfile import value_problem
 from kvpersist.config.identity import (
+    ALL_IDENTITY_KEYS,
     IDENTITY_KEYS,
     CacheIdentity,
     identity_from_env,
     identity_problems,
+    parse_engine_args,
     unpinned_namespace,
 )
 from kvpersist.config.values import (
@@ -297,33 +300,6 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_SERVICE_USER": ("service_user", "user?", ""),
 }
 
-#: vLLM flags the launcher owns; KVP_VLLM_EXTRA_ARGS may not set them (nor ``--config``,
-#: a YAML file of vLLM arguments that could set every one of them).
-OWNED_VLLM_FLAGS = (
-    "--model", "--served-model-name", "--tensor-parallel-size", "-tp", "--kv-cache-dtype",
-    "--max-model-len", "--block-size", "--kv-transfer-config", "--dtype", "--host", "--port",
-    "--tokenizer", "--revision", "--tokenizer-revision", "--chat-template", "--config",
-)
-
-
-def owned_flag(arg: str) -> str:
-    """The flag of :data:`OWNED_VLLM_FLAGS` that ``arg`` sets in vLLM's argument parser, or
-    ''. The parser reads ``--kv_transfer_config`` as ``--kv-transfer-config``,
-    ``--kv-transfer-config.x`` as a part of it, and accepts any unambiguous prefix
-    (``--hos``) of a long flag; a prefix of ``-tp`` or ``-tp<N>`` is ``-tp``."""
-    if not arg.startswith("-") or arg in ("-", "--"):
-        return ""
-    name = arg.split("=", 1)[0]
-    if name.startswith("--"):
-        norm = "--" + name[2:].split(".", 1)[0].replace("_", "-")
-        if len(norm) <= 2:
-            return ""
-        return next((f for f in OWNED_VLLM_FLAGS if f.startswith("--") and f.startswith(norm)),
-                    "")
-    return next((f for f in OWNED_VLLM_FLAGS if not f.startswith("--")
-                 and (name.startswith(f) or f.startswith(name))), "")
-
-
 def parse_peers(value: str) -> tuple[tuple[str, ...], str]:
     """The peers of a ``KVP_ALLOW_REMOTE_*`` value (addresses or prefixes separated by spaces
     or commas, or ``any`` alone), as written and without repeats; and an error message."""
@@ -444,11 +420,10 @@ def _convert(kind: str, raw: str) -> tuple[Any, str]:
             argv = tuple(shlex.split(value))
         except ValueError as exc:
             return None, f"cannot be split like a shell word list: {exc}"
-        owned = [f"{a} ({owned_flag(a)})" if owned_flag(a) != a.split("=", 1)[0] else a
-                 for a in argv if owned_flag(a)]
-        if owned:
-            return None, f"sets flags kvpersist owns: {', '.join(owned)}"
-        return argv, ""
+        # read as vLLM's parser reads them (underscores, abbreviations, dotted keys...):
+        # only KV-neutral flags; kvp-admin launch checks again with vLLM's own parser
+        problems = extra_args_problems(argv)
+        return (None, "; ".join(problems)) if problems else (argv, "")
     if kind == "name" and any(ch.isspace() for ch in value):
         return None, f"must not contain whitespace, got {value!r}"
     if kind == "name" and value.startswith("-"):
@@ -506,7 +481,9 @@ _DEPLOY_FIX = {
     "KVP_CACHE_ROOT": "set the NVMe directory for L2 files, e.g. /var/lib/kvp/cache",
     "KVP_SERVED_MODEL_NAME": "set the public model name clients send",
     "KVP_MODEL_PATH": "set the real weights directory (or hub id) vLLM loads",
-    "KVP_VLLM_EXTRA_ARGS": "remove those flags; kvpersist renders them from identity.env",
+    "KVP_VLLM_EXTRA_ARGS": "keep only KV-neutral vLLM flags here (docs/engine-flags.md); "
+    "KV-affecting ones go in KVP_ENGINE_ARGS in identity.env, owned ones come from their KVP_ "
+    "keys",
     "KVP_STATE_DIR": "use an absolute path",
     "KVP_ALLOW_REMOTE_LMCACHE": "peers allowed to reach KVP_LMCACHE_HOST, e.g. 10.1.0.0/16",
     "KVP_ALLOW_REMOTE_LMCACHE_HTTP": "peers allowed to reach KVP_LMCACHE_HTTP_HOST, e.g. "
@@ -653,7 +630,7 @@ def build_deployment(
     agree (ports, TP vs GPU count, block size vs chunk size) are errors. Raises ConfigError.
     """
     problems: list[Problem] = []
-    known = set(IDENTITY_KEYS.values()) | set(DEPLOYMENT_KEYS)
+    known = set(ALL_IDENTITY_KEYS.values()) | set(DEPLOYMENT_KEYS)
     for key in values:
         if key not in known:
             problems.append(Problem(f"{source}: {key}", "unknown key",
@@ -673,6 +650,8 @@ def build_deployment(
         namespace = unpinned_namespace(unpinned_token) if unpinned_token else ""
         if not namespace:
             problems.append(Problem(source, "unpinned operation needs a random token"))
+        # an incomplete identity may run unpinned, but not with engine flags it cannot read
+        problems += [p for p in id_problems if p.where == f"{source}: KVP_ENGINE_ARGS"]
     else:
         problems += id_problems
         problems.append(Problem(source, "identity incomplete: refusing a persistent "
@@ -709,6 +688,9 @@ def _valid_identity_values(values: Mapping[str, str], id_problems: list[Problem]
         raw = values[key].strip()
         number = parse_uint(raw, 18) if name in _INT_IDENTITY else None
         out[name] = number if number is not None else raw
+    engine = values.get(ALL_IDENTITY_KEYS["engine_args"], "")
+    if engine.strip() and f"{source}: KVP_ENGINE_ARGS" not in bad:
+        out["engine_args"] = dict(parse_engine_args(engine))
     return out
 
 

@@ -9,6 +9,12 @@ The canonical JSON is byte-identical to ``jq -cS`` of the same object, so an ope
 recompute a namespace by hand::
 
     jq -cjS . manifest-identity.json | sha256sum | cut -c1-32
+
+One more, optional, key: ``KVP_ENGINE_ARGS``, the vLLM flags that change the KV cache
+(:mod:`kvpersist.config.engine_flags`). Its canonical form (dest -> canonical value text, see
+:func:`kvpersist.config.engine_args.canonical_engine_args`) enters the canonical JSON as the
+object ``engine_args``; when it is empty that field is absent, so the canonical JSON is the
+14 fields and every namespace computed without it stays where it was.
 """
 
 from __future__ import annotations
@@ -16,9 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
+from typing import Any
 
+from kvpersist.config.engine_args import canonical_engine_args, engine_args_problem
 from kvpersist.config.values import describe_char, forbidden_char, parse_uint
 from kvpersist.errors import ConfigError, Problem
 
@@ -64,10 +73,16 @@ class CacheIdentity:
     vllm_build: str
     max_model_len: int
     chat_template_sha256: str
+    #: canonical KVP_ENGINE_ARGS as sorted (dest, value text) pairs; () when not set
+    engine_args: tuple[tuple[str, str], ...] = ()
 
-    def as_dict(self) -> dict[str, str | int]:
-        """The 14 fields as a plain dict (JSON keys = field names)."""
-        return asdict(self)
+    def as_dict(self) -> dict[str, Any]:
+        """The 14 fields as a plain dict (JSON keys = field names), plus ``engine_args``
+        (an object of strings) only when KVP_ENGINE_ARGS is set."""
+        out: dict[str, Any] = {name: getattr(self, name) for name in IDENTITY_KEYS}
+        if self.engine_args:
+            out["engine_args"] = dict(self.engine_args)
+        return out
 
     def canonical_json(self) -> str:
         """Sorted keys, no whitespace, UTF-8: the same bytes ``jq -cS`` prints (sans newline)."""
@@ -88,8 +103,13 @@ class CacheIdentity:
         return self.namespace()
 
 
-#: identity field -> env key, in the documented order.
-IDENTITY_KEYS: dict[str, str] = {f.name: "KVP_" + f.name.upper() for f in fields(CacheIdentity)}
+#: identity field -> env key, in the documented order: the 14 required fields.
+IDENTITY_KEYS: dict[str, str] = {f.name: "KVP_" + f.name.upper() for f in fields(CacheIdentity)
+                                 if f.name != "engine_args"}
+#: optional identity fields -> env key: absent from the canonical JSON when empty
+OPTIONAL_IDENTITY_KEYS: dict[str, str] = {"engine_args": "KVP_ENGINE_ARGS"}
+#: every identity field -> env key
+ALL_IDENTITY_KEYS: dict[str, str] = {**IDENTITY_KEYS, **OPTIONAL_IDENTITY_KEYS}
 _INT_FIELDS = frozenset(f.name for f in fields(CacheIdentity) if f.type in ("int", int))
 
 
@@ -126,7 +146,28 @@ def identity_problems(values: Mapping[str, str], source: str = "identity.env") -
         message = _check_field(name, raw)
         if message:
             problems.append(Problem(where, message, _FIX[name]))
+    raw = values.get(OPTIONAL_IDENTITY_KEYS["engine_args"], "")
+    if raw.strip():
+        try:
+            parse_engine_args(raw)
+        except ValueError as exc:
+            problems.append(Problem(f"{source}: KVP_ENGINE_ARGS", str(exc), _FIX["engine_args"]))
     return problems
+
+
+def parse_engine_args(raw: str) -> tuple[tuple[str, str], ...]:
+    """The canonical form of a KVP_ENGINE_ARGS value (shell-word split, as
+    KVP_VLLM_EXTRA_ARGS); raises ValueError naming every problem."""
+    bad = forbidden_char(raw)
+    if bad is not None:
+        raise ValueError(f"contains {describe_char(bad)}")
+    if "$" in raw or "`" in raw:
+        raise ValueError("contains $ or a backtick (values are never expanded)")
+    try:
+        argv = shlex.split(raw)
+    except ValueError as exc:
+        raise ValueError(f"cannot be split like a shell word list: {exc}") from exc
+    return tuple(canonical_engine_args(argv).items())
 
 
 def identity_from_env(values: Mapping[str, str], source: str = "identity.env") -> CacheIdentity:
@@ -135,26 +176,41 @@ def identity_from_env(values: Mapping[str, str], source: str = "identity.env") -
     problems = identity_problems(values, source)
     if problems:
         raise ConfigError(problems, source)
-    kwargs: dict[str, str | int] = {}
+    kwargs: dict[str, Any] = {}
     for name, key in IDENTITY_KEYS.items():
         raw = values[key].strip()
         kwargs[name] = int(raw) if name in _INT_FIELDS else raw
-    return CacheIdentity(**kwargs)  # type: ignore[arg-type]
+    engine = values.get(OPTIONAL_IDENTITY_KEYS["engine_args"], "")
+    kwargs["engine_args"] = parse_engine_args(engine) if engine.strip() else ()
+    return CacheIdentity(**kwargs)
 
 
 def identity_from_dict(data: Mapping[str, object]) -> CacheIdentity:
     """Rebuild an identity from its JSON form (e.g. a manifest); raises ConfigError."""
     env = {IDENTITY_KEYS[k]: str(v) for k, v in data.items() if k in IDENTITY_KEYS}
-    extra = sorted(set(data) - set(IDENTITY_KEYS))
+    extra = sorted(set(data) - set(ALL_IDENTITY_KEYS))
     if extra:
         raise ConfigError([Problem("identity", f"unknown field(s) {', '.join(extra)}")])
-    return identity_from_env(env, "identity")
+    ident = identity_from_env(env, "identity")
+    if "engine_args" not in data:
+        return ident
+    engine = data["engine_args"]
+    if not isinstance(engine, Mapping) or not engine:
+        raise ConfigError([Problem("identity", "engine_args must be a non-empty object "
+                                   "(absent when KVP_ENGINE_ARGS is empty)")])
+    message = engine_args_problem(engine)
+    if message:
+        raise ConfigError([Problem("identity", message)])
+    return CacheIdentity(**{**{n: getattr(ident, n) for n in IDENTITY_KEYS},
+                            "engine_args": tuple(sorted(engine.items()))})
 
 
 def diff_identities(a: CacheIdentity, b: CacheIdentity) -> list[tuple[str, object, object]]:
-    """The fields whose values differ, as (field, value in a, value in b)."""
+    """The fields whose values differ, as (field, value in a, value in b); an unset
+    ``engine_args`` reads as {}."""
     da, db = a.as_dict(), b.as_dict()
-    return [(k, da[k], db[k]) for k in IDENTITY_KEYS if da[k] != db[k]]
+    return [(k, da.get(k, {}), db.get(k, {})) for k in ALL_IDENTITY_KEYS
+            if da.get(k, {}) != db.get(k, {})]
 
 
 def _check_field(name: str, raw: str) -> str:
@@ -208,4 +264,6 @@ _FIX = {
     "vllm_build": "pin it, e.g. vllm==0.32.0 or image@sha256:<digest>",
     "max_model_len": "set vLLM's --max-model-len",
     "chat_template_sha256": "compute it: kvp-admin identity template-sha TEMPLATE",
+    "engine_args": "only KV-affecting vLLM flags, each once (docs/engine-flags.md); KV-neutral "
+    "ones go in KVP_VLLM_EXTRA_ARGS",
 }

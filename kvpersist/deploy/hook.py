@@ -13,8 +13,10 @@ arguments applied:
 * ``--kv-transfer-config`` pointing at the deployment's cache server is appended.
 
 Everything else is left byte-for-byte as it was. A recipe that already sets
-``--kv-transfer-config``, or serves other weights than the deployment's ``KVP_MODEL_PATH``,
-is refused (``HookError``): either would silently mix caches or lose persistence.
+``--kv-transfer-config``, serves other weights than the deployment's ``KVP_MODEL_PATH``, or
+runs vLLM with other KV-affecting flags than the deployment's ``KVP_ENGINE_ARGS`` (read as
+vLLM's parser reads them, see ``docs/engine-flags.md``) is refused (``HookError``): each
+would silently mix caches or lose persistence.
 
 ``python -m kvpersist.deploy.hook RENDER_JSON_FILE -- ARGV...`` prints the new argv NUL-separated
 (for ``mapfile -d ''``) — used by ``scripts/kv-persist-hook.sh``.
@@ -27,6 +29,8 @@ import os
 import sys
 from typing import Any
 
+from kvpersist.config.engine_args import ArgsError, canonical_value, describe, parse
+from kvpersist.config.engine_flags import FLAGS, KV
 from kvpersist.errors import EXIT_USAGE, KvpError
 
 
@@ -55,12 +59,50 @@ def _same_path(a: str, b: str) -> bool:
         os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
 
 
+def _vllm_args(argv: list[str]) -> list[str]:
+    """The arguments vLLM's parser sees in a recipe's command: after ``-m MODULE`` or after
+    ``serve`` (the model positional included), else after the program."""
+    if "-m" in argv:
+        return argv[argv.index("-m") + 2:]
+    if "serve" in argv:
+        return argv[argv.index("serve") + 1:]
+    return argv[1:]
+
+
+def _check_engine_args(argv: list[str], rendered: dict[str, Any]) -> None:
+    """The recipe's KV-affecting flags must be the deployment's KVP_ENGINE_ARGS (canonical
+    forms compared): the namespace names the computation. Unpinned: nothing is reused."""
+    identity = rendered["manifest"].get("identity")
+    if not identity:
+        return
+    try:
+        parsed = parse(_vllm_args(argv))
+    except ArgsError as exc:
+        raise HookError(f"vLLM's parser would refuse the recipe's arguments: {exc}") from exc
+    mine: dict[str, str] = {}
+    for dest in parsed.dests:
+        if FLAGS[dest].cls == KV:
+            try:
+                mine[dest] = canonical_value(FLAGS[dest], parsed.values[dest])
+            except ValueError as exc:
+                raise HookError(f"the recipe's {describe(dest)}: {exc}") from exc
+    wanted: dict[str, str] = identity.get("engine_args", {})
+    if mine != wanted:
+        diff = sorted(d for d in set(mine) | set(wanted) if mine.get(d) != wanted.get(d))
+        raise HookError("the recipe's KV-affecting vLLM flags differ from the deployment's "
+                        f"KVP_ENGINE_ARGS for {', '.join(map(describe, diff))} (recipe: "
+                        f"{json.dumps(mine, sort_keys=True)}, KVP_ENGINE_ARGS: "
+                        f"{json.dumps(wanted, sort_keys=True)}): the namespace would describe "
+                        "another computation; make them agree")
+
+
 def persist_argv(argv: list[str], rendered: dict[str, Any]) -> list[str]:
     """The recipe's ``argv`` with the persistence arguments of ``rendered`` applied."""
     if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in argv):
         raise HookError("the recipe already sets --kv-transfer-config; remove it, the hook "
                         "adds the deployment's")
     idx, model = _find_model(argv)
+    _check_engine_args(argv, rendered)
     link = rendered["model_link"]
     if not _same_path(model, link["target"]):
         raise HookError(f"the recipe serves {model!r} but the deployment's KVP_MODEL_PATH is "

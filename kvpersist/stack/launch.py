@@ -101,7 +101,9 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
     Checks: identity pinned (or explicitly unpinned), cache root a writable directory that
     others cannot read, free space, the ports free, the lmcache executable, the model
     weights (with vLLM), the identity against the weights and the installed software
-    (:mod:`kvpersist.stack.identity_check`: a mismatch is a problem). ``sizing`` is the
+    (:mod:`kvpersist.stack.identity_check`: a mismatch is a problem) and, once all of that
+    passed, the extra and engine arguments as vLLM's own parser reads them
+    (:mod:`kvpersist.stack.vllm_args`). ``sizing`` is the
     launch's one budget plan (shown as notes, never computed again here). Returns all
     problems at once; never raises for them.
     """
@@ -180,11 +182,17 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
     if with_vllm and plan.vllm_mode == "container" and not shutil.which("docker"):
         problems.append(Problem("KVP_IMAGE", "docker is not installed",
                                 "install Docker or set KVP_DEVICE=cpu for a direct process"))
-    from kvpersist.stack.identity_check import check_deployment
+    from kvpersist.stack import identity_check
 
-    identity = check_deployment(dep, vllm_launched=with_vllm)
+    identity = identity_check.check_deployment(dep, vllm_launched=with_vllm)
     problems += identity.launch_problems()
     notes += identity.launch_notes()
+    if with_vllm and not problems:  # costs a vLLM import: last, when all else passed
+        from kvpersist.stack.vllm_args import check_deployment
+
+        args = check_deployment(dep, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
+        problems += args.problems
+        notes += args.notes
     return Preflight(tuple(problems), tuple(notes))
 
 

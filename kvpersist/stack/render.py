@@ -18,6 +18,7 @@ import jinja2
 
 from kvpersist import __version__
 from kvpersist.config.deployment import Deployment, listeners
+from kvpersist.config.engine_args import engine_argv
 from kvpersist.config.identity import MODEL_KV_DTYPES
 from kvpersist.config.values import reach_host
 from kvpersist.errors import ConfigError, Problem
@@ -185,7 +186,8 @@ def render(dep: Deployment, templates: Mapping[str, str], *, l1_size_gb: float,
             lmcache_bin=lmcache_bin))
         vllm = _lines(env.get_template("vllm-serve.argv.j2").render(
             s=s, ident=ident, namespace=dep.namespace, model_dtype=model_dtype,
-            vllm_kv_cache_dtype=vllm_kv, kv_transfer_config=ktc))
+            vllm_kv_cache_dtype=vllm_kv, kv_transfer_config=ktc,
+            engine_args=engine_argv(ident.get("engine_args", {}))))
         manifest_text = env.get_template("manifest.json.j2").render(manifest=man)
     except jinja2.TemplateError as exc:
         raise ConfigError(Problem("templates", f"render failed: {exc}")) from exc

@@ -75,7 +75,8 @@ def ci_vars(base: Path, stand_in_bin: Path) -> dict[str, Any]:
             "KVP_LMCACHE_PORT": free_port(),
             "KVP_LMCACHE_HTTP_PORT": free_port(),
             "KVP_VLLM_PORT": free_port(),
-            "KVP_VLLM_EXTRA_ARGS": "--enforce-eager --max-num-seqs 4",
+            "KVP_ENGINE_ARGS": "--enforce-eager",
+            "KVP_VLLM_EXTRA_ARGS": "--max-num-seqs 4",
         })
         deployments.append({"name": name, "cache_root": f"/srv/nvme0/kvp/{name}", "env": env})
     deployments[1]["vllm"] = True

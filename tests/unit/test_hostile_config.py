@@ -11,9 +11,9 @@ from kvpersist.config.deployment import (
     build_deployment,
     generic_from_dict,
     listeners,
-    owned_flag,
     parse_peers,
 )
+from kvpersist.config.engine_args import extra_args_problems
 from kvpersist.config.values import (
     describe_char,
     forbidden_char,
@@ -125,17 +125,25 @@ def test_generic_config_hosts_are_checked() -> None:
 # --------------------------------------------------------------------------- owned vLLM flags
 
 
-@pytest.mark.parametrize("arg,flag", [
-    ("--host", "--host"), ("--hos", "--host"), ("--host=0.0.0.0", "--host"),
-    ("--kv_transfer_config", "--kv-transfer-config"),
-    ("--kv-transfer-config.kv_connector", "--kv-transfer-config"),
-    ("--kv-transfer-c", "--kv-transfer-config"), ("--served_model_name", "--served-model-name"),
-    ("-tp", "-tp"), ("-tp4", "-tp"), ("-tp=2", "-tp"), ("-t", "-tp"), ("--config", "--config"),
-    ("--enforce-eager", ""), ("--trust-remote-code", ""), ("--gpu-memory-utilization", ""),
-    ("0.92", ""), ("-", ""), ("--", ""), ("--max-num-seqs", ""), ("-O3", ""),
+@pytest.mark.parametrize("args,needle", [
+    ("--host 0.0.0.0", "--host"), ("--hos 0.0.0.0", "--host"), ("--host=0.0.0.0", "--host"),
+    ("--kv_transfer_config {}", "--kv-transfer-config"),
+    ("--kv-transfer-config.kv_connector X", "--kv-transfer-config"),
+    ("--kv-transfer-c {}", "--kv-transfer-config"),
+    ("--served_model_name x", "--served-model-name"),
+    ("-tp 2", "--tensor-parallel-size"), ("-tp=2", "--tensor-parallel-size"),
+    ("-t 2", "--tensor-parallel-size"), ("--config x.yaml", "--config"),
+    ("-tp4", "unrecognized arguments: -tp4"), ("--max-model 9", "--max-model-len"),
 ])
-def test_owned_flag_reads_arguments_as_vllms_parser_does(arg: str, flag: str) -> None:
-    assert owned_flag(arg) == flag
+def test_owned_flags_are_read_as_vllms_parser_reads_them(args: str, needle: str) -> None:
+    problems = extra_args_problems(args.split())
+    assert problems and needle in problems[0], problems
+
+
+@pytest.mark.parametrize("args", ["--gpu-memory-utilization 0.92", "--max-num-seqs 4",
+                                  "--max_num_seqs=4 --disable-log-stats", "--api-key k"])
+def test_kv_neutral_flags_pass(args: str) -> None:
+    assert extra_args_problems(args.split()) == []
 
 
 # --------------------------------------------------------------------------- value parsers

@@ -1,0 +1,322 @@
+"""Check a launch's vLLM arguments with the pinned vLLM's own parser (I/O: a subprocess).
+
+Configuration loading reads ``KVP_VLLM_EXTRA_ARGS`` and ``KVP_ENGINE_ARGS`` with
+:mod:`kvpersist.config.engine_args`, an emulation of vLLM's parser built from the flag
+table, because commands that do not launch must not import vLLM (it imports torch). A launch
+runs vLLM anyway, so before it does, ``launch`` and ``launch --check`` ask vLLM itself: a
+short ``python -c`` in the Python that will run vLLM (or, for a container deployment, in its
+image) builds the API server's parser exactly as vLLM's entry point does
+(``make_arg_parser(FlexibleArgumentParser())``), with every default replaced by "not given",
+and reports which dests each argument list sets (and whether two lists set the same values).
+kvp-admin itself never imports vLLM, and the check costs one vLLM import (7 to 12 s with the
+CPU build here). It runs when a deployment has extra or engine arguments, and only once every
+other preflight check has passed.
+
+What it establishes, in vLLM's own terms:
+
+* every dest ``KVP_VLLM_EXTRA_ARGS`` sets, alone or as the last arguments of the rendered
+  command (where it could change what the rendered flags set), is KV-neutral in the table;
+* ``KVP_ENGINE_ARGS`` as the operator wrote it and the canonical form the launcher renders
+  set the same dests to equal values, all of them KV-affecting;
+* the whole rendered command is accepted.
+
+A dest the table does not know (another vLLM) is refused. A check that cannot run is a
+problem for a direct process (vLLM would not start either) and a note for a container.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpersist.config.deployment import Deployment
+from kvpersist.config.engine_args import ENGINE_KEY, EXTRA_KEY, classify_dests, engine_argv
+from kvpersist.config.engine_flags import KV, NEUTRAL, VLLM_VERSION
+from kvpersist.errors import Problem
+
+TIMEOUT_S = 180.0
+
+#: How the check compares two parsed values (also used by the tests): equal, or equal once
+#: configs that draw a random id per instance (``engine_id``) are compared field by field.
+COMPARE = r"""
+import dataclasses, re
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
+
+def plain(v):
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return (type(v).__name__,
+                {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)})
+    if isinstance(v, dict):
+        return {k: plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [plain(x) for x in v]
+    if isinstance(v, str) and UUID.match(v):
+        return "<uuid>"
+    return v
+
+def same(a, b):
+    try:
+        return bool(a == b) or plain(a) == plain(b)
+    except Exception:
+        return False
+
+"""
+
+#: Runs in the vLLM Python. stdin: {"parse": {name: argv}, "compare": [[a, b], ...]};
+#: stdout: one JSON line {"version", "parsed": {name: {"dests"|"error"}}, "differ": {"a b": [..]}}.
+SCRIPT = COMPARE + r"""
+import argparse, json, sys
+req = json.load(sys.stdin)
+try:
+    import vllm
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+except BaseException as exc:
+    print("KVP-RESULT " + json.dumps({"error": "cannot import vLLM's parser: %r" % (exc,)}))
+    raise SystemExit(0)
+
+class Refused(Exception):
+    pass
+
+def parser():
+    p = make_arg_parser(FlexibleArgumentParser(
+        description="vLLM OpenAI-Compatible RESTful API server."))
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    def error(message):
+        raise Refused(message)
+    p.error = error
+    return p
+
+values, parsed = {}, {}
+p = parser()
+for name, argv in req["parse"].items():
+    try:
+        values[name] = vars(p.parse_args(list(argv)))
+        parsed[name] = {"dests": sorted(values[name])}
+    except BaseException as exc:
+        parsed[name] = {"error": "%s: %s" % (type(exc).__name__, exc)}
+
+differ = {}
+for a, b in req["compare"]:
+    if a in values and b in values:
+        va, vb = values[a], values[b]
+        differ[a + " " + b] = sorted(d for d in set(va) | set(vb)
+                                     if d not in va or d not in vb or not same(va[d], vb[d]))
+print("KVP-RESULT " + json.dumps({"version": getattr(vllm, "__version__", "?"),
+                                  "parsed": parsed, "differ": differ}))
+"""
+
+
+@dataclass(frozen=True)
+class ParserCheck:
+    """The verdict of vLLM's parser: problems refuse the launch, notes inform."""
+
+    problems: tuple[Problem, ...]
+    notes: tuple[str, ...]
+    seconds: float = 0.0
+
+
+def run_parser(command: Sequence[str], request: Mapping[str, Any], *,
+               env: Mapping[str, str] | None = None,
+               timeout: float = TIMEOUT_S) -> dict[str, Any]:
+    """Run :data:`SCRIPT` with ``command`` (``[python]`` or a ``docker run ... python``) and
+    return its result; raises OSError / subprocess.TimeoutExpired / ValueError."""
+    res = subprocess.run([*command, "-c", SCRIPT], input=json.dumps(request),
+                         capture_output=True, text=True, env=dict(env) if env else None,
+                         timeout=timeout, check=False)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("KVP-RESULT ")]
+    if not lines:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+        raise ValueError(f"exit {res.returncode}: {' / '.join(tail) or 'no output'}")
+    out: dict[str, Any] = json.loads(lines[-1].removeprefix("KVP-RESULT "))
+    return out
+
+
+def build_request(vllm_argv: Sequence[str], extra: Sequence[str],
+                  engine_text: str, engine: Mapping[str, str]) -> dict[str, Any]:
+    """What to parse: the extra arguments alone, the rendered command with and without them,
+    and KVP_ENGINE_ARGS as written and as rendered."""
+    full = list(vllm_argv)
+    extra = list(extra)
+    if extra and full[-len(extra):] != extra:
+        raise ValueError("the rendered vLLM arguments do not end with KVP_VLLM_EXTRA_ARGS")
+    parse: dict[str, list[str]] = {"full": full}
+    compare: list[list[str]] = []
+    if extra:
+        parse.update(extra=extra, base=full[:-len(extra)])
+        compare.append(["base", "full"])
+    if engine_text.strip():
+        parse.update(engine=shlex.split(engine_text), engine_rendered=engine_argv(engine))
+        compare.append(["engine", "engine_rendered"])
+    return {"parse": parse, "compare": compare}
+
+
+def verdict(result: Mapping[str, Any], request: Mapping[str, Any],
+            engine: Mapping[str, str]) -> tuple[list[Problem], list[str]]:
+    """Problems and notes from vLLM's answer (pure)."""
+    problems: list[Problem] = []
+    notes: list[str] = []
+    parsed: Mapping[str, Any] = result.get("parsed", {})
+    differ: Mapping[str, list[str]] = result.get("differ", {})
+    version = str(result.get("version", "?"))
+    if version != VLLM_VERSION:
+        notes.append(f"vLLM's parser is vLLM {version}; the flag table describes "
+                     f"{VLLM_VERSION}: flags it does not classify are refused")
+    for name, key in (("extra", EXTRA_KEY), ("engine", ENGINE_KEY), ("engine_rendered", ""),
+                      ("full", "")):
+        if name in request["parse"] and "error" in parsed.get(name, {"error": "no answer"}):
+            what = {"engine_rendered": f"the canonical {ENGINE_KEY} kvpersist renders",
+                    "full": "the rendered vLLM command"}.get(name, "them")
+            problems.append(Problem(key or "vLLM arguments",
+                                    f"vLLM's own parser refuses {what}: "
+                                    f"{parsed.get(name, {}).get('error', 'no answer')}",
+                                    "fix the arguments (docs/engine-flags.md)"))
+    if "extra" in request["parse"] and "dests" in parsed.get("extra", {}):
+        dests = set(parsed["extra"]["dests"]) | set(differ.get("base full", []))
+        for message in classify_dests(sorted(dests), NEUTRAL):
+            problems.append(Problem(EXTRA_KEY, f"vLLM's own parser reads them: {message}",
+                                    "keep only KV-neutral flags (docs/engine-flags.md)"))
+    if "engine" in request["parse"] and "dests" in parsed.get("engine", {}):
+        for message in classify_dests(parsed["engine"]["dests"], KV):
+            problems.append(Problem(ENGINE_KEY, f"vLLM's own parser reads it: {message}",
+                                    "only KV-affecting flags (docs/engine-flags.md)"))
+        diff = differ.get("engine engine_rendered")
+        if diff:
+            problems.append(Problem(ENGINE_KEY, "vLLM reads the canonical form kvpersist "
+                                    f"renders differently from the text for: {', '.join(diff)}",
+                                    "spell those flags plainly (--flag=value); this is a "
+                                    "kvpersist bug, please report it"))
+    if not problems:
+        checked = []
+        if "extra" in request["parse"]:
+            checked.append(f"{EXTRA_KEY} KV-neutral")
+        if "engine" in request["parse"]:
+            checked.append(f"{ENGINE_KEY} as in the namespace ({len(engine)} flag(s))")
+        notes.append(f"vLLM {version}'s own parser agrees: {', '.join(checked)}")
+    return problems, notes
+
+
+def check_vllm_args(vllm_argv: Sequence[str], extra: Sequence[str], engine_text: str,
+                    engine: Mapping[str, str], *, python: str, env: Mapping[str, str],
+                    image: str = "", timeout: float = TIMEOUT_S) -> ParserCheck:
+    """Ask the pinned vLLM's parser about a launch's arguments (see the module docstring).
+
+    ``python`` runs vLLM for a direct process; with ``image`` (a container deployment) the
+    script runs in the image instead, and a check that cannot run is only a note."""
+    if not extra and not engine_text.strip():
+        return ParserCheck((), ())
+    request = build_request(vllm_argv, extra, engine_text, engine)
+    if image:
+        docker = shutil.which("docker")
+        if docker is None:
+            return ParserCheck((), ("vLLM arguments not checked by vLLM's own parser: docker "
+                                    "is not installed (the pure check against the flag table "
+                                    "passed)",))
+        command = [docker, "run", "--rm", "-i", "--network", "none", "--entrypoint",
+                   "python3", image]
+        run_env: Mapping[str, str] | None = None
+    else:
+        command, run_env = [python], env
+    start = time.monotonic()
+    try:
+        result = run_parser(command, request, env=run_env, timeout=timeout)
+    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        why = f"timed out after {timeout:.0f} s" if isinstance(
+            exc, subprocess.TimeoutExpired) else str(exc)
+        where = f"in the image {image}" if image else f"with {python}"
+        message = f"cannot run vLLM's own parser {where}: {why}"
+        if image:
+            return ParserCheck((), (f"vLLM arguments not checked by vLLM's own parser: "
+                                    f"{message} (the pure check against the flag table "
+                                    "passed)",))
+        return ParserCheck((Problem("vLLM", message, f"check that `{python} -c 'import "
+                                    "vllm'` works"),), ())
+    seconds = time.monotonic() - start
+    if "error" in result:
+        where = f"in the image {image}" if image else f"with {python}"
+        if image:
+            return ParserCheck((), (f"vLLM arguments not checked by vLLM's own parser {where}: "
+                                    f"{result['error']}",), seconds)
+        return ParserCheck((Problem("vLLM", f"{result['error']} ({where})",
+                                    "install the pinned vLLM in this Python"),), (), seconds)
+    problems, notes = verdict(result, request, engine)
+    notes = [f"{n} ({seconds:.1f} s)" for n in notes]
+    return ParserCheck(tuple(problems), tuple(notes), seconds)
+
+
+def check_deployment(dep: Deployment, vllm_mode: str, vllm_argv: Sequence[str],
+                     vllm_env: Mapping[str, str]) -> ParserCheck:
+    """:func:`check_vllm_args` for a launch plan's vLLM command (``python -m MODULE ARGS``
+    for a direct process, the rendered ``docker run ... IMAGE ARGS`` for a container)."""
+    extra = list(dep.settings.vllm_extra_args)
+    engine: dict[str, str] = dict(dep.identity_values.get("engine_args", {}))
+    engine_text = ""
+    if engine:
+        from kvpersist.config.loader import load_identity_values
+
+        engine_text = load_identity_values(dep.source)[1].get(ENGINE_KEY, "")
+    if vllm_mode == "container":
+        from kvpersist.stack.render import container_argv
+
+        args = list(vllm_argv[len(container_argv(dep, [])):])
+        return check_vllm_args(args, extra, engine_text, engine, python="python3",
+                               env=vllm_env, image=dep.settings.image)
+    return check_vllm_args(list(vllm_argv[3:]), extra, engine_text, engine,
+                           python=vllm_argv[0], env=vllm_env)
+
+
+def main(args: list[str] | None = None) -> int:
+    """``python -m kvpersist.stack.vllm_args CONFIG [VLLM ARGS...]`` with the output of
+    ``kvp-admin render CONFIG --json`` on stdin: the check of ``launch``, for
+    ``scripts/run-vllm-with-persist.sh`` (which appends VLLM ARGS to the rendered command, so
+    they are checked as extra arguments). Exit 0 (notes on stderr) or 2 (problems)."""
+    import os
+    import sys
+
+    from kvpersist.config.engine_args import extra_args_problems
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.errors import KvpError
+
+    args = list(sys.argv[1:] if args is None else args)
+    if not args:
+        print("usage: python -m kvpersist.stack.vllm_args CONFIG [VLLM ARGS...] < RENDER_JSON",
+              file=sys.stderr)
+        return 2
+    try:
+        rendered = json.load(sys.stdin)
+        dep = load_deployment(args[0])
+    except (KvpError, ValueError) as exc:
+        print(f"vllm_args: {exc}", file=sys.stderr)
+        return 2
+    more = args[1:]
+    problems = [Problem("arguments", p) for p in extra_args_problems(more)]
+    if not problems:
+        extra = [*dep.settings.vllm_extra_args, *more]
+        engine: dict[str, str] = dict(dep.identity_values.get("engine_args", {}))
+        engine_text = ""
+        if engine:
+            from kvpersist.config.loader import load_identity_values
+
+            engine_text = load_identity_values(dep.source)[1].get(ENGINE_KEY, "")
+        container = bool(rendered.get("container_argv")) and dep.settings.device != "cpu" \
+            and shutil.which("docker") is not None
+        check = check_vllm_args([*rendered["vllm_argv"], *more], extra, engine_text, engine,
+                                python=sys.executable, env=os.environ,
+                                image=dep.settings.image if container else "")
+        problems = list(check.problems)
+        for note in check.notes:
+            print(f"note: {note}", file=sys.stderr)
+    for p in problems:
+        print(f"vllm_args: {p}", file=sys.stderr)
+    return 2 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
