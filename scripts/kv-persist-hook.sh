@@ -6,10 +6,13 @@
 # on the bash array that holds the recipe's vLLM command, right before the recipe runs it.
 #
 # * Without KV_PERSIST=1 this does nothing: the command stays byte-for-byte unchanged.
-# * With KV_PERSIST=1 (and KVP_CONFIG naming the deployment) it checks the weights against
-#   the namespace's record (`kvp-admin weights CONFIG --record`: weights that changed since
-#   the namespace was first served refuse, return 2), makes sure the deployment's
-#   lmcache server is up and healthy (`kvp-admin launch CONFIG --no-vllm` when it is not),
+# * With KV_PERSIST=1 (and KVP_CONFIG naming the deployment) it checks that the deployment's
+#   identity describes what will run (`kvp-admin identity check`: the weights at
+#   KVP_MODEL_PATH, the installed lmcache and vLLM; a mismatch refuses, return 2), checks the
+#   weights against the namespace's record (`kvp-admin weights CONFIG --record`: weights that
+#   changed since the namespace was first served refuse, return 2), makes sure the
+#   deployment's lmcache server is up and healthy (`kvp-admin launch CONFIG --no-vllm` when it
+#   is not),
 #   then rewrites the array with exactly the persistence arguments (`kvpersist/deploy/hook.py`):
 #   the model argument becomes the namespace (linked to the weights in the deployment's
 #   model-link directory, which becomes the working directory), --served-model-name keeps
@@ -35,6 +38,17 @@ kvp_persist_apply() {
     echo "kv-persist-hook: $admin not found (set KVP_ADMIN)" >&2; return 2; }
   py=${KVP_PYTHON:-$(dirname "$admin_path")/python}
   [ -x "$py" ] || py=python3
+
+  # The identity must describe what the recipe is about to run: the weights at
+  # KVP_MODEL_PATH and this host's lmcache and vLLM. A mismatch refuses before anything
+  # starts (exit 2), listing every mismatched key.
+  local check_out
+  if ! check_out=$("$admin" identity check "$KVP_CONFIG" 2>&1); then
+    printf '%s\n' "$check_out" >&2
+    echo "kv-persist-hook: the identity of $KVP_CONFIG does not describe what would run;" \
+         "refusing (kvp-admin identity check $KVP_CONFIG)" >&2
+    return 2
+  fi
 
   # The weights at KVP_MODEL_PATH must be those the namespace was first served with (they
   # are recorded now if it never was): refused as `kvp-admin launch` refuses, exit 2.

@@ -9,8 +9,9 @@
 # model-link directory, where `--model <namespace>` links to the weights. The namespace path
 # stays the same across restarts, so every restart finds the files on disk again.
 #
-# Arguments come from `kvp-admin render CONFIG --json`; identity.env is never sourced. EXTRA
-# VLLM ARGS are KV-neutral flags only, checked with the extra arguments by vLLM's own parser.
+# Arguments come from `kvp-admin render CONFIG --json`; identity.env is never sourced. Before
+# anything runs, `kvp-admin identity check CONFIG` must find no mismatch. EXTRA VLLM ARGS are
+# KV-neutral flags only, checked with the extra arguments by vLLM's own parser.
 # Environment: KVP_ADMIN (default kvp-admin), KVP_PYTHON (a Python with vLLM; default the
 # one next to kvp-admin), KVP_VLLM_PID_FILE (write the pid, which exec keeps).
 set -euo pipefail
@@ -24,6 +25,14 @@ admin_path=$(command -v "$admin") || { echo "$0: $admin not found (set KVP_ADMIN
 py=${KVP_PYTHON:-$(dirname "$admin_path")/python}
 [ -x "$py" ] || py=python3
 
+# Refuse when the identity does not describe what would run (the weights at KVP_MODEL_PATH,
+# the installed lmcache and vLLM, the image): every mismatch is listed, exit 2.
+if ! check=$("$admin" identity check "$config" 2>&1); then
+  printf '%s\n' "$check" >&2
+  echo "run-vllm-with-persist: the identity of $config does not describe what would run;" \
+       "refusing (kvp-admin identity check $config)" >&2
+  exit 2
+fi
 render=$("$admin" render "$config" --json)
 # The weights at KVP_MODEL_PATH must be those the namespace was first served with (they are
 # recorded now if it never was): refused as `kvp-admin launch` refuses, exit 2.

@@ -1,16 +1,23 @@
-"""Use cases: show, compare and compute compatibility identities (``kvp-admin identity``)."""
+"""Use cases: show, compare, compute, derive and check compatibility identities
+(``kvp-admin identity``)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpersist.config.chat_template import extract_template, template_sha256
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.identity import diff_identities
 from kvpersist.config.loader import load_deployment
-from kvpersist.errors import ConfigError, Problem
+from kvpersist.errors import ConfigError, Problem, UsageError
+from kvpersist.system.files import atomic_write
+
+if TYPE_CHECKING:
+    from kvpersist.config.derive import Derivation, DeriveOptions
+    from kvpersist.stack.identity_check import IdentityCheck
 
 
 @dataclass(frozen=True)
@@ -70,3 +77,44 @@ def template_sha(template: Path) -> str:
         raise ConfigError(Problem(str(template), f"cannot read: {exc}",
                                   "give a chat template file or tokenizer_config.json")) from exc
     return template_sha256(extract_template(text))
+
+
+def derive(model_dir: str, opts: DeriveOptions) -> Derivation:
+    """The identity of the weights in ``model_dir`` served by this Python's lmcache and
+    vLLM (or ``opts.image``). Raises ConfigError for an unreadable model directory,
+    UsageError when an option contradicts what the directory records."""
+    from kvpersist.config.derive import derive_identity
+    from kvpersist.config.modeldir import read_model_dir
+    from kvpersist.system import software
+
+    facts = read_model_dir(os.path.abspath(model_dir))
+    return derive_identity(facts, software.installed(), opts)
+
+
+def derived_env_text(d: Derivation) -> str:
+    """The identity.env text of ``d``; UsageError if a value cannot be written to one."""
+    try:
+        return d.env_text()
+    except ValueError as exc:
+        raise UsageError(f"cannot write an identity.env for {d.model_dir}: {exc}") from exc
+
+
+def write_derived(d: Derivation, out: Path, *, force: bool = False) -> None:
+    """Write the identity.env of ``d`` to ``out`` (0644, atomically); an existing file is
+    replaced only with ``force``."""
+    if out.exists() and not force:
+        raise UsageError(f"{out} exists; pass --force to replace it")
+    atomic_write(out, derived_env_text(d), mode=0o644)
+
+
+def check(config: str) -> IdentityCheck:
+    """Compare CONFIG's identity with the weights at its KVP_MODEL_PATH and the software
+    that would run it, as if vLLM started here (the model directory must exist)."""
+    from kvpersist.stack.identity_check import check_deployment
+
+    dep = load_deployment(config)
+    if dep.identity is None:  # KVP_ALLOW_UNPINNED=true in the file
+        raise ConfigError([Problem(dep.source, "the identity is unpinned: there is nothing to "
+                                   "check (an unpinned namespace is never reused)",
+                                   "complete the identity fields")], dep.source)
+    return check_deployment(dep, vllm_launched=True, require_model=True)

@@ -3,7 +3,12 @@
 No model hub is reachable on the machines this project runs on, so the demo and the
 full-stack tests build their own model. Everything is derived from a fixed seed: the same
 spec always produces byte-identical weights, tokenizer and chat template, so the model's
-identity (``model_revision``) can be computed from the spec alone, without generating.
+identity can be computed from the spec alone, without generating.
+
+The model is written the way the Hugging Face hub client caches a download
+(``<hub dir>/models--ORG--NAME/{blobs,refs,snapshots/<revision>}``), under the repository id
+and revision of :func:`hub_ref`: ``kvp-admin identity derive`` reads both from that layout,
+so on the tiny model it reproduces ``configs/cpu-demo`` exactly.
 
 torch, transformers, tokenizers and safetensors are imported lazily, inside
 ``generate_model``; importing this module is cheap.
@@ -88,6 +93,21 @@ def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
+#: The tiny model's repository id and revision, those of configs/cpu-demo/identity.env. The
+#: revision is sha1("kvpersist cpu-demo model v1"), fixed when the generator was first
+#: written so that the cpu-demo namespace stays where it is: bump it (v2, and the config)
+#: whenever the generator's output for the tiny spec changes.
+CPU_DEMO_REPO = "kvpersist/cpu-demo-llama"
+CPU_DEMO_REVISION = hashlib.sha1(b"kvpersist cpu-demo model v1").hexdigest()
+
+
+def hub_ref(spec: ModelSpec) -> tuple[str, str]:
+    """(repository id, revision) the generator records for ``spec`` (pure)."""
+    if spec.name == "tiny":
+        return CPU_DEMO_REPO, CPU_DEMO_REVISION
+    return f"kvpersist/demo-llama-{spec.name}", model_revision(spec)
+
+
 def model_revision(spec: ModelSpec) -> str:
     """40-hex revision of the weights the generator produces for ``spec`` (pure)."""
     payload = {"generator": GENERATOR_VERSION, "kind": "weights", "spec": asdict(spec)}
@@ -115,6 +135,8 @@ def metadata(spec: ModelSpec) -> dict[str, Any]:
         "spec": asdict(spec),
         "head_dim": spec.head_dim,
         "param_count": spec.param_count(),
+        "repo_id": hub_ref(spec)[0],
+        "revision": hub_ref(spec)[1],
         "model_revision": model_revision(spec),
         "tokenizer_revision": tokenizer_revision(spec),
         "chat_template_sha256": chat_template_sha256(),
@@ -242,54 +264,95 @@ def _build_weights(spec: ModelSpec, vocab_size: int) -> tuple[Any, dict[str, Any
 
 
 def generate_model(size: str, dest: str | os.PathLike[str], *, force: bool = False) -> Path:
-    """Write the demo model ``size`` into directory ``dest`` and return its path.
+    """Write the demo model ``size`` into the hub cache directory ``dest``; return its
+    snapshot directory (``dest/models--ORG--NAME/snapshots/<revision>``, the path to serve).
 
-    Given: a size from ``SPECS`` and a target directory (created; its parent must exist or
-    be creatable). If ``dest`` already holds a model generated from the same spec (its
-    metadata file matches), nothing is written unless ``force``. The directory is built
-    under a temporary name next to ``dest`` and renamed into place, so an interrupted run
-    never leaves a half model under the final name.
-    Raises KeyError for an unknown size, FileExistsError if ``dest`` exists and holds
-    something else.
+    Given: a size from ``SPECS`` and a hub cache directory (created; its parent must exist
+    or be creatable). If ``dest`` already holds this model generated from the same spec (its
+    metadata file matches), nothing is written unless ``force``. The repository folder is
+    built under a temporary name beside its final one and renamed into place, so an
+    interrupted run never leaves a half model under the final name.
+    Raises KeyError for an unknown size, FileExistsError if the repository folder exists and
+    holds something else.
     """
     spec = get_spec(size)
-    dest = Path(dest)
+    hub = Path(dest)
+    repo_id, revision = hub_ref(spec)
+    repo = hub / repo_dir_name(repo_id)
+    snapshot = repo / "snapshots" / revision
     meta = metadata(spec)
-    if dest.exists():
-        existing = read_metadata(dest)
+    if repo.exists():
+        existing = read_metadata(snapshot)
         if existing == meta and not force:
-            return dest
+            return snapshot
         if existing is None:
-            raise FileExistsError(f"{dest} exists and is not a kvpersist demo model directory")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+            raise FileExistsError(f"{repo} exists and does not hold the {size} demo model")
+    hub.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # deterministic BPE merges
     from safetensors.torch import save_file
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{repo.name}.tmp-", dir=hub))
     try:
+        files = tmp / "files"
+        files.mkdir()
         tokenizer = _build_tokenizer(spec)
-        tokenizer.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(files))
         config, tensors = _build_weights(spec, max(spec.vocab_size, len(tokenizer)))
-        config.save_pretrained(str(tmp))
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(str(files))
+        save_file(tensors, str(files / "model.safetensors"), metadata={"format": "pt"})
         gen_cfg = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
                    "do_sample": False}
-        (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+        (files / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
         meta["vocab_size_actual"] = len(tokenizer)
-        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-            dest.rename(old)
-            tmp.rename(dest)
-            import shutil
+        (files / METADATA_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        _as_hub_repo(files, tmp, revision)
+        import shutil
+
+        shutil.rmtree(files)
+        if repo.exists():
+            old = repo.with_name(f".{repo.name}.old-{os.getpid()}")
+            repo.rename(old)
+            tmp.rename(repo)
             shutil.rmtree(old)
         else:
-            tmp.rename(dest)
+            tmp.rename(repo)
     except BaseException:
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dest
+    return snapshot
+
+
+def repo_dir_name(repo_id: str) -> str:
+    """The hub cache folder of model ``repo_id`` (``models--ORG--NAME``)."""
+    return "models--" + repo_id.replace("/", "--")
+
+
+#: files the hub stores through Git LFS (their blobs are named by sha256, like the hub's)
+_LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def _blob_name(name: str, data: bytes) -> str:
+    """The hub's blob name of a file: sha256 for LFS files, the git blob id for others."""
+    if name.endswith(_LFS_SUFFIXES):
+        return hashlib.sha256(data).hexdigest()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _as_hub_repo(files: Path, repo: Path, revision: str) -> None:
+    """Lay ``files`` out in ``repo`` as the hub client caches them: content-named blobs,
+    ``refs/main`` naming the revision, ``snapshots/<revision>/<file>`` linking to its blob."""
+    blobs, snap = repo / "blobs", repo / "snapshots" / revision
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    for f in sorted(files.iterdir()):
+        data = f.read_bytes()
+        blob = _blob_name(f.name, data)
+        (blobs / blob).write_bytes(data)
+        os.chmod(blobs / blob, 0o644)
+        os.symlink(f"../../blobs/{blob}", snap / f.name)
 
 
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -307,15 +370,18 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 def identity_env_values(size: str) -> dict[str, str]:
     """The compatibility identity (``KVP_*`` keys of identity.env) of demo model ``size``
-    served by vLLM's CPU build 0.32.0 with LMCache 0.5.6 (pure; block size 128 on CPU)."""
+    served by vLLM's CPU build 0.32.0 with LMCache 0.5.6 (pure; block size 128 on CPU): what
+    ``kvp-admin identity derive`` reads from the generated model. The tokenizer is the
+    model's own (vLLM loads it from the model directory)."""
     from kvpersist.config.chat_template import template_sha256
 
     spec = get_spec(size)
+    repo_id, revision = hub_ref(spec)
     return {
-        "KVP_MODEL_ID": f"kvpersist/demo-llama-{spec.name}",
-        "KVP_MODEL_REVISION": model_revision(spec),
-        "KVP_TOKENIZER_NAME": "kvpersist/demo-bpe",
-        "KVP_TOKENIZER_REVISION": tokenizer_revision(spec),
+        "KVP_MODEL_ID": repo_id,
+        "KVP_MODEL_REVISION": revision,
+        "KVP_TOKENIZER_NAME": repo_id,
+        "KVP_TOKENIZER_REVISION": revision,
         "KVP_KV_CACHE_DTYPE": spec.dtype,
         "KVP_BLOCK_SIZE": "128",
         "KVP_NUM_KV_HEADS": str(spec.num_kv_heads),
@@ -330,7 +396,8 @@ def identity_env_values(size: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvpersist.demo.model {tiny|bench} DEST`` or ``... identity {tiny|bench}``."""
+    """``python -m kvpersist.demo.model generate {tiny|bench} HUB_DIR`` (prints the snapshot
+    path to serve and the metadata) or ``... identity {tiny|bench}``."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m kvpersist.demo.model",
@@ -338,13 +405,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     gen = sub.add_parser("generate", help="write the model directory")
     gen.add_argument("size", choices=sorted(SPECS))
-    gen.add_argument("dest")
+    gen.add_argument("dest", help="hub cache directory (the model goes to "
+                     "DEST/models--ORG--NAME/snapshots/REVISION)")
     gen.add_argument("--force", action="store_true")
     ident = sub.add_parser("identity", help="print the identity.env keys of a size")
     ident.add_argument("size", choices=sorted(SPECS))
     args = parser.parse_args(argv)
     if args.cmd == "generate":
         path = generate_model(args.size, args.dest, force=args.force)
+        print(path)
         print(json.dumps(read_metadata(path), indent=2, sort_keys=True))
     else:
         for key, value in identity_env_values(args.size).items():

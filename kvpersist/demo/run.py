@@ -129,10 +129,10 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
     t_start = time.monotonic()
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True, mode=0o700)
-    model_dir = wd / "models" / size
-    progress(f"[1/6] demo model '{size}' in {model_dir}")
+    hub_dir = wd / "hub"
+    progress(f"[1/6] demo model '{size}' in {hub_dir}")
     t = time.monotonic()
-    generate_model(size, model_dir)
+    model_dir = generate_model(size, hub_dir)
     progress(f"      ready in {time.monotonic() - t:.1f} s")
     config = _identity_file(wd, size)
     env = dict(os.environ)

@@ -103,12 +103,12 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
 
     Checks: identity pinned (or explicitly unpinned), cache root a writable directory that
     others cannot read, free space, the ports free, the lmcache executable, the model
-    weights (with vLLM), the weights' fingerprint against the namespace's record
-    (:func:`~kvpersist.stack.weights.check_weights`) and, once all of that passed,
-    the extra and engine arguments as vLLM's own parser reads them
-    (:mod:`kvpersist.stack.vllm_args`). ``sizing`` is the launch's one budget plan
-    (shown as notes, never computed again here). Returns all problems at once; never
-    raises for them.
+    weights (with vLLM), the identity against the weights and the installed software
+    (:mod:`kvpersist.stack.identity_check`: a mismatch is a problem), the weights'
+    fingerprint against the namespace's record (:func:`~kvpersist.stack.weights.check_weights`)
+    and, once all of that passed, the extra and engine arguments as vLLM's own parser reads
+    them (:mod:`kvpersist.stack.vllm_args`). ``sizing`` is the launch's one budget plan (shown
+    as notes, never computed again here). Returns all problems at once; never raises for them.
     """
     problems: list[Problem] = []
     notes: list[str] = []
@@ -185,6 +185,11 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
     if with_vllm and plan.vllm_mode == "container" and not shutil.which("docker"):
         problems.append(Problem("KVP_IMAGE", "docker is not installed",
                                 "install Docker or set KVP_DEVICE=cpu for a direct process"))
+    from kvpersist.stack import identity_check
+
+    identity = identity_check.check_deployment(dep, vllm_launched=with_vllm)
+    problems += identity.launch_problems()
+    notes += identity.launch_notes()
     weights = check_weights(plan, pinned=dep.pinned, with_vllm=with_vllm)
     problems += weights.problems
     notes += weights.notes

