@@ -54,7 +54,10 @@ def generate_other_model(dest: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
     with monkeypatch.context() as mp:
         mp.setitem(dm.SPECS, "tiny", dataclasses.replace(dm.SPECS["tiny"], seed=7))
-        dm.generate_model("tiny", dest)
+        # the generator writes a hub cache (models--…/snapshots/<revision>/): copy the
+        # snapshot's files, as the demo weights were copied
+        snapshot = dm.generate_model("tiny", dest.with_name(dest.name + ".gen"))
+    shutil.copytree(snapshot, dest)
 
 
 def test_changed_weights_refused_before_anything_starts_restored_hit(
