@@ -6,24 +6,19 @@ they never scan the cache root or plan a budget, so they work when the budget is
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpersist.config.deployment import Deployment
 from kvpersist.errors import Problem
 from kvpersist.stack import launch as lc
+from kvpersist.stack.launch import Progress, quiet
 from kvpersist.stack.locate import Location, locate
 from kvpersist.system.procs import PidState
 
 if TYPE_CHECKING:
     from kvpersist.stack.health import HealthReport
 
-Progress = Callable[[str], None]
-
-
-def _quiet(_: str) -> None:
-    pass
 
 
 def load_located(config: str) -> tuple[Deployment, Location]:
@@ -62,7 +57,7 @@ def check_launch(config: str, *, with_vllm: bool, allow_unpinned: bool = False) 
 
 
 def launch_foreground(config: str, *, allow_unpinned: bool = False,
-                      progress: Progress = _quiet) -> None:
+                      progress: Progress = quiet) -> None:
     """Exec the cache server in this process (systemd); returns only by raising."""
     p = lc.prepare_launch(config, allow_unpinned=allow_unpinned)
     lc.launch_foreground(p.dep, p.rendered, p.plan, p.sizing, progress=progress)
@@ -101,7 +96,7 @@ class LaunchOutcome:
 
 def launch(config: str, *, with_vllm: bool = True, server_timeout: float = 60.0,
            vllm_timeout: float = 300.0, allow_unpinned: bool = False,
-           progress: Progress = _quiet) -> LaunchOutcome:
+           progress: Progress = quiet) -> LaunchOutcome:
     """Size, render, preflight and start the deployment (see :func:`lc.launch`)."""
     p = lc.prepare_launch(config, allow_unpinned=allow_unpinned)
     progress(f"launching {p.dep.name} (namespace {p.dep.namespace})")

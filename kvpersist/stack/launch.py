@@ -34,7 +34,7 @@ VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 Progress = Callable[[str], None]
 
 
-def _quiet(_: str) -> None:
+def quiet(_: str) -> None:
     pass
 
 
@@ -243,7 +243,7 @@ def budget_notes(sizing: Sizing) -> list[str]:
 
 
 def prepare_state(plan: LaunchPlan, rendered: Rendered, sizing: Sizing, *,
-                  progress: Progress = _quiet, weights: WeightsCheck | None = None) -> list[str]:
+                  progress: Progress = quiet, weights: WeightsCheck | None = None) -> list[str]:
     """Create state/log directories (0700), write the manifest (with the weights record:
     the first launch's, or ``weights``' at the first) and the budget record (what
     ``health`` reports without scanning), ensure the serde key. Returns notes (e.g. a new
@@ -335,7 +335,7 @@ def _refuse_if_running(state: procs.PidState, what: str, progress: Progress) -> 
 
 
 def start_server(plan: LaunchPlan, *, timeout: float = 60.0,
-                 progress: Progress = _quiet) -> Started:
+                 progress: Progress = quiet) -> Started:
     """Start the cache server in the background and wait until ``/healthcheck`` answers.
 
     Refuses (CheckFailed) when the pid file names a live server; a stale pid file is
@@ -405,7 +405,7 @@ def vllm_ready(plan: Location, timeout: float = 2.0) -> bool:
 
 
 def start_vllm(plan: LaunchPlan, *, timeout: float = 300.0,
-               progress: Progress = _quiet) -> Started:
+               progress: Progress = quiet) -> Started:
     """Start vLLM for the deployment and wait until it serves the namespace.
 
     Direct process: ``python -m vllm.entrypoints.openai.api_server <rendered args>`` in the
@@ -424,7 +424,7 @@ def start_vllm(plan: LaunchPlan, *, timeout: float = 300.0,
 
 
 def launch_foreground(dep: Deployment, rendered: Rendered, plan: LaunchPlan, sizing: Sizing,
-                      *, progress: Progress = _quiet) -> None:
+                      *, progress: Progress = quiet) -> None:
     """The launch sequence for systemd: refuse if running, preflight (no vLLM), prepare the
     state, write the pid file with this pid and exec the cache server in this process.
 
@@ -535,7 +535,7 @@ def prepare_launch(config: str, *, environ: Mapping[str, str] | None = None,
 
 
 def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float = 60.0,
-           vllm_timeout: float = 300.0, progress: Progress = _quiet) -> LaunchResult:
+           vllm_timeout: float = 300.0, progress: Progress = quiet) -> LaunchResult:
     """Preflight, prepare state, start the cache server, then (``with_vllm``) vLLM.
 
     Raises ConfigError listing every preflight problem (exit 2), CheckFailed if already
