@@ -51,6 +51,10 @@ COMMANDS: dict[str, Entry] = {
                     "trusted)."),
     "health": Entry("kvpersist.commands.health:health",
                     "Check CONFIG's cache server, cache root and vLLM."),
+    "metrics": Entry("kvpersist.commands.metrics:metrics",
+                     "Prometheus metrics of cache roots and deployments: bytes per namespace, "
+                     "budget, free space, temp and quarantined files, health, last verify and "
+                     "prune."),
     "verify": Entry("kvpersist.commands.verify:verify",
                     "Check CONFIG's cache root: wrong sizes, frames failing authentication "
                     "with the deployment's key, stale temp files."),

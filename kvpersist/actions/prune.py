@@ -26,6 +26,7 @@ from kvpersist.l2.inventory import (
 from kvpersist.l2.manifests import manifest_dirs
 from kvpersist.l2.prune import PruneResult, prune_lock, prune_stream
 from kvpersist.l2.retention import RetentionPlan, plan_explicit, plan_retention, select_named
+from kvpersist.l2.runs import record_run
 from kvpersist.l2.scan import ScanResult
 
 ProgressFactory = Callable[[str], Callable[..., None] | None]
@@ -155,4 +156,10 @@ def prune(root: str | None, configs: Sequence[str], req: PruneRequest, *, apply:
                               list_paths=list_paths,
                               progress=bar("files deleted" if apply else "files selected"),
                               lock=False, manifest_dirs=manifest_dirs(inv.deployments))
+        if apply:
+            warning = record_run(inv.root, "prune", ok=not result.errors, counts={
+                "deleted_files": result.deleted_files, "deleted_bytes": result.deleted_bytes,
+                "errors": len(result.errors)}, mode="apply")
+            if warning:
+                result.warnings.append(warning)
     return PruneOutcome(result, plan, set(inv.active), budget_doc)

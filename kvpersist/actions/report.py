@@ -26,9 +26,11 @@ def iso(ns: int) -> str | None:
     return datetime.fromtimestamp(ns / 1e9, tz=UTC).isoformat(timespec="seconds")
 
 
-def budget_figures(inv: Inventory, res: ScanResult) -> tuple[int | None, int | None]:
-    """(budget, limit) in bytes of the first deployment on this root whose sizes parse (None
-    without one). The limit keeps the reserve free, exactly as ``kvp-admin budget``'s does."""
+def budget_figures(inv: Inventory,
+                   res: ScanResult) -> tuple[int | None, int | None, int | None]:
+    """(budget, limit, reserve) in bytes of the first deployment on this root whose sizes
+    parse (None without one). The limit keeps the reserve free, exactly as
+    ``kvp-admin budget``'s does."""
     assert res.fs is not None
     for d in inv.deployments:
         s = d.settings
@@ -37,12 +39,12 @@ def budget_figures(inv: Inventory, res: ScanResult) -> tuple[int | None, int | N
             parse_size_or_percent(s.l2_reserve)
         except ValueError:
             continue
-        budget, _, limit = l2_limit(fs_total_bytes=res.fs.total_bytes,
+        budget, reserve, limit = l2_limit(fs_total_bytes=res.fs.total_bytes,
                                     fs_avail_bytes=res.fs.avail_bytes,
                                     l2_now_bytes=res.chunk_bytes + res.temp.bytes,
                                     l2_budget=s.l2_budget, l2_reserve=s.l2_reserve)
-        return budget, limit
-    return None, None
+        return budget, limit, reserve
+    return None, None, None
 
 
 def _usage(u: Usage, samples: bool = False) -> dict[str, Any]:
@@ -59,7 +61,8 @@ def _usage(u: Usage, samples: bool = False) -> dict[str, Any]:
 
 
 def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest],
-                 budget: int | None, limit: int | None = None) -> dict[str, Any]:
+                 budget: int | None, limit: int | None = None,
+                 reserve: int | None = None) -> dict[str, Any]:
     """The report document (schema ``kvpersist.report/1``) from a scan (pure).
 
     ``share_of_budget`` is each namespace's share of the limit (the budget less what the
@@ -120,6 +123,7 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
         },
         "budget_bytes": budget,
         "limit_bytes": limit,
+        "reserve_bytes": reserve,
         "active": sorted(inv.active),
         "total_bytes": res.total_bytes,
         "chunk_files": res.chunk_files,
@@ -132,6 +136,9 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
         "symlinks": _usage(res.symlinks, samples=True),
         "metadata": {"files": res.metadata.files, "bytes": res.metadata.bytes},
         "directories": {"count": res.directories.files, "bytes": res.directories.bytes},
+        # moved there by `verify --apply` (part of the metadata above)
+        "quarantine": {"files": res.quarantine.files, "bytes": res.quarantine.bytes},
+        "entries": res.entries,
         "manifests_without_files": sorted(set(manifests) - with_files),
         "errors": list(res.errors),
         "notes": list(inv.notes),
@@ -157,5 +164,5 @@ def report(root: str | None, configs: Sequence[str] = (), *,
     res = scan_existing(inv.root, progress=progress)
     manifests, bad = read_manifests(inv.root, manifest_dirs(inv.deployments))
     inv.notes.extend(bad)
-    budget, limit = budget_figures(inv, res)
-    return Report(build_report(res, inv, manifests, budget, limit), res)
+    budget, limit, reserve = budget_figures(inv, res)
+    return Report(build_report(res, inv, manifests, budget, limit, reserve), res)

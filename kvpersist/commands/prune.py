@@ -45,6 +45,8 @@ def format_result(res: PruneResult, plan: RetentionPlan) -> str:
         lines.append(f"note: {n}")
     for e in res.errors[:20]:
         lines.append(f"error: {e}")
+    for w in res.warnings:
+        lines.append(f"warning: {w}")
     if res.dry_run:
         lines.append("dry run: nothing was deleted; add --apply to delete exactly these files")
     return "\n".join(lines)

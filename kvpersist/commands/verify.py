@@ -51,5 +51,7 @@ def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
                 click.echo(f"  skipped {line}")
         elif res.findings:
             click.echo("dry run: run again with --apply to quarantine them")
+        for w in res.warnings:
+            click.echo(f"warning: {w}", err=True)
     left = len(res.findings) - (len(res.quarantined) if apply else 0)
     raise SystemExit(1 if left else 0)

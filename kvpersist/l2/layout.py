@@ -30,6 +30,10 @@ BIN_SUFFIX = ".bin"
 TEMP_MARKER = ".tmp."
 #: Directory in the cache root that holds kvpersist's own metadata (manifests, locks, logs).
 META_DIR = ".kvpersist"
+#: where ``kvp-admin verify --apply`` moves what it finds: ``<root>/.kvpersist/quarantine/``
+QUARANTINE_DIR = "quarantine"
+#: where kvpersist records its last verify and prune runs: ``<root>/.kvpersist/runs/``
+RUNS_DIR = "runs"
 #: The lmcache server's pid file in the cache root.
 PID_FILE = "lmcache-server.pid"
 MANIFESTS_DIR = "manifests"

@@ -74,6 +74,8 @@ class PruneResult:
     per_selection: list[dict[str, Any]] = field(default_factory=list)
     deleted_paths: list[str] | None = None
     duration_s: float = 0.0
+    #: problems that did not affect what was deleted (e.g. the run could not be recorded)
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -90,6 +92,7 @@ class PruneResult:
             "selections": self.per_selection,
             "manifests_removed": self.manifests_removed,
             "errors": self.errors,
+            "warnings": self.warnings,
             "duration_s": round(self.duration_s, 3),
         }
         if self.deleted_paths is not None:

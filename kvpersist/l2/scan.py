@@ -31,6 +31,7 @@ from kvpersist.l2.layout import (
     _HEX,
     META_DIR,
     PID_FILE,
+    QUARANTINE_DIR,
     TEMP_MARKER,
     Kind,
     classify,
@@ -54,6 +55,8 @@ _NO_MIN = 1 << 63
 _HEX_BYTES = b"0123456789abcdef"
 # what a directory of the walk is (its walk tag): chunk layout, foreign, or kvpersist metadata
 _PLAIN, _FOREIGN, _META = 0, 1, 2
+#: where ``verify --apply`` moves what it finds (relative to the root; see l2/verify.py)
+QUARANTINE_PREFIX = f"{META_DIR}/{QUARANTINE_DIR}/"
 
 ProgressFn = Callable[[int], None]
 #: ``Dir.subdirs.append`` of the directory being scanned: queues ``(name, tag)`` for the walk
@@ -177,8 +180,13 @@ class ScanResult:
     #: not added to the total)
     lmcache_cleans: Usage = field(default_factory=Usage)
     directories: Usage = field(default_factory=Usage)
+    #: files in ``.kvpersist/quarantine/`` (moved there by ``verify --apply``; a subset of
+    #: the metadata, not added to the total)
+    quarantine: Usage = field(default_factory=Usage)
     errors: list[str] = field(default_factory=list)
     workers: int = 1
+    #: directory entries looked at (every worker's share)
+    entries: int = 0
     #: regular files with more than one name, counted once each at the end of the scan
     #: (:func:`_count_links`), after the workers' results are merged
     links: list[LinkedFile] = field(default_factory=list)
@@ -197,6 +205,8 @@ class ScanResult:
         self.foreign_dirs += other.foreign_dirs
         self.lmcache_cleans.merge(other.lmcache_cleans)
         self.directories.merge(other.directories)
+        self.quarantine.merge(other.quarantine)
+        self.entries += other.entries
         self.errors.extend(other.errors[: max(0, SAMPLE_CAP - len(self.errors))])
         self.links.extend(other.links)
 
@@ -288,6 +298,7 @@ class _Walker:
             if own:
                 os.close(root_fd)
         self._fold()
+        res.entries = self.count
         return res
 
     def _open_error(self, rel: str, exc: OSError) -> None:
@@ -455,6 +466,8 @@ def _count_file(res: ScanResult, name: str, path: str, depth: int, foreign: bool
         res.lmcache_cleans.add(st, sample=display_name(path))
     if meta:
         res.metadata.add(st)
+        if path.startswith(QUARANTINE_PREFIX):
+            res.quarantine.add(st)
     elif foreign or depth == 1:
         res.foreign.add(st, sample=display_name(path))
     elif depth == 0 and name == PID_FILE:

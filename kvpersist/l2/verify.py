@@ -34,11 +34,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpersist.l2 import layout
-from kvpersist.l2.layout import display_name
+from kvpersist.l2.layout import QUARANTINE_DIR, display_name
 from kvpersist.l2.tree import FILE_FLAGS, RootDir, chunk_dirs, meta_dir, open_rel, open_root
 
 SCHEMA = "kvpersist.verify/1"
-QUARANTINE_DIR = "quarantine"
 _HKDF_INFO_PREFIX = b"lmcache-l2-aesgcm-v1"  # lmcache/v1/distributed/serde/aesgcm.py
 _VERSION = 1
 _IV_LEN = 12
@@ -69,6 +68,8 @@ class VerifyResult:
     quarantined: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: problems that did not affect the check (e.g. the run could not be recorded)
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -356,6 +356,35 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
     return status, checks
 
 
+#: The components of a deployment, each a group of checks (``kvpersist_component_health``).
+COMPONENTS = ("cache_server", "cache_root", "vllm", "wiring")
+
+
+def component_of(check: str) -> str:
+    """The component a check belongs to (pure): ``lmcache.*`` is the cache server,
+    ``cache_root*`` the cache root, ``vllm.health``/``vllm.models`` vLLM, and what connects
+    them (``vllm.kv_transfer``, ``vllm.persistence``, ``network.*``) the wiring."""
+    if check.startswith("lmcache."):
+        return "cache_server"
+    if check == "cache_root" or check.startswith("cache_root."):
+        return "cache_root"
+    if check in ("vllm", "vllm.health", "vllm.models"):
+        return "vllm"
+    return "wiring"
+
+
+def component_status(checks: tuple[Check, ...] | list[Check]) -> dict[str, str]:
+    """Each component's worst check status (pure): ``ok``, ``degraded``, ``down``, or
+    ``skipped`` when all its checks were skipped; a component without checks is absent."""
+    order = {"skipped": -1, **_RANK}
+    worst: dict[str, str] = {}
+    for c in checks:
+        comp = component_of(c.name)
+        if comp not in worst or order[c.status] > order[worst[comp]]:
+            worst[comp] = c.status
+    return {k: worst[k] for k in COMPONENTS if k in worst}
+
+
 @dataclass(frozen=True)
 class HealthReport:
     """The verdict of ``kvp-admin health`` (JSON schema ``kvpersist.health/1``)."""
@@ -380,6 +409,7 @@ class HealthReport:
             "status": self.status,
             "exit_code": self.exit_code,
             "checks": [asdict(c) for c in self.checks],
+            "components": component_status(self.checks),
             "lmcache": {"pid_state": f.server_pid_state, "pid": f.server_pid,
                         "http": loc.server_http_url, "listen": f.server_listen,
                         "healthy": f.server_healthcheck},
@@ -407,4 +437,5 @@ def health_report(dep: Deployment, loc: Location, *, timeout: float = 3.0,
     return HealthReport(dep.name, dep.namespace, status, tuple(checks), facts, loc)
 
 
-__all__ = ["Check", "Facts", "HealthReport", "health_report", "probe_all", "verdict", "SCHEMA"]
+__all__ = ["COMPONENTS", "Check", "Facts", "component_of", "component_status", "HealthReport",
+           "health_report", "probe_all", "verdict", "SCHEMA"]

@@ -144,3 +144,21 @@ def service_uids(user: str) -> tuple[int, ...]:
     except KeyError:
         raise KvpError(f"KVP_SERVICE_USER: no user {user!r} on this host; create the service "
                        "user or fix the name") from None
+
+
+def write_textfile(path: str | os.PathLike[str], registry: Any) -> None:
+    """Write a ``prometheus_client`` registry's exposition to ``path`` with the library's
+    ``write_to_textfile`` (a temp file beside it, then rename: node_exporter's textfile
+    collector never reads half a file). The file is 0644, whatever the umask, so that
+    node_exporter (another user) can read it; it holds no secret. Raises KvpError."""
+    from prometheus_client import write_to_textfile
+
+    target = os.fspath(path)
+    old = os.umask(0o022)
+    try:
+        write_to_textfile(target, registry)
+    except OSError as exc:
+        raise KvpError(f"cannot write {target}: {exc.strerror or exc}; check that the "
+                       "directory exists and that this user may write there") from exc
+    finally:
+        os.umask(old)

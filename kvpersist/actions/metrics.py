@@ -1,0 +1,297 @@
+"""Use case: kvpersist's facts as Prometheus metrics (``kvp-admin metrics``).
+
+One scan per cache root (the scan ``report`` runs) gives the per-namespace and per-root figures,
+the recorded ``verify``/``prune`` runs give their times and results, and one health probe per
+deployment gives the state of each component. The families are built with ``prometheus_client``
+(its metric families, registry and text exposition); names and labels are documented in
+docs/observability.md. :func:`build_families` is pure; :func:`collect` does the I/O.
+
+With ``--textfile`` the exposition is split into one file per cache root and one per deployment,
+so that two deployments sharing a root (each with its own timer) never export the root's series
+twice: node_exporter rejects a series that two files both carry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from kvpersist.l2.scan import ProgressFn
+from kvpersist.stack.health import COMPONENTS, EXIT, HealthReport, component_status
+
+PREFIX = "kvpersist_"
+_HEALTH_VALUE = {"ok": 0, "degraded": 1, "down": 2}
+INFO_LABELS = ("model_id", "model_revision", "kv_cache_dtype", "tensor_parallel_size",
+               "served_model_name", "config")
+
+
+@dataclass
+class RootFacts:
+    """What one cache root holds: the report document and its recorded runs."""
+
+    doc: dict[str, Any]
+    runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: per active namespace, info labels from its deployment (used when no manifest has them)
+    deployment_info: dict[str, dict[str, str]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def root(self) -> str:
+        return str(self.doc["root"])
+
+
+@dataclass
+class Exposition:
+    """Metric families by name, filled by :func:`root_families` / :func:`health_families`."""
+
+    families: dict[str, Metric] = field(default_factory=dict)
+    _gauges: dict[str, GaugeMetricFamily] = field(default_factory=dict)
+    _infos: dict[str, InfoMetricFamily] = field(default_factory=dict)
+
+    def gauge(self, name: str, doc: str, labels: dict[str, str], value: float | None,
+              unit: str = "") -> None:
+        """Add one sample (None: none) to gauge family ``name`` (created on first use)."""
+        full = PREFIX + name
+        fam = self._gauges.get(full)
+        if fam is None:
+            fam = self._gauges[full] = GaugeMetricFamily(full, doc, labels=list(labels),
+                                                         unit=unit)
+            self.families[full] = fam
+        if value is not None:
+            fam.add_metric(list(labels.values()), float(value))
+
+    def info(self, name: str, doc: str, labels: dict[str, str], info: dict[str, str]) -> None:
+        full = PREFIX + name
+        fam = self._infos.get(full)
+        if fam is None:
+            fam = self._infos[full] = InfoMetricFamily(full, doc, labels=list(labels))
+            self.families[full] = fam
+        fam.add_metric(list(labels.values()), info)
+
+    def registry(self) -> CollectorRegistry:
+        """A registry that exposes these families (and nothing else)."""
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(_Fixed(list(self.families.values())))
+        return reg
+
+
+class _Fixed(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return iter(self._families)
+
+
+def _seconds(ns: int | None) -> float | None:
+    return None if not ns else ns / 1e9
+
+
+def _ts(iso: str | None) -> float | None:
+    """Seconds since the epoch of an ISO-8601 UTC time from a report (None stays None)."""
+    if not iso:
+        return None
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def root_families(exp: Exposition, facts: RootFacts, now_s: float) -> None:
+    """The per-root and per-namespace series of one root (pure)."""
+    doc = facts.doc
+    r = {"root": facts.root}
+    for row in doc["namespaces"]:
+        ns = row["namespace"] or row["prefix"]
+        lab = {**r, "namespace": ns}
+        man = row["manifest"] or {}
+        dep = facts.deployment_info.get(ns, {})
+        info = {k: str(man.get(k) if man.get(k) is not None else dep.get(k, ""))
+                for k in INFO_LABELS}
+        if not info["tensor_parallel_size"] and row["tp_sizes"]:
+            info["tensor_parallel_size"] = ",".join(str(t) for t in row["tp_sizes"])
+        exp.info("namespace", "A namespace on the cache root: what it caches (join on "
+                 "namespace; LMCache's model_name).", lab, info)
+        exp.gauge("namespace_bytes", "Apparent bytes of the namespace's chunk files.", lab,
+                  row["bytes"])
+        exp.gauge("namespace_allocated_bytes", "Bytes allocated on disk for the namespace's "
+                  "chunk files.", lab, row["allocated_bytes"])
+        exp.gauge("namespace_files", "Chunk files of the namespace.", lab, row["files"])
+        exp.gauge("namespace_oldest_chunk_timestamp_seconds", "Modification time of the "
+                  "namespace's oldest chunk file.", lab, _ts(row["oldest_mtime"]))
+        exp.gauge("namespace_newest_chunk_timestamp_seconds", "Modification time of the "
+                  "namespace's newest chunk file.", lab, _ts(row["newest_mtime"]))
+        exp.gauge("namespace_active", "1 when a deployment configured on this host uses the "
+                  "namespace.", lab, 1 if row["active"] else 0)
+    fs = doc["filesystem"]
+    exp.gauge("filesystem_size_bytes", "Size of the filesystem holding the cache root.", r,
+              fs["total_bytes"])
+    exp.gauge("filesystem_avail_bytes", "Bytes of that filesystem available to unprivileged "
+              "writers.", r, fs["avail_bytes"])
+    exp.gauge("l2_budget_bytes", "L2 budget of the root's deployment.", r, doc["budget_bytes"])
+    exp.gauge("l2_reserve_bytes", "Free space the budget keeps for everything else.", r,
+              doc["reserve_bytes"])
+    exp.gauge("l2_limit_bytes", "What chunks may use: the budget less what the reserve "
+              "takes.", r, doc["limit_bytes"])
+    temp = doc["temp"]
+    exp.gauge("l2_used_bytes", "Chunk and temp bytes on the cache root.", r,
+              doc["chunk_bytes"] + temp["bytes"])
+    exp.gauge("temp_files", "Temp files (in-flight or interrupted writes).", r, temp["files"])
+    exp.gauge("temp_bytes", "Bytes of temp files.", r, temp["bytes"])
+    exp.gauge("temp_oldest_timestamp_seconds", "Modification time of the oldest temp file "
+              "(0: none).", r, _ts(temp["oldest_mtime"]) or 0)
+    foreign = doc["foreign"]
+    exp.gauge("foreign_files", "Files kvpersist cannot parse (never touched).", r,
+              foreign["files"])
+    exp.gauge("foreign_bytes", "Bytes of foreign files.", r, foreign["bytes"])
+    quar = doc["quarantine"]
+    exp.gauge("quarantined_files", "Files verify --apply moved into .kvpersist/quarantine/.",
+              r, quar["files"])
+    exp.gauge("quarantined_bytes", "Bytes of quarantined files.", r, quar["bytes"])
+    exp.gauge("scan_duration_seconds", "How long the scan behind these figures took.", r,
+              doc["duration_s"])
+    exp.gauge("scan_entries", "Directory entries the scan looked at.", r, doc["entries"])
+    exp.gauge("scan_errors", "Entries the scan could not read.", r, len(doc["errors"]))
+    verify = facts.runs.get("verify")
+    exp.gauge("last_verify_timestamp_seconds", "When kvp-admin verify last finished on the "
+              "root.", r, _seconds(verify["finished_ns"]) if verify else None)
+    exp.gauge("last_verify_success", "1: the last verify left no findings, 0: it did.", r,
+              (1 if verify["ok"] else 0) if verify else None)
+    exp.gauge("last_verify_findings", "Findings of the last verify.", r,
+              int(verify["counts"].get("findings", 0)) if verify else None)
+    prune = facts.runs.get("prune")
+    exp.gauge("last_prune_timestamp_seconds", "When kvp-admin prune --apply last finished on "
+              "the root.", r, _seconds(prune["finished_ns"]) if prune else None)
+    exp.gauge("last_prune_success", "1: the last prune deleted every selected file without "
+              "errors, 0: errors.", r, (1 if prune["ok"] else 0) if prune else None)
+    exp.gauge("last_prune_deleted_bytes", "Bytes the last prune deleted.", r,
+              int(prune["counts"].get("deleted_bytes", 0)) if prune else None)
+    exp.gauge("metrics_timestamp_seconds", "When these series were measured.",
+              {"root": facts.root, "config": ""}, now_s)
+
+
+def health_families(exp: Exposition, rep: HealthReport, now_s: float) -> None:
+    """The per-deployment health series (pure)."""
+    lab = {"config": rep.config, "namespace": rep.namespace}
+    exp.gauge("deployment_health", "0 healthy, 1 degraded, 2 down (the exit code of "
+              "kvp-admin health).", lab, EXIT[rep.status])
+    comps = component_status(rep.checks)
+    for comp in COMPONENTS:
+        st = comps.get(comp)
+        exp.gauge("component_health", "Per component: 0 ok, 1 degraded, 2 down (absent when "
+                  "not checked).", {**lab, "component": comp},
+                  _HEALTH_VALUE.get(st or ""))
+    exp.gauge("cache_server_up", "1 when the deployment's cache server answers /healthcheck.",
+              lab, 1 if rep.facts.server_healthcheck else 0)
+    exp.gauge("vllm_up", "1 when vLLM answers /health (absent when not checked).", lab,
+              (1 if rep.facts.vllm_health else 0) if rep.facts.expect_vllm else None)
+    exp.gauge("metrics_timestamp_seconds", "When these series were measured.",
+              {"root": "", "config": rep.config}, now_s)
+
+
+@dataclass
+class MetricsOutcome:
+    """Everything ``kvp-admin metrics`` measured, as expositions."""
+
+    roots: list[RootFacts]
+    health: list[HealthReport]
+    measured_at: float
+    notes: list[str] = field(default_factory=list)
+
+    def whole(self) -> Exposition:
+        """One exposition of everything (stdout)."""
+        exp = Exposition()
+        for rf in self.roots:
+            root_families(exp, rf, self.measured_at)
+        for rep in self.health:
+            health_families(exp, rep, self.measured_at)
+        return exp
+
+    def files(self) -> Iterator[tuple[str, Exposition]]:
+        """(file name, exposition) per root and per deployment, for the textfile collector."""
+        for rf in self.roots:
+            exp = Exposition()
+            root_families(exp, rf, self.measured_at)
+            yield textfile_name_for_root(rf.root), exp
+        for rep in self.health:
+            exp = Exposition()
+            health_families(exp, rep, self.measured_at)
+            yield f"kvpersist-deployment-{rep.config}.prom", exp
+
+
+def textfile_name_for_root(root: str) -> str:
+    """``kvpersist-root-<12 hex of the root's path digest>.prom`` (pure): one file per root,
+    whichever deployment's timer writes it."""
+    return f"kvpersist-root-{hashlib.sha256(root.encode()).hexdigest()[:12]}.prom"
+
+
+def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
+            expect_vllm: bool = True, progress: ProgressFn | None = None) -> MetricsOutcome:
+    """Scan each cache root once (``root``, or the configs' roots) and probe each config.
+
+    Raises UsageError without a root or a config, ConfigError for a config that does not load,
+    KvpError for a root that cannot be read."""
+    from kvpersist.actions.lifecycle import health
+    from kvpersist.actions.report import report
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.errors import UsageError
+    from kvpersist.l2.inventory import real_root
+    from kvpersist.l2.runs import read_runs
+
+    measured = time.time()
+    deps = [(c, load_deployment(c, allow_unpinned=True)) for c in configs]
+    groups: dict[str, list[tuple[str, Any]]] = {}
+    if root is not None:
+        groups[real_root(root)] = [
+            (c, d) for c, d in deps if real_root(d.settings.cache_root) == real_root(root)]
+    else:
+        if not deps:
+            raise UsageError("give --root DIR or a CONFIG")
+        for c, d in deps:
+            groups.setdefault(real_root(d.settings.cache_root), []).append((c, d))
+    roots: list[RootFacts] = []
+    notes: list[str] = []
+    for path, mine in groups.items():
+        try:
+            doc = report(path, [c for c, _ in mine], progress=progress).to_dict()
+        except UsageError as exc:
+            if root is not None:
+                raise
+            # a deployment whose root is missing still gets its health series (cache_root down)
+            notes.append(str(exc))
+            continue
+        runs, problems = read_runs(path)
+        info = {d.namespace: _deployment_info(d) for _, d in mine}
+        roots.append(RootFacts(doc, runs, info, problems))
+        notes.extend(problems)
+    reports = [health(c, timeout=timeout, expect_vllm=expect_vllm) for c, _ in deps]
+    return MetricsOutcome(roots, reports, measured, notes)
+
+
+def _deployment_info(dep: Any) -> dict[str, str]:
+    ident = dep.identity
+    out = {"served_model_name": dep.settings.served_model_name, "config": dep.name}
+    if ident is not None:
+        out.update(model_id=ident.model_id, model_revision=ident.model_revision,
+                   kv_cache_dtype=ident.kv_cache_dtype,
+                   tensor_parallel_size=str(ident.tensor_parallel_size))
+    return out
+
+
+def write_textfiles(outcome: MetricsOutcome, directory: str) -> list[str]:
+    """Write each root's and each deployment's exposition into ``directory`` (atomically,
+    readable by node_exporter); the paths written. Raises KvpError if one cannot be written."""
+    from kvpersist.system.files import write_textfile
+
+    written = []
+    for name, exp in outcome.files():
+        path = os.path.join(directory, name)
+        write_textfile(path, exp.registry())
+        written.append(path)
+    return written

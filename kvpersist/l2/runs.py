@@ -1,0 +1,132 @@
+"""The record of the last ``verify`` and ``prune`` on a cache root (I/O).
+
+Each finished ``kvp-admin verify`` and ``kvp-admin prune --apply`` writes a small JSON document
+(``kvpersist.run/1``) to ``<root>/.kvpersist/runs/<kind>.json``: when it finished, whether it
+succeeded, and its counts. ``kvp-admin metrics`` exports them (``kvpersist_last_verify_*``,
+``kvpersist_last_prune_*``), so an alert can say that verify is overdue. The record lives under
+the root, not under a deployment's state dir, because both commands may be run against a root
+alone.
+
+Recording never fails the command that recorded: a root this user may read but not write
+(or a ``.kvpersist`` that is a symlink) gives a warning instead. Everything is opened relative to
+directory descriptors, never through a symlink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from typing import Any
+
+from kvpersist.errors import KvpError
+from kvpersist.l2.layout import META_DIR, RUNS_DIR
+from kvpersist.l2.tree import FILE_FLAGS, meta_dir, open_rel, open_root
+
+SCHEMA = "kvpersist.run/1"
+KINDS = ("verify", "prune")
+#: a record bigger than this is not ours
+_MAX_BYTES = 1 << 16
+
+
+def run_record(kind: str, *, ok: bool, finished_ns: int, counts: dict[str, int],
+               mode: str = "") -> dict[str, Any]:
+    """The document recorded for one run (pure)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown run kind {kind!r}")
+    return {"schema": SCHEMA, "kind": kind, "finished_ns": finished_ns, "ok": ok,
+            "mode": mode, "counts": {k: int(v) for k, v in counts.items()}}
+
+
+def record_run(root: str | os.PathLike[str], kind: str, *, ok: bool, counts: dict[str, int],
+               mode: str = "", finished_ns: int | None = None) -> str | None:
+    """Record a finished run of ``kind`` on ``root``; None, or a warning when it could not be
+    recorded (the run itself stands)."""
+    doc = run_record(kind, ok=ok, counts=counts, mode=mode,
+                     finished_ns=time.time_ns() if finished_ns is None else finished_ns)
+    data = (json.dumps(doc, sort_keys=True) + "\n").encode()
+    final = f"{kind}.json"
+    try:
+        with open_root(root, purpose="record the run on") as r:
+            dfd = meta_dir(r, RUNS_DIR)
+            try:
+                _replace(dfd, final, data)
+            finally:
+                os.close(dfd)
+    except KvpError as exc:
+        return f"the {kind} run was not recorded for metrics: {exc}"
+    except OSError as exc:
+        return (f"the {kind} run was not recorded for metrics: "
+                f"{os.path.join(os.fspath(root), META_DIR, RUNS_DIR, final)}: "
+                f"{exc.strerror or exc}")
+    return None
+
+
+def _replace(dfd: int, final: str, data: bytes) -> None:
+    tmp = f".{final}.{os.getpid()}.part"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=dfd)
+    try:
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+
+
+def read_runs(root: str | os.PathLike[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The recorded runs of ``root`` by kind (a kind never recorded is absent), and problems
+    met (a record that is unreadable or not ours). Never creates anything."""
+    runs: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    try:
+        with open_root(root, purpose="read the runs of") as r:
+            try:
+                dfd = open_rel(r.fd, f"{META_DIR}/{RUNS_DIR}")
+            except FileNotFoundError:
+                return runs, problems
+            except OSError as exc:
+                return runs, [f"{META_DIR}/{RUNS_DIR}: {exc.strerror or exc}"]
+            try:
+                for kind in KINDS:
+                    doc, problem = _read(dfd, f"{kind}.json", kind)
+                    if doc is not None:
+                        runs[kind] = doc
+                    if problem:
+                        problems.append(problem)
+            finally:
+                os.close(dfd)
+    except KvpError as exc:
+        problems.append(str(exc))
+    return runs, problems
+
+
+def _read(dfd: int, name: str, kind: str) -> tuple[dict[str, Any] | None, str]:
+    where = f"{META_DIR}/{RUNS_DIR}/{name}"
+    try:
+        fd = os.open(name, FILE_FLAGS, dir_fd=dfd)
+    except FileNotFoundError:
+        return None, ""
+    except OSError as exc:
+        return None, f"{where}: {exc.strerror or exc}"
+    try:
+        data = os.read(fd, _MAX_BYTES + 1)
+    except OSError as exc:
+        return None, f"{where}: {exc.strerror or exc}"
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(data) if len(data) <= _MAX_BYTES else None
+    except ValueError:
+        doc = None
+    if (not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("kind") != kind
+            or not isinstance(doc.get("finished_ns"), int) or not isinstance(doc.get("ok"), bool)
+            or not isinstance(doc.get("counts"), dict)):
+        return None, f"{where}: not a kvpersist run record; ignored"
+    return doc, ""
