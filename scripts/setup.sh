@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up kvpersist on a fresh machine: a venv in .venv with vLLM's CPU build, stock
 # LMCache 0.5.6 and nixl, kvpersist itself (editable) with its test and deploy extras, and
-# the few system tools the tests use (jq, systemd-analyze). Idempotent: a second run only
+# the few system tools the tests use (jq, systemd-analyze, and Prometheus' promtool, prometheus
+# and node_exporter for the monitoring/ rules and dashboard). Idempotent: a second run only
 # re-checks. Usage: bash scripts/setup.sh   (env: KVP_VENV=path to use another venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,33 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
   else
     say "missing ${need_apt[*]}: install them (apt-get install ${need_apt[*]})"; exit 1
+  fi
+fi
+
+# --- Prometheus and node_exporter (monitoring/ tests) ------------------------------------------
+# The tests start their own instances on free loopback ports with temp data dirs: the Debian
+# services must not start (policy-rc.d forbids it during the install) nor stay enabled.
+need_prom=()
+dpkg -s prometheus >/dev/null 2>&1 && command -v promtool >/dev/null || need_prom+=(prometheus)
+dpkg -s prometheus-node-exporter >/dev/null 2>&1 || need_prom+=(prometheus-node-exporter)
+if [ ${#need_prom[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing ${need_prom[*]} with apt-get (services left stopped and disabled)"
+    policy=/usr/sbin/policy-rc.d made_policy=
+    if [ ! -e "$policy" ]; then
+      printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=1
+    fi
+    apt-get update -qq >/dev/null
+    rc=0
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${need_prom[@]}" >/dev/null || rc=$?
+    [ -z "$made_policy" ] || rm -f "$policy"
+    [ "$rc" = 0 ] || { say "apt-get install ${need_prom[*]} failed ($rc)"; exit 1; }
+    if [ -d /run/systemd/system ]; then
+      systemctl disable --now prometheus prometheus-node-exporter >/dev/null 2>&1 || true
+    fi
+  else
+    say "missing ${need_prom[*]}: install them (apt-get install ${need_prom[*]})"; exit 1
   fi
 fi
 
