@@ -4,13 +4,15 @@ namespace, node_exporter's textfile collector serving what ``kvp-admin metrics -
 wrote, and Prometheus scraping both and evaluating monitoring/kvpersist-rules.yml.
 
 What it shows: the bytes Prometheus holds for the namespace are ``report``'s; LMCache's lookup
-counters carry the same namespace as ``model_name``; the hit-ratio rule over them gives the
-ratio of the lookups driven; and on a healthy deployment no alert fires. (The degraded alert,
-which needs vLLM serving, is in tests/fullstack/test_persistence_e2e.py.)
+counters carry the same namespace as ``model_name``; the hit-ratio rule over them, and the
+dashboard's hit-ratio panel, give the ratio of the lookups driven; and on a healthy deployment
+no alert fires. (The degraded alert, which needs vLLM serving, is in
+tests/fullstack/test_persistence_e2e.py.)
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import yaml
 
 from kvpersist.demo.kvdriver import connect
 
+from ..conftest import REPO
 from ..fullstack._stack import Stack, wait_until
 from ._prometheus import RULES, monitoring, short_for_rules
 
@@ -28,6 +31,8 @@ pytestmark = pytest.mark.integration
 #: tokens per lookup of the driver (1024 + 1 tokens: 4 full chunks of 256)
 TOKENS = 1024
 HIT_RATIO_RULE = "namespace:lmcache_mp_lookup_hit:ratio_rate5m"
+DASHBOARD = REPO / "monitoring" / "grafana" / "kvpersist-dashboard.json"
+HIT_RATIO_PANEL = "Lookup hit ratio per namespace"
 
 
 def _rule_expr(record: str) -> str:
@@ -36,6 +41,20 @@ def _rule_expr(record: str) -> str:
             if rule.get("record") == record:
                 return str(rule["expr"])
     raise AssertionError(f"no recording rule {record} in {RULES}")
+
+
+def _dashboard_exprs(title: str) -> list[str]:
+    """The PromQL of the dashboard panel ``title`` (its targets, in order)."""
+    def panels(ps: list[Any]) -> Any:
+        for p in ps:
+            yield p
+            yield from panels(p.get("panels", []))
+
+    doc = json.loads(DASHBOARD.read_text())
+    for panel in panels(doc["panels"]):
+        if panel.get("title") == title:
+            return [str(t["expr"]) for t in panel["targets"]]
+    raise AssertionError(f"no panel {title!r} in {DASHBOARD}")
 
 
 def _flushed(stack: Stack, ns: str, files: int) -> bool:
@@ -109,6 +128,14 @@ def test_namespace_bytes_lookup_counters_and_hit_ratio_in_prometheus(stack: Stac
         direct = [s for s in mon.query(ratio_expr) if s["metric"].get("namespace") == ns]
         assert len(direct) == 1, (ratio_expr, mon.query(ratio_expr))
         assert float(direct[0]["value"][1]) == pytest.approx(expected, rel=1e-9)
+        # the dashboard's panel, with its variables as Grafana would fill them for this
+        # namespace: L1+L2 (all the lookups' hits were in L1), then L2 alone (none)
+        l1l2, l2 = (e.replace("$namespace", ns).replace("$__rate_interval", "5m")
+                    for e in _dashboard_exprs(HIT_RATIO_PANEL))
+        assert "lmcache_mp_lookup_hit_tokens_total" in l1l2 and "hit_l2_tokens" in l2
+        panel = {s["metric"]["namespace"]: float(s["value"][1]) for s in mon.query(l1l2)}
+        assert panel.keys() == {ns} and panel[ns] == pytest.approx(expected, rel=1e-9)
+        assert mon.values(l2) == [0]
         recorded = mon.wait_value(f'{HIT_RATIO_RULE}{{namespace="{ns}"}}',
                                   lambda v: v == pytest.approx(expected, rel=1e-9),
                                   what="the recorded hit ratio")
