@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,15 @@ import pytest
 from kvpersist.demo.chat import chat_completion, long_chat
 
 from ..conftest import REPO
+from ..integration._prometheus import monitoring, short_for_rules
 from ._stack import Stack, l2_hits_in_log, vllm_metric, wait_until
 
 pytestmark = pytest.mark.fullstack
 
 CHAT = long_chat(turns=8, words_per_turn=150, seed=11)
 HITS = "vllm:external_prefix_cache_hits_total"
+#: the alert "cache server down while vLLM serves" (monitoring/kvpersist-rules.yml)
+DEGRADED = "KvpersistCacheServerDown"
 STATE: dict[str, Any] = {}
 
 
@@ -70,18 +74,51 @@ def test_cold_then_restart_both_hits_from_disk_with_identical_output(stack: Stac
 
 
 def test_cache_server_down_vllm_keeps_serving_and_health_degraded(stack: Stack) -> None:
-    st = stack.kvp_json("status", stack.config)
-    pid = st["lmcache"]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    assert wait_until(lambda: not psutil.pid_exists(pid)
-                      or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 20)
-    out = _chat(stack)
-    assert out.text == STATE["cold"]
-    h = stack.kvp("health", stack.config, "--json")
-    report = json.loads(h.stdout)
-    assert h.returncode == 1 and report["status"] == "degraded", report
-    assert any(c["name"] == "vllm.persistence" and c["status"] == "degraded"
-               for c in report["checks"])
+    """...and the degraded alert of monitoring/kvpersist-rules.yml (its ``for:`` cut to 2 s)
+    fires in a real Prometheus fed by ``kvp-admin metrics`` through node_exporter, only once
+    the cache server is down while vLLM serves."""
+    ns = STATE["ns"]
+    rules = short_for_rules(stack.tmp / "rules.yml", for_="2s")
+    with monitoring(stack.tmp / "mon", rules=rules) as mon:
+        def export() -> None:
+            r = stack.kvp("metrics", stack.config, "--textfile", str(mon.textfile_dir),
+                          timeout=120)
+            assert r.returncode == 0, r.stderr
+
+        series = f'{{config="{stack.config}",namespace="{ns}"}}'
+        export()
+        mon.wait_value(f"kvpersist_vllm_up{series}", lambda v: v == 1)
+        assert mon.values(f"kvpersist_cache_server_up{series}") == [1]
+        # evaluated on both up for longer than its `for:`, the alert is inactive
+        seen_up = time.time()
+        assert wait_until(lambda: mon.alert_rule(DEGRADED)["last_evaluation_s"]
+                          > seen_up + 3, 15, 0.25)
+        rule = mon.alert_rule(DEGRADED)
+        assert rule["health"] == "ok" and rule["state"] == "inactive", rule
+        assert mon.query(f'ALERTS{{alertname="{DEGRADED}"}}') == []
+
+        st = stack.kvp_json("status", stack.config)
+        pid = st["lmcache"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: not psutil.pid_exists(pid)
+                          or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 20)
+        out = _chat(stack)
+        assert out.text == STATE["cold"]
+        h = stack.kvp("health", stack.config, "--json")
+        report = json.loads(h.stdout)
+        assert h.returncode == 1 and report["status"] == "degraded", report
+        assert any(c["name"] == "vllm.persistence" and c["status"] == "degraded"
+                   for c in report["checks"])
+
+        export()
+        firing = mon.wait_for(f'ALERTS{{alertname="{DEGRADED}",alertstate="firing"}}',
+                              lambda r: len(r) == 1, timeout=30, what=f"{DEGRADED} firing")
+        labels = firing[0]["metric"]
+        assert (labels["config"], labels["namespace"]) == (stack.config, ns), labels
+        assert labels["severity"] == "critical", labels
+        assert mon.values(f"kvpersist_cache_server_up{series}") == [0]
+        assert mon.values(f"kvpersist_vllm_up{series}") == [1]
+        assert mon.values(f"kvpersist_deployment_health{series}") == [1]
     stopped = stack.stop()
     how = {s["what"]: s["how"] for s in stopped["stopped"]}
     assert how == {"vLLM": "terminated", "lmcache server": "stale"}, stopped

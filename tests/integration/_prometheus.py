@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +153,19 @@ class Monitoring:
             return [("?", "?", str(e))]
         return [(t["labels"].get("job", ""), t["health"], t.get("lastError", ""))
                 for t in body["data"]["activeTargets"]]
+
+    def alert_rule(self, alertname: str) -> dict[str, Any]:
+        """The alerting rule ``alertname`` as /api/v1/rules reports it (state, health,
+        lastEvaluation as a Unix timestamp in ``last_evaluation_s``)."""
+        body = requests.get(f"{self.prom_url}/api/v1/rules", params={"type": "alert"},
+                            timeout=5).json()
+        for group in body["data"]["groups"]:
+            for rule in group["rules"]:
+                if rule["name"] == alertname:
+                    ts = re.sub(r"(\.\d{6})\d+", r"\1", rule["lastEvaluation"])
+                    ts = ts.replace("Z", "+00:00")
+                    return dict(rule, last_evaluation_s=datetime.fromisoformat(ts).timestamp())
+        raise AssertionError(f"no alerting rule {alertname} loaded: {body}")
 
     def firing(self, alertname: str) -> list[dict[str, str]]:
         """Label sets of the firing instances of ``alertname`` (from the ALERTS series)."""
