@@ -154,6 +154,11 @@ class Monitoring:
         return [(t["labels"].get("job", ""), t["health"], t.get("lastError", ""))
                 for t in body["data"]["activeTargets"]]
 
+    def rules(self) -> list[dict[str, Any]]:
+        """Every loaded rule (recording and alerting) as /api/v1/rules reports it."""
+        body = requests.get(f"{self.prom_url}/api/v1/rules", timeout=5).json()
+        return [r for g in body["data"]["groups"] for r in g["rules"]]
+
     def alert_rule(self, alertname: str) -> dict[str, Any]:
         """The alerting rule ``alertname`` as /api/v1/rules reports it (state, health,
         lastEvaluation as a Unix timestamp in ``last_evaluation_s``)."""

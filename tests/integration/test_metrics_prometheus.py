@@ -145,7 +145,10 @@ def test_namespace_bytes_lookup_counters_and_hit_ratio_in_prometheus(stack: Stac
                            f'kvpersist_namespace_info{{namespace="{ns}"}}')
         assert [s["metric"].get("config") for s in joined] == [stack.config]
 
-        # 4. a healthy deployment fires no alert (every `for:` is 2 s here)
+        # 4. every rule evaluates without error on these real series, and a healthy
+        # deployment fires no alert (every `for:` is 2 s here)
+        bad = [(r["name"], r.get("lastError")) for r in mon.rules() if r["health"] != "ok"]
+        assert bad == [], bad
         assert mon.firing("KvpersistCacheServerDown") == []
         assert mon.query('ALERTS{alertstate="firing"}') == []
     assert time.monotonic() - t0 < 180
