@@ -159,6 +159,8 @@ def template_selectors() -> list[str]:
     dash = json.loads(DASHBOARD.read_text())
     out = []
     for var in dash["templating"]["list"]:
+        if var["type"] == "datasource":
+            continue
         query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
         assert query.startswith("label_values(") and query.endswith(")"), query
         out.append(query[len("label_values("):-1].rsplit(",", 1)[0])
@@ -174,8 +176,11 @@ def rule_exprs() -> dict[str, str]:
 def test_dashboard_is_importable_grafana_json() -> None:
     dash = json.loads(DASHBOARD.read_text())
     assert [i["name"] for i in dash["__inputs"]] == ["DS_PROMETHEUS"]
-    names = {v["name"] for v in dash["templating"]["list"]}
-    assert {"namespace", "config", "instance"} <= names
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert {"namespace", "config", "instance"} <= set(variables)
+    # provisioned from a file (no import to fill __inputs), this variable resolves it
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource"
+    assert variables["DS_PROMETHEUS"]["query"] == "prometheus"
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     for p in dash["panels"]:
