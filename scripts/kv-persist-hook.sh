@@ -12,7 +12,9 @@
 #   weights against the namespace's record (`kvp-admin weights CONFIG --record`: weights that
 #   changed since the namespace was first served refuse, return 2), makes sure the
 #   deployment's lmcache server is up and healthy (`kvp-admin launch CONFIG --no-vllm` when it
-#   is not),
+#   is not; after an unclean stop of the server that launch first verifies the chunk files
+#   written since its last start and quarantines those that fail, as `kvp-admin launch` and
+#   the systemd unit do),
 #   then rewrites the array with exactly the persistence arguments (`kvpersist/deploy/hook.py`):
 #   the model argument becomes the namespace (linked to the weights in the deployment's
 #   model-link directory, which becomes the working directory), --served-model-name keeps
@@ -58,7 +60,8 @@ kvp_persist_apply() {
   fi
 
   # The cache server: healthy already, or launch it (a concurrent launch is fine: the
-  # second one is refused and we wait for health).
+  # second one is refused and we wait for health). The launch checks the crash window
+  # first when the server's last stop was unclean (bounded: 60 s).
   if ! "$admin" health "$KVP_CONFIG" --no-vllm >/dev/null 2>&1; then
     echo "kv-persist-hook: starting the cache server for $KVP_CONFIG" >&2
     "$admin" launch "$KVP_CONFIG" --no-vllm >&2 || true

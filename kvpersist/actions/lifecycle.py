@@ -84,6 +84,8 @@ class LaunchOutcome:
                         "log": plan.server_log, "http": plan.server_http_url,
                         "seconds_to_healthy": round(started[0].seconds, 2)},
             "vllm": None,
+            "crash_window": (self.result.crash.to_dict() if self.result.crash is not None
+                             else None),
         }
         if len(started) > 1:
             v = started[1]
@@ -96,12 +98,15 @@ class LaunchOutcome:
 
 def launch(config: str, *, with_vllm: bool = True, server_timeout: float = 60.0,
            vllm_timeout: float = 300.0, allow_unpinned: bool = False,
-           progress: Progress = quiet) -> LaunchOutcome:
-    """Size, render, preflight and start the deployment (see :func:`lc.launch`)."""
+           progress: Progress = quiet, crash_rate_mb_s: float | None = 200.0,
+           crash_seconds: float | None = 60.0) -> LaunchOutcome:
+    """Size, render, preflight, check the crash window after an unclean stop, and start the
+    deployment (see :func:`lc.launch`)."""
     p = lc.prepare_launch(config, allow_unpinned=allow_unpinned)
     progress(f"launching {p.dep.name} (namespace {p.dep.namespace})")
     result = lc.launch(p, with_vllm=with_vllm, server_timeout=server_timeout,
-                       vllm_timeout=vllm_timeout, progress=progress)
+                       vllm_timeout=vllm_timeout, progress=progress,
+                       crash_rate_mb_s=crash_rate_mb_s, crash_seconds=crash_seconds)
     return LaunchOutcome(p.dep.name, p.dep.namespace, p.plan, result)
 
 
@@ -121,6 +126,39 @@ def stop(config: str, *, timeout: float = 30.0, vllm: bool = True) -> StopOutcom
     dep, loc = load_located(config)
     return StopOutcome(dep.name, dep.namespace,
                        tuple(lc.stop_deployment(loc, timeout=timeout, vllm=vllm)))
+
+
+@dataclass(frozen=True)
+class StopPostOutcome:
+    """``stop --systemd-stop-post``: what systemd reported and whether a clean stop was
+    recorded."""
+
+    config: str
+    clean: bool
+    service_result: str
+    exit_code: str
+    exit_status: str
+    record: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def systemd_stop_post(config: str, environ: dict[str, str]) -> StopPostOutcome:
+    """For the unit's ``ExecStopPost``: stop nothing; record a clean stop when systemd's
+    environment says the server exited by itself with success (see
+    :func:`kvpersist.stack.stops.systemd_stop_was_clean`). Raises KvpError if the record
+    cannot be written."""
+    from kvpersist.stack import crash_window
+    from kvpersist.stack.stops import systemd_stop_was_clean
+
+    dep, loc = load_located(config)
+    clean = systemd_stop_was_clean(environ)
+    if clean:
+        crash_window.record_clean_stop(loc, None, "systemd")
+    return StopPostOutcome(dep.name, clean, environ.get("SERVICE_RESULT", ""),
+                           environ.get("EXIT_CODE", ""), environ.get("EXIT_STATUS", ""),
+                           crash_window.clean_stop_record(loc))
 
 
 @dataclass(frozen=True)

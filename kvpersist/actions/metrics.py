@@ -203,6 +203,9 @@ class MetricsOutcome:
     health: list[HealthReport]
     measured_at: float
     notes: list[str] = field(default_factory=list)
+    #: cache roots that could not be measured (missing, not a directory); their deployments'
+    #: health series are still there
+    unmeasured: list[str] = field(default_factory=list)
 
     def whole(self) -> Exposition:
         """One exposition of everything (stdout)."""
@@ -257,6 +260,7 @@ def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
             groups.setdefault(real_root(d.settings.cache_root), []).append((c, d))
     roots: list[RootFacts] = []
     notes: list[str] = []
+    failed: list[str] = []
     for path, mine in groups.items():
         try:
             doc = report(path, [c for c, _ in mine], progress=progress).to_dict()
@@ -264,14 +268,14 @@ def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
             if root is not None:
                 raise
             # a deployment whose root is missing still gets its health series (cache_root down)
-            notes.append(str(exc))
+            failed.append(str(exc))
             continue
         runs, problems = read_runs(path)
         info = {d.namespace: _deployment_info(d) for _, d in mine}
         roots.append(RootFacts(doc, runs, info, problems))
         notes.extend(problems)
     reports = [health(c, timeout=timeout, expect_vllm=expect_vllm) for c, _ in deps]
-    return MetricsOutcome(roots, reports, measured, notes)
+    return MetricsOutcome(roots, reports, measured, notes, failed)
 
 
 def _deployment_info(dep: Any) -> dict[str, str]:

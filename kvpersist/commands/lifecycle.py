@@ -22,12 +22,21 @@ def _progress(msg: str) -> None:
               help="Seconds to wait for vLLM to serve the namespace.")
 @click.option("--allow-unpinned", is_flag=True,
               help="Launch with an incomplete identity: a one-off namespace.")
+@click.option("--crash-check-rate", "crash_rate", type=float, default=200.0,
+              show_default=True,
+              help="After an unclean stop: read the crash window at most this many MB/s "
+                   "(0: unbounded).")
+@click.option("--crash-check-seconds", "crash_seconds", type=float, default=60.0,
+              show_default=True,
+              help="After an unclean stop: stop checking the crash window after this many "
+                   "seconds (what is left is checked at the next launch).")
 @click.option("--check", is_flag=True,
               help="Preflight only (identity, budget, cache root, ports, weights); start "
                    "nothing. Exit 0 if a launch could proceed, 2 listing every problem.")
 @json_option
 def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_timeout: float,
-           allow_unpinned: bool, check: bool, as_json: bool) -> None:
+           allow_unpinned: bool, crash_rate: float, crash_seconds: float, check: bool,
+           as_json: bool) -> None:
     """Preflight CONFIG, start its lmcache server (and vLLM), wait until healthy."""
     from kvpersist.actions import lifecycle
     from kvpersist.errors import ConfigError
@@ -50,7 +59,8 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
         return
     out = lifecycle.launch(config, with_vllm=not no_vllm, server_timeout=timeout,
                            vllm_timeout=vllm_timeout, allow_unpinned=allow_unpinned,
-                           progress=_progress)
+                           progress=_progress, crash_rate_mb_s=crash_rate or None,
+                           crash_seconds=crash_seconds)
     info = out.to_dict()
     if as_json:
         echo_json(info)
@@ -63,6 +73,8 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
                    f"(model {plan.served_model_name})  log {plan.vllm_log}")
     click.echo(f"cache root      {plan.cache_root}")
     click.echo(f"manifest        {plan.manifest_file}")
+    if out.result.crash is not None:
+        click.echo(f"crash window    {out.result.crash.summary().split(': ', 1)[1]}")
 
 
 @click.command("stop")
@@ -70,10 +82,27 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
 @click.option("--timeout", type=float, default=30.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL.")
 @click.option("--no-vllm", is_flag=True, help="Stop only the cache server.")
+@click.option("--systemd-stop-post", is_flag=True,
+              help="For the unit's ExecStopPost: stop nothing; record a clean stop when "
+                   "systemd reports that the server exited by itself with success.")
 @json_option
-def stop(config: str, timeout: float, no_vllm: bool, as_json: bool) -> None:
+def stop(config: str, timeout: float, no_vllm: bool, systemd_stop_post: bool,
+         as_json: bool) -> None:
     """Stop CONFIG's vLLM, then its cache server. L2 files stay on disk."""
+    import os
+
     from kvpersist.actions import lifecycle
+
+    if systemd_stop_post:
+        post = lifecycle.systemd_stop_post(config, dict(os.environ))
+        if as_json:
+            echo_json(post.to_dict())
+        else:
+            verdict = "clean stop recorded" if post.clean else "not a clean stop"
+            click.echo(f"{post.config}: {verdict} (SERVICE_RESULT={post.service_result or '-'}"
+                       f" EXIT_CODE={post.exit_code or '-'} "
+                       f"EXIT_STATUS={post.exit_status or '-'})")
+        return
 
     out = lifecycle.stop(config, timeout=timeout, vllm=not no_vllm)
     if as_json:

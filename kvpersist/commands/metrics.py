@@ -45,6 +45,11 @@ def metrics(configs: tuple[str, ...], root: str | None, textfile_dir: str | None
         click.echo(f"note: {note}", err=True)
     if textfile_dir is None:
         click.echo(generate_latest(outcome.whole().registry()).decode(), nl=False)
-        return
-    for path in write_textfiles(outcome, textfile_dir):
-        click.echo(f"wrote {path}", err=True)
+    else:
+        for path in write_textfiles(outcome, textfile_dir):
+            click.echo(f"wrote {path}", err=True)
+    for problem in outcome.unmeasured:
+        click.echo(f"kvp-admin: {problem}", err=True)
+    if outcome.unmeasured:
+        # the health series were written; exit 1 says that a root's figures are missing
+        raise SystemExit(1)

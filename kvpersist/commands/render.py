@@ -33,6 +33,8 @@ def render_cmd(config: str, as_json: bool, out: Path | None, allow_unpinned: boo
     if not result.pinned:
         click.echo("WARNING: unpinned identity: one-off namespace, nothing will be reused",
                    err=True)
+    for warning in result.warnings:
+        click.echo(f"WARNING: {warning}", err=True)
     for lst in result.listeners:
         if not lst["loopback"]:
             click.echo(f"NOTE: {lst['component']} binds {_address(lst)}, not loopback; "

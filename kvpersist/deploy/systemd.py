@@ -89,6 +89,9 @@ class UnitSettings:
     vllm_start_timeout_sec: int = 1800
     vllm_stop_timeout_sec: int = 120
     health_interval: str = "5min"
+    #: node_exporter's textfile-collector directory, where the health timer's unit writes
+    #: ``kvp-admin metrics`` (Debian's default); empty: no metrics
+    metrics_textfile_dir: str = "/var/lib/prometheus/node-exporter"
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,10 @@ def validate_unit_settings(settings: UnitSettings) -> list[str]:
             errors.append(f"At '{name}': {value!r} must be an absolute path")
         if any(ch.isspace() for ch in value):
             errors.append(f"At '{name}': {value!r} must not contain whitespace")
+    tf = settings.metrics_textfile_dir
+    if tf and (not tf.startswith("/") or any(ch.isspace() for ch in tf) or "%" in tf):
+        errors.append(f"At 'metrics_textfile_dir': {tf!r} must be empty or an absolute path "
+                      "without whitespace or '%'")
     for name in ("user", "group"):
         if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", getattr(settings, name)):
             errors.append(f"At '{name}': {getattr(settings, name)!r} is not a valid name")

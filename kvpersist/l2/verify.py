@@ -18,6 +18,18 @@ quarantine. Files are found, read and renamed relative to directory descriptors 
 checked (device, inode, size, mtime) is left alone; a ``.kvpersist`` or ``quarantine`` that is a
 symlink is refused.
 
+Where a frame ends. LMCache pads every file to 4 KiB with whatever its L1 buffer held after
+the frame (the aesgcm serializer never clears it: stale bytes of other chunks, see
+docs/lmcache-publish-path.md), so the end of a frame cannot be told from trailing zeros alone.
+The plaintext length of a namespace's chunks is fixed by its KV geometry: verify learns it
+from the first file that authenticates, and a file that failed before it was known is tried
+again with it (reading, if needed, a few other files of the namespace to learn it). Only a file
+that fails with the learned length is an ``auth`` finding.
+
+Crash-window checks (:func:`verify_root` with ``since_ns``) check only the files modified at or
+after that instant, and ``deadline_s`` bounds the time spent reading (the rest is counted as
+``unchecked``).
+
 I/O is bounded: ``rate_mb_s`` caps read bandwidth; ``progress`` is called as files go by.
 Pure helpers: ``expected_sizes``, ``frame_candidates``; the rest reads files.
 """
@@ -70,6 +82,12 @@ class VerifyResult:
     seconds: float = 0.0
     #: problems that did not affect the check (e.g. the run could not be recorded)
     warnings: list[str] = field(default_factory=list)
+    #: only files modified at or after this instant (ns since the epoch) were checked
+    since_ns: int | None = None
+    #: chunk files in the window that were not read because ``deadline_s`` ran out
+    unchecked: int = 0
+    #: files outside the window read to learn a namespace's frame length
+    reference_reads: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -209,7 +227,8 @@ def _read(dfd: int, name: str) -> tuple[bytes, os.stat_result]:
 def verify_root(root: str | os.PathLike[str], namespace: str, *, serde: str = "aesgcm",
                 key: bytes | None = None, aes_bits: int = 128, apply: bool = False,
                 temp_age: float = 600.0, rate_mb_s: float | None = 200.0,
-                all_namespaces: bool = False,
+                all_namespaces: bool = False, since_ns: int | None = None,
+                deadline_s: float | None = None,
                 progress: Callable[[int, int], None] | None = None) -> VerifyResult:
     """Check the chunk files under ``root``; quarantine findings when ``apply``.
 
@@ -217,15 +236,19 @@ def verify_root(root: str | os.PathLike[str], namespace: str, *, serde: str = "a
     ``all_namespaces``) are authenticated with it. Only the chunk directories are visited (the
     root and ``ab/cd`` shard directories, never through a symlink), and only files named as
     chunks or temp files of their directory (a chunk in the wrong shard directory is foreign:
-    never touched). Files that cannot be read are listed in ``skipped``. Raises UsageError if
+    never touched). Files that cannot be read are listed in ``skipped``. With ``since_ns``
+    only chunk files whose mtime is at or after it are checked (sizes are still compared with
+    every file of the namespace), and no temp file is a finding; ``deadline_s`` stops reading
+    after that many seconds (``unchecked`` counts the rest). Raises UsageError if
     ``root`` does not exist or is not a directory, KvpError if it cannot be opened or, with
     ``apply``, the quarantine directory cannot be made safely.
     """
     t0 = time.monotonic()
     with open_root(root, purpose="verify") as r:
-        res = VerifyResult(os.fspath(root), namespace, serde, apply)
+        res = VerifyResult(os.fspath(root), namespace, serde, apply, since_ns=since_ns)
         targets = _check(r, res, key=key, aes_bits=aes_bits, temp_age=temp_age,
-                         rate_mb_s=rate_mb_s, all_namespaces=all_namespaces, progress=progress)
+                         rate_mb_s=rate_mb_s, all_namespaces=all_namespaces, progress=progress,
+                         deadline=None if deadline_s is None else t0 + deadline_s)
         if apply:
             _quarantine(r, res, targets)
     res.seconds = time.monotonic() - t0
@@ -234,12 +257,14 @@ def verify_root(root: str | os.PathLike[str], namespace: str, *, serde: str = "a
 
 def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
            temp_age: float, rate_mb_s: float | None, all_namespaces: bool,
-           progress: Callable[[int, int], None] | None) -> list[_Seen]:
+           progress: Callable[[int, int], None] | None,
+           deadline: float | None = None) -> list[_Seen]:
     """Fill ``res.findings``; return, for each finding, the file it is about."""
-    namespace, serde = res.namespace, res.serde
+    namespace, serde, since = res.namespace, res.serde, res.since_ns
     targets: list[_Seen] = []
     now = time.time()
     chunks: list[tuple[_Seen, layout.ChunkName]] = []
+    others: list[tuple[_Seen, layout.ChunkName]] = []  # outside the window
     sizes: dict[tuple[str, int], list[int]] = {}
 
     def shown(rel: str, name: str = "") -> str:
@@ -271,24 +296,59 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
                     seen = _Seen.of(d.rel, e.name, st)
                     if kind == layout.Kind.TEMP:
                         age = now - st.st_mtime
-                        if age >= temp_age:
+                        if since is None and age >= temp_age:
                             finding(seen, "temp", f"interrupted write, untouched {age:.0f} s")
+                        continue
+                    sizes.setdefault((parsed.prefix, parsed.rank.world_size),
+                                     []).append(st.st_size)
+                    if since is not None and st.st_mtime_ns < since:
+                        others.append((seen, parsed))
                         continue
                     res.files += 1
                     chunks.append((seen, parsed))
-                    sizes.setdefault((parsed.prefix, parsed.rank.world_size),
-                                     []).append(st.st_size)
             except OSError as exc:  # the listing itself failed
                 note(d.rel or ".", exc)
     usual = expected_sizes(sizes)
     keys: dict[str, bytes] = {}
     known_plain: dict[tuple[str, int], int] = {}
+    #: files that failed before their group's frame length was known: tried again after
+    pending: dict[tuple[str, int], list[tuple[_Seen, layout.ChunkName]]] = {}
     throttle = _Throttle(rate_mb_s)
     dirs_open = _DirCache(r.fd)
+
+    def read_auth(seen: _Seen, parsed: layout.ChunkName,
+                  known: int | None) -> tuple[bool, int | None]:
+        """(read, plaintext length or None); read is False if the file could not be read."""
+        salt = parsed.salt or ""
+        if salt not in keys:
+            assert key is not None
+            keys[salt] = _derive(key, salt, aes_bits // 8)
+        try:
+            blob, st = _read(dirs_open.get(seen.rel), seen.name)
+        except FileNotFoundError:
+            return False, None
+        except OSError as exc:
+            note(os.path.join(seen.rel, seen.name), exc)
+            return False, None
+        if not seen.same(st):
+            res.skipped.append(f"{shown(seen.rel, seen.name)}: changed while it was "
+                               "being checked")
+            return False, None
+        throttle.account(len(blob))
+        res.bytes_read += len(blob)
+        return True, authenticate(blob, keys[salt], known)
+
+    def auth_finding(seen: _Seen) -> None:
+        finding(seen, "auth", "frame fails AES-GCM authentication with the "
+                              "deployment's key (corrupt, or another key)")
+
     try:
         for i, (seen, parsed) in enumerate(chunks):
             if progress is not None and (i % 64 == 0 or i == len(chunks) - 1):
                 progress(i + 1, len(chunks))
+            if deadline is not None and time.monotonic() >= deadline:
+                res.unchecked = len(chunks) - i
+                break
             size = seen.size
             group = (parsed.prefix, parsed.rank.world_size)
             want = usual.get(group)
@@ -302,32 +362,50 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
                 continue
             if key is None or not (all_namespaces or parsed.prefix == namespace):
                 continue
-            salt = parsed.salt or ""
-            if salt not in keys:
-                keys[salt] = _derive(key, salt, aes_bits // 8)
-            try:
-                blob, st = _read(dirs_open.get(seen.rel), seen.name)
-            except FileNotFoundError:
+            ok, n = read_auth(seen, parsed, known_plain.get(group))
+            if not ok:
                 continue
-            except OSError as exc:
-                note(os.path.join(seen.rel, seen.name), exc)
-                continue
-            if not seen.same(st):
-                res.skipped.append(f"{shown(seen.rel, seen.name)}: changed while it was "
-                                   "being checked")
-                continue
-            throttle.account(len(blob))
-            res.bytes_read += len(blob)
-            n = authenticate(blob, keys[salt], known_plain.get(group))
-            if n is None:
-                finding(seen, "auth", "frame fails AES-GCM authentication with the "
-                                      "deployment's key (corrupt, or another key)")
-            else:
+            if n is not None:
                 known_plain[group] = n
                 res.authenticated += 1
+            elif group in known_plain:
+                auth_finding(seen)
+            else:
+                pending.setdefault(group, []).append((seen, parsed))
+        for group, failed in pending.items():
+            if group not in known_plain:
+                _learn_length(group, others, known_plain, read_auth, res)
+            known = known_plain.get(group)
+            for seen, parsed in failed:
+                ok, n = (False, None) if known is None else read_auth(seen, parsed, known)
+                if n is not None:
+                    res.authenticated += 1
+                elif ok or known is None:
+                    auth_finding(seen)
     finally:
         dirs_open.close()
     return targets
+
+
+#: at most this many files outside a crash window are read to learn a frame length
+REFERENCE_READS = 8
+
+
+def _learn_length(group: tuple[str, int], others: list[tuple[_Seen, layout.ChunkName]],
+                  known_plain: dict[tuple[str, int], int],
+                  read_auth: Callable[[_Seen, layout.ChunkName, int | None],
+                                      tuple[bool, int | None]],
+                  res: VerifyResult) -> None:
+    """Learn ``group``'s plaintext length from up to :data:`REFERENCE_READS` of its files
+    outside the window (newest first: most likely written under the current key)."""
+    same = sorted((o for o in others if (o[1].prefix, o[1].rank.world_size) == group),
+                  key=lambda o: o[0].mtime_ns, reverse=True)
+    for seen, parsed in same[:REFERENCE_READS]:
+        res.reference_reads += 1
+        _, n = read_auth(seen, parsed, None)
+        if n is not None:
+            known_plain[group] = n
+            return
 
 
 def _quarantine(r: RootDir, res: VerifyResult, targets: list[_Seen]) -> None:

@@ -25,6 +25,7 @@ from kvpersist.config.values import is_loopback
 from kvpersist.errors import KvpError
 from kvpersist.l2.budget import resolve_size
 from kvpersist.stack.locate import Location
+from kvpersist.stack.render import serde_warnings
 from kvpersist.system import procs
 from kvpersist.system.files import fs_info
 
@@ -73,6 +74,8 @@ class Facts:
     served_model_name: str = ""
     namespace: str = ""
     lmcache_port: int = 0
+    #: the L2 serde the deployment renders (aesgcm / none)
+    serde: str = "aesgcm"
     errors: list[str] = field(default_factory=list)
 
 
@@ -118,7 +121,7 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
 
     s = dep.settings
     f = Facts(expect_vllm=expect_vllm, served_model_name=s.served_model_name,
-              namespace=dep.namespace, lmcache_port=s.lmcache_port,
+              namespace=dep.namespace, lmcache_port=s.lmcache_port, serde=s.serde,
               configured_hosts=[s.lmcache_host, s.lmcache_http_host],
               remote_binds=[{"component": lst.component, "allow_key": lst.allow_key,
                              "detail": lst.describe()}
@@ -289,6 +292,13 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
     for bind in f.remote_binds:
         if f.expect_vllm or bind["component"] != "vllm":
             checks.append(Check(f"network.{bind['component']}", "ok", bind["detail"]))
+    # ---- integrity at rest: allowed either way, said plainly
+    if f.serde == "aesgcm":
+        checks.append(Check("l2.serde", "ok", "aesgcm: a damaged chunk file fails "
+                                              "authentication and is a miss"))
+    else:
+        checks.append(Check("l2.serde", "ok",
+                            "; ".join(f"WARNING: {w}" for w in serde_warnings(f.serde))))
     # ---- cache root
     if not f.root_exists:
         checks.append(Check("cache_root", "down", "cache root missing"))

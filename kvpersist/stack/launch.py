@@ -2,8 +2,11 @@
 
 Control flow: :func:`prepare_launch` (load, size once, render, plan) → :func:`preflight`
 (reads the filesystem and ports, returns every problem at once; uses the sizing it is handed,
-never sizes again) → :func:`start_server` / :func:`start_vllm` (processes, pid files, waiting
-for health) → :func:`stop_deployment`. Stopping and inspecting need only a
+never sizes again) → the crash-window check (:mod:`kvpersist.stack.crash_window`: after an
+unclean stop, verify and quarantine what was written since the last launch, before the server
+starts) → :func:`start_server` / :func:`start_vllm` (processes, pid files, waiting
+for health) → :func:`stop_deployment` (a stop after which the server exited on SIGTERM is
+recorded as clean). Stopping and inspecting need only a
 :class:`~kvpersist.stack.locate.Location` (pure, no scan): they work whatever the budget says.
 The use cases in :mod:`kvpersist.actions.lifecycle` call these; the click commands only parse
 and format.
@@ -23,8 +26,10 @@ from pathlib import Path
 from kvpersist.config.deployment import Deployment, listeners
 from kvpersist.errors import CheckFailed, ConfigError, KvpError, Problem
 from kvpersist.l2.inventory import Sizing
+from kvpersist.stack import crash_window
+from kvpersist.stack.crash_window import CrashCheck
 from kvpersist.stack.locate import Location, locate, vllm_mode
-from kvpersist.stack.render import Rendered
+from kvpersist.stack.render import Rendered, serde_warnings
 from kvpersist.stack.weights import WeightsCheck, check_weights, manifest_with_weights
 from kvpersist.system import procs
 from kvpersist.system.files import atomic_write_json, fs_info, service_uids, trust_problems
@@ -117,6 +122,7 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
         notes.append(f"identity unpinned: one-off namespace {dep.namespace}, "
                      "nothing will be reused after a restart")
     notes += dep.notes
+    notes += [f"WARNING: {w}" for w in serde_warnings(plan.serde)]
     notes += foreign_notes(sizing)
     notes += listener_notes(dep, with_vllm=with_vllm)
     if not root.exists():
@@ -429,9 +435,11 @@ def launch_foreground(dep: Deployment, rendered: Rendered, plan: LaunchPlan, siz
     state, write the pid file with this pid and exec the cache server in this process.
 
     Raises CheckFailed if a server already runs, ConfigError listing every preflight
-    problem; on success it does not return.
+    problem; on success it does not return. After an unclean stop the crash window is checked
+    (and its findings quarantined) before the exec, as by :func:`launch`.
     """
-    _refuse_if_running(server_state(plan), "the cache server", progress)
+    srv = server_state(plan)
+    _refuse_if_running(srv, "the cache server", progress)
     pre = preflight(dep, plan, sizing, with_vllm=False)
     if pre.problems:
         raise ConfigError(list(pre.problems), "preflight")
@@ -439,6 +447,7 @@ def launch_foreground(dep: Deployment, rendered: Rendered, plan: LaunchPlan, siz
         progress(n)
     for n in prepare_state(plan, rendered, sizing, progress=progress, weights=pre.weights):
         progress(n)
+    check_crash_window(plan, srv, how="foreground", progress=progress)
     progress(f"exec lmcache server for {plan.namespace} (pid file {plan.server_pid_file})")
     procs.write_pid_file(plan.server_pid_file, os.getpid())
     procs.exec_foreground(plan.server_argv, env=plan.server_env, cwd=plan.state_dir)
@@ -471,8 +480,13 @@ def stop_vllm(plan: Location, *, timeout: float = 60.0) -> Stopped:
 
 
 def stop_server(plan: Location, *, timeout: float = 30.0) -> Stopped:
-    """Stop the cache server: SIGTERM, wait ``timeout``, then SIGKILL. L2 files stay."""
-    return _stop_by_pid_file("lmcache server", server_state(plan), timeout)
+    """Stop the cache server: SIGTERM, wait ``timeout``, then SIGKILL. L2 files stay. When it
+    exited on SIGTERM (its store queue drained) a clean stop is recorded; killed, stale or
+    not running records nothing (the next launch checks the crash window)."""
+    res = _stop_by_pid_file("lmcache server", server_state(plan), timeout)
+    if res.how == "terminated":
+        crash_window.record_clean_stop(plan, res.pid, "terminated")
+    return res
 
 
 def _stop_by_pid_file(name: str, st: procs.PidState, timeout: float) -> Stopped:
@@ -505,6 +519,28 @@ class LaunchResult:
     plan: LaunchPlan
     notes: tuple[str, ...]
     started: tuple[Started, ...]
+    crash: CrashCheck | None = None
+
+
+def check_crash_window(plan: Location, srv: procs.PidState, *, how: str,
+                       rate_mb_s: float | None = crash_window.DEFAULT_RATE_MB_S,
+                       deadline_s: float | None = crash_window.DEFAULT_SECONDS,
+                       progress: Progress = quiet) -> CrashCheck:
+    """Before the server starts: decide from ``srv`` (the pid file's state, read before a
+    stale one is removed) and the stop records whether the last stop was unclean; if so,
+    verify the files written since the last launch and quarantine those that fail; log the
+    result; write this launch's record. Raises KvpError if the key, the root or the records
+    cannot be read or written."""
+    window = crash_window.window_of(plan, srv)
+    res = crash_window.check(plan, window, rate_mb_s=rate_mb_s, deadline_s=deadline_s)
+    progress(res.summary())
+    for q in res.quarantined:
+        progress(f"quarantined {q}")
+    for w in res.warnings:
+        progress(f"WARNING: {w}")
+    crash_window.log_check(plan, res, how=how)
+    crash_window.record_launch(plan, carry_since_ns=res.since_ns if res.unchecked else None)
+    return res
 
 
 @dataclass(frozen=True)
@@ -535,8 +571,12 @@ def prepare_launch(config: str, *, environ: Mapping[str, str] | None = None,
 
 
 def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float = 60.0,
-           vllm_timeout: float = 300.0, progress: Progress = quiet) -> LaunchResult:
-    """Preflight, prepare state, start the cache server, then (``with_vllm``) vLLM.
+           vllm_timeout: float = 300.0, progress: Progress = quiet,
+           crash_rate_mb_s: float | None = crash_window.DEFAULT_RATE_MB_S,
+           crash_seconds: float | None = crash_window.DEFAULT_SECONDS) -> LaunchResult:
+    """Preflight, prepare state, check the crash window after an unclean stop (bounded by
+    ``crash_rate_mb_s`` and ``crash_seconds``), start the cache server, then (``with_vllm``)
+    vLLM.
 
     Raises ConfigError listing every preflight problem (exit 2), CheckFailed if already
     running (exit 1), KvpError if a process fails to come up (after stopping it). If vLLM
@@ -565,9 +605,11 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
     for n in state_notes:
         progress(n)
     notes += state_notes
+    crash = check_crash_window(plan, srv, how="launch", rate_mb_s=crash_rate_mb_s,
+                               deadline_s=crash_seconds, progress=progress)
     started = [start_server(plan, timeout=server_timeout, progress=progress)]
     progress(f"lmcache server healthy in {started[0].seconds:.1f} s (pid {started[0].pid})")
     if with_vllm:
         started.append(start_vllm(plan, timeout=vllm_timeout, progress=progress))
         progress(f"vLLM ready in {started[1].seconds:.1f} s (pid {started[1].pid})")
-    return LaunchResult(plan, tuple(notes), tuple(started))
+    return LaunchResult(plan, tuple(notes), tuple(started), crash)

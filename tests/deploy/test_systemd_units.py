@@ -122,7 +122,8 @@ def test_role_and_python_render_the_same_bytes(converged):
         user=v["kvp_user"], group=v["kvp_group"], kvp_admin=f"{v['kvp_venv']}/bin/kvp-admin",
         config_dir=f"{prefix}/etc/kvpersist", state_dir=f"{prefix}/var/lib/kvpersist",
         log_dir=f"{prefix}/var/log/kvpersist", scripts_dir=f"{prefix}/opt/kvpersist/scripts",
-        docker=v["kvp_docker_bin"])
+        docker=v["kvp_docker_bin"],
+        metrics_textfile_dir=f"{prefix}/var/lib/prometheus/node-exporter")
     expected = dict(render_units(settings, stamp="Ansible managed"))
     for dep in v["kvp_deployments"]:
         expected.update(render_instance_dropins(InstanceSettings(

@@ -63,6 +63,8 @@ class Layout:
     manage_services: bool
     local_converge: bool
     deployments: tuple[Deployment, ...]
+    #: node_exporter's textfile directory the health unit writes metrics into ("" : none)
+    metrics_textfile_dir: str = ""
 
 
 def layout_from_vars(given: dict[str, Any], *, local_converge: bool) -> Layout:
@@ -101,6 +103,8 @@ def layout_from_vars(given: dict[str, Any], *, local_converge: bool) -> Layout:
         scripts_dir=prefix + v["kvp_scripts_dir"],
         manage_services=bool(v.get("kvp_manage_services", True)),
         local_converge=local_converge, deployments=tuple(deployments),
+        metrics_textfile_dir=(prefix + v["kvp_metrics_textfile_dir"]
+                              if v.get("kvp_metrics_textfile_dir") else ""),
     )
 
 

@@ -133,7 +133,16 @@ def test_no_prune_timer(host, kvp_layout):
     assert not [u for u in listing if "prune" in u]
     health = host.file(f"{kvp_layout.systemd_dir}/kvp-health@.service").content_string
     exec_lines = [ln for ln in health.splitlines() if ln.startswith("Exec")]
-    assert exec_lines and all(" health " in ln and "--apply" not in ln for ln in exec_lines)
+    assert exec_lines and all((" health " in ln or " metrics " in ln) and "--apply" not in ln
+                              and " prune " not in ln for ln in exec_lines)
+
+
+def test_metrics_textfile_dir_is_writable_by_the_service_group(host, kvp_layout):
+    d = host.file(kvp_layout.metrics_textfile_dir)
+    assert d.is_directory and d.group == kvp_layout.group and d.mode & 0o070 == 0o070
+    assert d.mode & 0o002 == 0, "never world-writable"
+    health = host.file(f"{kvp_layout.systemd_dir}/kvp-health@.service").content_string
+    assert f"ReadWritePaths=-{kvp_layout.metrics_textfile_dir}" in health.splitlines()
 
 
 # --------------------------------------------------------------------------- live server
@@ -262,6 +271,44 @@ def test_health_is_zero(host, kvp_layout, cache_server):
                    "--no-vllm --wait 60 --json")
     assert out.rc == 0, out.stdout + out.stderr
     assert json.loads(out.stdout)["status"] == "healthy"
+
+
+def _health_unit(host, layout, name: str) -> dict[str, list[str]]:
+    """Settings of kvp-health@name.service (unit + drop-in), %i expanded."""
+    settings: dict[str, list[str]] = {}
+    for path in (f"{layout.systemd_dir}/kvp-health@.service",
+                 f"{layout.systemd_dir}/kvp-health@{name}.service.d/10-kvpersist.conf"):
+        for line in host.file(path).content_string.splitlines():
+            if not line or line.startswith(("#", "[")) or "=" not in line:
+                continue
+            key, _, value = line.partition("=")
+            settings.setdefault(key, []).append(value.replace("%i", name))
+    return settings
+
+
+def test_health_timer_unit_writes_the_metrics(host, kvp_layout, cache_server):
+    """The health unit's metrics ExecStart=, run with its Environment= (and as its user where
+    that user can run the venv), writes the deployment's and its root's textfiles, readable
+    by node_exporter, with the live server healthy."""
+    srv = cache_server
+    unit = _health_unit(host, kvp_layout, srv.dep.name)
+    [metrics_line] = [ln for ln in unit["ExecStart"] if " metrics " in ln]
+    env = dict(e.split("=", 1) for e in unit.get("Environment", []))
+    cmd = metrics_line.lstrip("-").replace("$KVP_HEALTH_ARGS", env.get("KVP_HEALTH_ARGS", ""))
+    drop = ("" if srv.run_as == "root" else
+            f"setpriv --reuid={unit['User'][0]} --regid={unit['Group'][0]} --clear-groups ")
+    umask = unit["UMask"][0]
+    out = host.run("sh -c " + shlex.quote(f"umask {umask} && {drop}{cmd}"))
+    assert out.rc == 0, out.stdout + out.stderr
+    tf = kvp_layout.metrics_textfile_dir
+    dep_file = host.file(f"{tf}/kvpersist-deployment-{srv.dep.name}.prom")
+    assert dep_file.is_file and dep_file.mode == 0o644
+    text = dep_file.content_string
+    assert f'kvpersist_deployment_health{{config="{srv.dep.name}"' in text
+    health = [ln for ln in text.splitlines() if ln.startswith("kvpersist_deployment_health{")]
+    assert health and health[0].endswith(" 0.0"), text
+    roots = host.run(f"ls {shlex.quote(tf)}").stdout.split()
+    assert [r for r in roots if r.startswith("kvpersist-root-") and r.endswith(".prom")]
 
 
 def test_exec_start_pre_preflight_passes(host, kvp_layout, cache_server):

@@ -58,9 +58,9 @@ def test_kill9_during_store_bursts_never_leaves_a_torn_file(stack: Stack) -> Non
             if line.strip():
                 rec = json.loads(line)
                 stored[rec["seq"]] = rec["digests"]
-        # every file under a final name is complete: never a torn chunk
-        for f in stack.chunk_files():
-            assert f.stat().st_size == FRAME_SIZE, f"torn file {f.name}"
+        # every file under a final name is complete: authenticated with the deployment's
+        # key (size is not integrity)
+        _assert_all_authenticate(stack, ns)
     temps = [p for p in stack.root.iterdir() if ".tmp." in p.name]
     report = stack.kvp_json("report", "--root", str(stack.root), "--config", stack.config)
     assert report["temp"]["files"] == len(temps)
@@ -82,6 +82,94 @@ def test_kill9_during_store_bursts_never_leaves_a_torn_file(stack: Stack) -> Non
                 full += 1
                 assert got == digests, f"sequence {seq}: retrieved bytes differ"
     assert full >= 1, f"no sequence survived {rounds} crashes ({len(stored)} stored)"
+
+
+def _assert_all_authenticate(stack: Stack, ns: str) -> None:
+    from kvpersist.l2 import keys
+    from kvpersist.l2.verify import verify_root
+
+    key = keys.read_key(stack.state_dir / "keys" / "l2-master.key")
+    res = verify_root(stack.root, ns, key=key, rate_mb_s=None)
+    assert not res.findings, res.findings
+    assert res.authenticated == res.files == len(stack.chunk_files(ns))
+    for f in stack.chunk_files(ns):
+        assert f.stat().st_size == FRAME_SIZE, f"torn file {f.name}"
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int, int, bytes]]:
+    """Every file under ``root``: (inode, mtime_ns, size, bytes)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            st = p.stat()
+            out[str(p.relative_to(root))] = (st.st_ino, st.st_mtime_ns, st.st_size,
+                                             p.read_bytes())
+    return out
+
+
+def test_after_kill9_launch_quarantines_a_bad_full_size_file_before_serving(
+        stack: Stack) -> None:
+    """kill -9 of the server; a full-size final file of random bytes with a fresh mtime (what
+    a crash could leave); the next launch finds the stop unclean, authenticates the files
+    written since the last launch and quarantines the bad one before the server starts.
+    Every other file is untouched (same inode, mtime and bytes); the first lookup of the
+    planted chunk's sequence misses; a clean stop then skips the check."""
+    ns = stack.render()["namespace"]
+    first = stack.launch("--no-vllm")
+    assert first["crash_window"]["unclean"] is False
+    with connect(stack.rpc, stack.http, ns) as d:
+        stored = {seq: d.store(seq) for seq in (1, 2, 3)}
+    assert wait_until(lambda: len(stack.chunk_files(ns)) == 12, 30)
+    pid = int(stack.pid_file.read_text())
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: not psutil.pid_exists(pid)
+                      or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 20)
+    # what the crash left: a chunk of sequence 4 published under its final name, full size,
+    # random bytes, fresh mtime (the name of a real chunk: store 4 elsewhere to learn it)
+    other = Stack(stack.tmp / "other")
+    other.root.parent.mkdir(parents=True)
+    try:
+        other.launch("--no-vllm")
+        with connect(other.rpc, other.http, ns) as d:
+            d.store(4)
+        other.stop()
+    finally:
+        other.cleanup()
+    planted_name = sorted(p.name for p in other.chunk_files(ns))[0]
+    planted = stack.root / planted_name
+    assert not planted.exists()
+    planted.write_bytes(os.urandom(FRAME_SIZE))
+    before = _snapshot(stack.root)
+    del before[planted_name]
+
+    r = stack.kvp("launch", stack.config, "--no-vllm", "--json")
+    assert r.returncode == 0, r.stderr
+    cw = json.loads(r.stdout)["crash_window"]
+    assert cw["unclean"] and cw["ran"] and cw["complete"], cw
+    assert cw["files"] == 13 and cw["authenticated"] == 12 and cw["failed"] == 1, cw
+    assert [Path(q).name.split(".auth.")[0] for q in cw["quarantined"]] == [planted_name]
+    assert "crash window: unclean stop" in r.stderr and "1 quarantined" in r.stderr
+    log = (stack.state_dir / "logs" / "launch.log").read_text().splitlines()
+    assert json.loads(log[-1])["crash_window"]["quarantined"] == cw["quarantined"]
+    # quarantined before the server started: the server log has no line about the file,
+    # and the first lookup of its sequence is a miss for that chunk
+    assert not planted.exists()
+    q = Path(cw["quarantined"][0])
+    assert q.parent == stack.root / ".kvpersist" / "quarantine"
+    after = _snapshot(stack.root)
+    del after[str(q.relative_to(stack.root))]
+    assert after == before, "the check touched another file"
+    with connect(stack.rpc, stack.http, ns) as d:
+        lk = d.lookup(4)
+        assert lk.hit_chunks < lk.total_chunks
+        for seq, digests in stored.items():
+            lk2, got = d.lookup_and_retrieve(seq)
+            assert lk2.hit_chunks == 4 and got == digests
+    # a clean stop: the next launch skips the check
+    stack.stop()
+    again = stack.launch("--no-vllm")
+    assert again["crash_window"]["unclean"] is False
+    assert again["crash_window"]["reason"].startswith("clean stop")
 
 
 def test_interrupted_prune_or_missing_file_is_an_ordinary_miss(stack: Stack) -> None:

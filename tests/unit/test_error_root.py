@@ -68,6 +68,7 @@ ROOT_CASES: list[tuple[str, Callable[[str], list[str]]]] = [
     ("prune-apply", lambda r: ["prune", "--root", r, "--namespace", NS, "--apply"]),
     ("prune-temp", lambda r: ["prune", "--root", r, "--temp-older-than", "1h"]),
     ("prune-stale", lambda r: ["prune", "--root", r, "--stale", "--config", "cpu-demo"]),
+    ("metrics", lambda r: ["metrics", "--root", r]),
 ]
 
 
@@ -95,6 +96,7 @@ CONFIG_COMMANDS: list[list[str]] = [
     ["render", "cpu-demo"], ["render", "cpu-demo", "--json"], ["budget", "cpu-demo"],
     ["launch", "cpu-demo", "--check"], ["launch", "cpu-demo", "--check", "--no-vllm"],
     ["verify", "cpu-demo"], ["report", "--config", "cpu-demo"],
+    ["metrics", "cpu-demo", "--no-vllm", "--timeout", "0.5"],
 ]
 
 
@@ -105,7 +107,8 @@ def test_config_commands_with_a_cache_root_that_is_a_file(paths: dict[str, Path]
     assert_clean_failure(res)
 
 
-@pytest.mark.parametrize("argv", [["verify", "cpu-demo"], ["report", "--config", "cpu-demo"]],
+@pytest.mark.parametrize("argv", [["verify", "cpu-demo"], ["report", "--config", "cpu-demo"],
+                                  ["metrics", "cpu-demo", "--no-vllm", "--timeout", "0.5"]],
                          ids=lambda a: "-".join(a))
 def test_read_commands_with_a_missing_cache_root(paths: dict[str, Path],
                                                  argv: list[str]) -> None:

@@ -1,0 +1,186 @@
+"""The crash-window check at launch (I/O): after an unclean stop, verify the chunk files
+written since the last launch and quarantine those that fail, before the server starts.
+
+Records (see :mod:`kvpersist.stack.stops` for what they mean) live beside the pid file. The
+check reuses :func:`kvpersist.l2.verify.verify_root` with ``since_ns`` (only files modified at
+or after it), a read-rate cap and a time bound; quarantine is verify's rename into
+``<cache root>/.kvpersist/quarantine/`` through directory descriptors. Nothing is deleted.
+Each check is appended as one JSON line to ``<log dir>/launch.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvpersist.errors import KvpError
+from kvpersist.stack.locate import Location
+from kvpersist.stack.render import SERDE_NONE_WARNING
+from kvpersist.stack.stops import CleanStop, CrashWindow, Launched, decide
+from kvpersist.system import procs
+from kvpersist.system.files import atomic_write_json, service_uids
+
+SCHEMA = "kvpersist.crash-window/1"
+LAUNCH_LOG = "launch.log"
+#: defaults: read at most this many MB/s, and stop reading after this many seconds
+DEFAULT_RATE_MB_S = 200.0
+DEFAULT_SECONDS = 60.0
+
+def launched_record(loc: Location) -> str:
+    return _beside_pid_file(loc, "launched.json")
+
+
+def clean_stop_record(loc: Location) -> str:
+    return _beside_pid_file(loc, "clean-stop.json")
+
+
+def _beside_pid_file(loc: Location, suffix: str) -> str:
+    base = loc.server_pid_file
+    return (base[:-len(".pid")] if base.endswith(".pid") else base) + "." + suffix
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def window_of(loc: Location, pid_state: procs.PidState) -> CrashWindow:
+    """The decision for ``loc`` given its server pid file's state (read before launch
+    removes a stale pid file)."""
+    mtime: int | None = None
+    if pid_state.state == "stale":
+        try:
+            mtime = os.stat(pid_state.pid_file).st_mtime_ns
+        except OSError:
+            mtime = None
+    return decide(pid_state=pid_state.state, pid_file_mtime_ns=mtime,
+                  launched=Launched.from_dict(_read_json(launched_record(loc))),
+                  clean_stop=CleanStop.from_dict(_read_json(clean_stop_record(loc))))
+
+
+def record_launch(loc: Location, *, carry_since_ns: int | None = None) -> Launched:
+    """Write the launch record (before the server starts). ``carry_since_ns``: the start of a
+    crash window whose check did not finish, so the next launch checks it again. Raises
+    KvpError if it cannot be written."""
+    now = time.time_ns()
+    rec = Launched(now, min(now, carry_since_ns) if carry_since_ns is not None else now)
+    _write(launched_record(loc), rec.to_dict())
+    return rec
+
+
+def record_clean_stop(loc: Location, pid: int | None, how: str) -> CleanStop:
+    """Write the clean-stop marker. Raises KvpError if it cannot be written."""
+    rec = CleanStop(time.time_ns(), pid, how)
+    _write(clean_stop_record(loc), rec.to_dict())
+    return rec
+
+
+def _write(path: str, obj: dict[str, Any]) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        atomic_write_json(path, obj)
+    except OSError as exc:
+        raise KvpError(f"cannot write {path}: {exc.strerror}") from exc
+
+
+@dataclass
+class CrashCheck:
+    """What the crash-window check at a launch found and did (``kvpersist.crash-window/1``)."""
+
+    unclean: bool
+    reason: str
+    since_ns: int | None = None
+    serde: str = ""
+    ran: bool = False
+    files: int = 0
+    authenticated: int = 0
+    bytes_read: int = 0
+    reference_reads: int = 0
+    failed: int = 0
+    quarantined: list[str] = field(default_factory=list)
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    unchecked: int = 0
+    skipped: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return not self.unchecked
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["schema"] = SCHEMA
+        d["complete"] = self.complete
+        return d
+
+    def summary(self) -> str:
+        """One line for the launch's progress output and log."""
+        if not self.unclean:
+            return f"crash window: not checked ({self.reason})"
+        if not self.ran:
+            return f"crash window: {self.reason}; not checked"
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime((self.since_ns or 0) / 1e9))
+        what = "authenticated" if self.serde == "aesgcm" else "sizes checked (serde none)"
+        line = (f"crash window: {self.reason}; checked {self.files} chunk file(s) modified "
+                f"since {since}: {self.authenticated if self.serde == 'aesgcm' else self.files}"
+                f" {what}, {self.failed} failed, {len(self.quarantined)} quarantined "
+                f"({self.bytes_read / 1e6:.1f} MB read in {self.seconds:.1f} s)")
+        if self.unchecked:
+            line += (f"; {self.unchecked} file(s) NOT checked (time bound reached): the next "
+                     "launch checks them again, or run `kvp-admin verify CONFIG --apply`")
+        return line
+
+
+def check(loc: Location, window: CrashWindow, *, rate_mb_s: float | None = DEFAULT_RATE_MB_S,
+          deadline_s: float | None = DEFAULT_SECONDS) -> CrashCheck:
+    """Run the crash-window check for ``window`` (nothing when the last stop was clean):
+    verify the chunk files of ``loc``'s namespace modified since ``window.since_ns`` with the
+    deployment's key (aesgcm; sizes only with serde none) and quarantine those that fail.
+    Raises KvpError if the key or the cache root cannot be read, or the quarantine cannot be
+    made safely."""
+    from kvpersist.l2 import keys
+    from kvpersist.l2.verify import verify_root
+
+    res = CrashCheck(window.unclean, window.reason, window.since_ns, loc.serde)
+    if not window.unclean or window.since_ns is None:
+        return res
+    if not os.path.isdir(loc.cache_root):
+        res.reason += " (no cache root yet)"
+        return res
+    key = None
+    if loc.serde == "aesgcm":
+        key = keys.read_key(loc.serde_key_file, service_uids(loc.service_user))
+    else:
+        res.warnings.append(SERDE_NONE_WARNING)
+    v = verify_root(loc.cache_root, loc.namespace, serde=loc.serde, key=key, apply=True,
+                    rate_mb_s=rate_mb_s or None, since_ns=window.since_ns,
+                    deadline_s=deadline_s)
+    res.ran = True
+    res.files, res.authenticated, res.bytes_read = v.files, v.authenticated, v.bytes_read
+    res.reference_reads, res.unchecked = v.reference_reads, v.unchecked
+    res.failed = len(v.findings)
+    res.findings = [asdict(f) for f in v.findings]
+    res.quarantined, res.skipped, res.seconds = v.quarantined, v.skipped, v.seconds
+    return res
+
+
+def log_check(loc: Location, res: CrashCheck, *, how: str) -> None:
+    """Append the check as one JSON line to ``<log dir>/launch.log`` (best effort: a log that
+    cannot be written never stops a launch)."""
+    path = os.path.join(os.path.dirname(loc.server_log), LAUNCH_LOG)
+    line = json.dumps({"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "config": loc.config, "namespace": loc.namespace, "launch": how,
+                       "crash_window": res.to_dict()}, sort_keys=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    except OSError:
+        pass
