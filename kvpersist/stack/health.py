@@ -371,10 +371,11 @@ COMPONENTS = ("cache_server", "cache_root", "vllm", "wiring")
 
 
 def component_of(check: str) -> str:
-    """The component a check belongs to (pure): ``lmcache.*`` is the cache server,
+    """The component a check belongs to (pure): ``lmcache.*`` and ``l2.*`` (the server's L2
+    settings, e.g. its serde) are the cache server,
     ``cache_root*`` the cache root, ``vllm.health``/``vllm.models`` vLLM, and what connects
     them (``vllm.kv_transfer``, ``vllm.persistence``, ``network.*``) the wiring."""
-    if check.startswith("lmcache."):
+    if check.startswith(("lmcache.", "l2.")):
         return "cache_server"
     if check == "cache_root" or check.startswith("cache_root."):
         return "cache_root"

@@ -329,6 +329,7 @@ def test_a_root_this_user_cannot_write_still_verifies(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("check", "component"), [
     ("lmcache.healthcheck", "cache_server"), ("lmcache.listen", "cache_server"),
+    ("l2.serde", "cache_server"),
     ("cache_root", "cache_root"), ("cache_root.budget", "cache_root"),
     ("vllm", "vllm"), ("vllm.health", "vllm"), ("vllm.models", "vllm"),
     ("vllm.kv_transfer", "wiring"), ("vllm.persistence", "wiring"),
