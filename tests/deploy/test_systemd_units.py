@@ -74,6 +74,15 @@ def test_cache_server_exposure_at_most_3(rendered_dir, instance, record_property
     assert level <= MAX_EXPOSURE, report
 
 
+@pytest.mark.parametrize("instance", INSTANCES)
+def test_health_timer_unit_exposure_at_most_3(rendered_dir, instance, record_property):
+    """The health unit now writes the metrics textfiles: still within the exposure limit."""
+    level, report = exposure(f"kvp-health@{instance}.service", rendered_dir)
+    record_property(f"health_exposure_{instance}", level)
+    print(f"kvp-health@{instance}.service exposure {level}")
+    assert level <= MAX_EXPOSURE, report
+
+
 def test_exposure_of_committed_examples_matches(tmp_path):
     """systemd/ as committed (no stand-ins): the security score needs no executables."""
     for rel, text in example_files().items():
