@@ -316,19 +316,19 @@ class _Walker:
                 if partition and hash(name) % parts != part:
                     continue
                 count += 1
-                if progress is not None and not count & (PROGRESS_EVERY - 1):
+                if not count & (PROGRESS_EVERY - 1) and progress is not None:
                     progress(count)
                 if plain and e.is_file(follow_symlinks=False):
                     head, _, tail = name.rpartition("_")
+                    a = None
                     # "<lowercase hex>.bin": deleting the hex digits must leave ".in" (the
-                    # non-hex letters of ".bin"); bytes.translate is ~4x cheaper than a regex.
-                    # A name that is not UTF-8 (lone surrogates) fails encode(): slow path.
-                    try:
-                        chunk_like = (tail.encode().translate(None, hex_bytes) == b".in"
-                                      and tail.endswith(".bin") and len(tail) > 4)
-                    except UnicodeEncodeError:
-                        chunk_like = False
-                    if chunk_like:
+                    # non-hex letters of ".bin"); bytes.translate is ~4x cheaper than a regex
+                    if (
+                        len(tail) > 4
+                        and tail.endswith(".bin")
+                        and tail.encode("utf-8", "surrogateescape")
+                        .translate(None, hex_bytes) == b".in"
+                    ):
                         a = keys.get(head)
                         if a is None and head:
                             # only valid heads are remembered, so memory stays bounded by
@@ -336,39 +336,39 @@ class _Walker:
                             a = self._new_key(head)
                             if a is not None:
                                 keys[head] = a
-                        if a is not None and (shard is None
-                                              or (tail[0:2], tail[2:4]) == shard):
-                            try:
-                                st = e.stat(follow_symlinks=False)
-                            except OSError as exc:
-                                self._stat_error(exc, rel, name)
-                                continue
-                            if st.st_nlink > 1:
-                                self.res.links.append((name, f"{rel}/{name}" if rel else name,
-                                                       depth, foreign, meta, shard, st))
-                                continue
-                            a[0] += 1
-                            a[1] += st.st_size
-                            a[2] += st.st_blocks
-                            m = st.st_mtime_ns
-                            if m < a[3]:
-                                a[3] = m
-                            if m > a[4]:
-                                a[4] = m
-                            at = st.st_atime_ns
-                            if at > a[7]:
-                                a[7] = at
-                            if hist:
-                                b = (at if at > m else m) // bucket_ns
-                                h = a[5].get(b)
-                                if h is None:
-                                    a[5][b] = [1, st.st_size]
-                                else:
-                                    h[0] += 1
-                                    h[1] += st.st_size
-                            if shard is not None:
-                                a[6] += 1
+                    if a is not None and (shard is None or (tail[0:2], tail[2:4]) == shard):
+                        try:
+                            st = e.stat(follow_symlinks=False)
+                        except OSError as exc:
+                            self._stat_error(exc, rel, name)
                             continue
+                        if st.st_nlink > 1:
+                            self.res.links.append((name, f"{rel}/{name}" if rel else name,
+                                                   depth, foreign, meta, shard, st))
+                            continue
+                        sz = st.st_size
+                        a[0] += 1
+                        a[1] += sz
+                        a[2] += st.st_blocks
+                        m = st.st_mtime_ns
+                        if m < a[3]:
+                            a[3] = m
+                        if m > a[4]:
+                            a[4] = m
+                        at = st.st_atime_ns
+                        if at > a[7]:
+                            a[7] = at
+                        if hist:
+                            b = (at if at > m else m) // bucket_ns
+                            h = a[5].get(b)
+                            if h is None:
+                                a[5][b] = [1, sz]
+                            else:
+                                h[0] += 1
+                                h[1] += sz
+                        if shard is not None:
+                            a[6] += 1
+                        continue
                 slow(e, name, rel, depth, foreign, meta, shard, descend)
         self.count = count
 
