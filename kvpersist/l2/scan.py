@@ -504,10 +504,29 @@ def _count_links(res: ScanResult, hist: bool) -> None:
     res.links = []
 
 
+def _busy_cpus(samples: int = 8, interval_s: float = 0.0025) -> float:
+    """How many CPUs other tasks keep busy right now: the most runnable tasks other than this
+    one over a few samples of ``/proc/loadavg`` (about 20 ms). The 1-minute load average
+    (the fallback where that file is missing) lags a minute behind and counts this command's
+    own previous runs (a scan every minute, a benchmark loop) as load."""
+    busy = -1
+    try:
+        for i in range(samples):
+            if i:
+                time.sleep(interval_s)
+            with open("/proc/loadavg", "rb") as f:
+                running = int(f.read().split()[3].split(b"/")[0])
+            busy = max(busy, running - 1)  # this process is one of the runnable tasks
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+    return float(max(0, busy))
+
+
 def _want_workers(root_fd: int, workers: int | None) -> int:
     """How many processes to scan with: one for a small tree; for a big one, as many as there
-    are idle CPUs (by the 1-minute load average), at most 4. A forked worker on a busy CPU
-    makes the scan slower, not faster (measured: docs/benchmarks.md)."""
+    are idle CPUs (:func:`_busy_cpus`: no other task runnable on them right now), at most 4.
+    A forked worker on a busy CPU makes the scan slower, not faster (measured:
+    docs/benchmarks.md)."""
     if workers is not None:
         return max(1, workers)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -520,7 +539,7 @@ def _want_workers(root_fd: int, workers: int | None) -> int:
     big = st.st_size >= PARALLEL_MIN_DIR_BYTES or st.st_nlink >= 2 + 64
     if not big:
         return 1
-    idle = cpus - os.getloadavg()[0]
+    idle = cpus - _busy_cpus()
     return max(1, min(cpus, 4, int(idle + 0.5)))
 
 
