@@ -27,7 +27,11 @@ def test_off_by_default(converged: kvp_converge.Converged) -> None:
 
 
 @pytest.fixture(scope="module")
-def base() -> Iterator[Path]:
+def base(converged: kvp_converge.Converged) -> Iterator[Path]:
+    # after the session's converge, which created the service account: these runs leave the
+    # account alone (its home is the session prefix's state dir; a second prefix would move
+    # it and make the session's idempotence checks see a change)
+    assert converged.first.returncode == 0, converged.first.output[-6000:]
     path = kvp_converge.make_base("kvp-monitoring-")
     try:
         yield path
@@ -38,6 +42,7 @@ def base() -> Iterator[Path]:
 def monitoring_vars(base: Path, **extra: object) -> Path:
     data = kvp_converge.ci_vars(base, base)
     data["kvp_deployments"] = []  # the monitoring files need no deployment
+    data["kvp_create_user"] = False  # the session's converge owns the service account
     data.update({"kvp_install_alert_rules": True, "kvp_prometheus_rules_dir": RULES_DIR,
                  "kvp_install_dashboard": True, "kvp_grafana_dashboards_dir": DASHBOARDS_DIR,
                  "kvp_promtool": shutil.which("promtool") or "/usr/bin/promtool", **extra})
