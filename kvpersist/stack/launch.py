@@ -78,6 +78,16 @@ def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
         vllm_argv = list(rendered.container_argv)
     else:
         vllm_argv = [python or sys.executable, "-m", VLLM_MODULE, *rendered.vllm_argv]
+    if s.shared_tier:
+        # the shared tier's credentials enter in the server's own process (lmcache_exec)
+        from kvpersist.stack.lmcache_exec import exec_argv
+
+        server_argv = exec_argv(python or sys.executable, s.shared_tier_secret_file,
+                                server_argv)
+        # the launcher must be this very kvpersist (the server's cwd is the state dir)
+        here = str(Path(__file__).resolve().parents[2])
+        server_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (here, server_env.get("PYTHONPATH", "")) if p)
     loc = locate(dep)
     return LaunchPlan(**{f.name: getattr(loc, f.name) for f in fields(Location)},
                       server_argv=server_argv, server_env=server_env,
@@ -167,6 +177,7 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
             seen.add(why)
             problems.append(Problem(key, why, "the service user must own its cache, state and "
                                     "key, and no other user may be able to replace them"))
+    problems += shared_secret_problems(dep, also)
     ports = [("KVP_LMCACHE_PORT", *plan.listen["lmcache"]),
              ("KVP_LMCACHE_HTTP_PORT", *plan.listen["lmcache_http"])]
     if with_vllm:
@@ -200,6 +211,34 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
         problems += args.problems
         notes += args.notes
     return Preflight(tuple(problems), tuple(notes), weights)
+
+
+def shared_secret_problems(dep: Deployment, also: tuple[int, ...]) -> list[Problem]:
+    """The shared tier's secret file must exist, belong to the service user, be readable by
+    nobody else, and hold a password (its content is never shown)."""
+    s = dep.settings
+    if not s.shared_tier:
+        return []
+    key, path = "KVP_SHARED_TIER_SECRET_FILE", s.shared_tier_secret_file
+    fix = (f"write username=... and password=... lines into {path} as the service user, "
+           f"mode 0600 (the Ansible role does it from the vault)")
+    out = [Problem(key, why, fix) for why in trust_problems(path, also=also)]
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError as exc:
+        return [*out, Problem(key, f"{path}: {exc.strerror}", fix)]
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        out.append(Problem(key, f"{path} is accessible to others (mode "
+                           f"{stat.S_IMODE(st.st_mode):04o})", f"chmod 600 {path}"))
+    if not out and os.access(path, os.R_OK):
+        from kvpersist.stack.lmcache_exec import read_secret_file
+
+        try:
+            read_secret_file(path)
+        except KvpError as exc:
+            if st.st_uid == os.geteuid():
+                out.append(Problem(key, str(exc), fix))
+    return out
 
 
 def listener_notes(dep: Deployment, *, with_vllm: bool) -> list[str]:
