@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from kvpersist.config.deployment import Deployment, listeners
 from kvpersist.errors import CheckFailed, ConfigError, KvpError, Problem
@@ -234,11 +235,29 @@ def shared_secret_problems(dep: Deployment, also: tuple[int, ...]) -> list[Probl
         from kvpersist.stack.lmcache_exec import read_secret_file
 
         try:
-            read_secret_file(path)
+            secret = read_secret_file(path, also=also)
         except KvpError as exc:
-            if st.st_uid == os.geteuid():
-                out.append(Problem(key, str(exc), fix))
+            return [*out, Problem(key, str(exc), fix)]
+        out += shared_store_problems(dep, secret)
     return out
+
+
+def shared_store_problems(dep: Deployment, secret: Any) -> list[Problem]:
+    """Refuse a store that would answer writes with errors instead of evicting (noeviction,
+    volatile-*). An unreachable store is no reason to refuse: the deployment starts degraded
+    and uses the shared tier once it answers."""
+    from kvpersist.config.deployment import shared_tier_of
+    from kvpersist.l2.shared_store import probe
+
+    tier = shared_tier_of(dep.settings)
+    if tier is None:
+        return []
+    found = probe(tier, secret)
+    if found.budget is None:
+        return []
+    return [Problem("KVP_SHARED_TIER", f"the store at {tier.endpoint}: {p}",
+                    "CONFIG SET maxmemory-policy allkeys-lru (and in the store's config "
+                    "file); see docs/fleet.md, Sizing") for p in found.budget.problems]
 
 
 def listener_notes(dep: Deployment, *, with_vllm: bool) -> list[str]:

@@ -47,9 +47,10 @@ def exec_argv(python: str, secret_file: str, server_argv: Sequence[str]) -> list
     return [python, "-m", MODULE, "--secret-file", secret_file, "--", *server_argv]
 
 
-def read_secret_file(path: str) -> SharedSecret:
-    """Read the shared tier's secret file: a regular file (no symlink) owned by this user and
-    readable by nobody else. Raises KvpError naming the problem (never the content)."""
+def read_secret_file(path: str, also: tuple[int, ...] = ()) -> SharedSecret:
+    """Read the shared tier's secret file: a regular file (no symlink) owned by this user (or
+    one of ``also``: the service user, when root administers for it) and readable by nobody
+    else. Raises KvpError naming the problem (never the content)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -59,7 +60,7 @@ def read_secret_file(path: str) -> SharedSecret:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise KvpError(f"shared tier secret file {path} is not a regular file")
-        if st.st_uid != os.geteuid():
+        if st.st_uid != os.geteuid() and st.st_uid not in also:
             raise KvpError(f"shared tier secret file {path} belongs to uid {st.st_uid}, not "
                            f"to the cache server's user (uid {os.geteuid()}); chown it")
         if stat.S_IMODE(st.st_mode) & 0o077:

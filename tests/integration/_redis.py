@@ -128,7 +128,7 @@ class Redis:
             time.sleep(0.2)
         raise RuntimeError("cluster did not reach cluster_state:ok")
 
-    def keys(self, pattern: str = "*") -> list[str]:
+    def scan_keys(self, pattern: str = "*") -> list[str]:
         """Every key matching ``pattern`` on every node (SCAN, through redis-cli)."""
         out: list[str] = []
         for n in self.nodes:

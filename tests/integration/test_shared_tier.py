@@ -14,7 +14,7 @@ import pytest
 
 from kvpersist.demo.kvdriver import connect
 
-from ..fullstack._stack import Stack
+from ..fullstack._stack import Stack, wait_until
 from ._redis import Redis, start_redis
 
 pytestmark = pytest.mark.integration
@@ -67,9 +67,9 @@ def test_chunks_stored_on_host_a_hit_on_host_b(tmp_path: Path, redis: Redis) -> 
         a.stop()
         # the fleet shares one serde key (the role distributes it): B decrypts A's chunks
         share_key(a, b)
-        keys = redis.keys(f"{ns}@*")
+        keys = redis.scan_keys(f"{ns}@*")
         assert len(keys) == 8 and len(a.chunk_files(ns + "_")) == 8  # both tiers
-        assert redis.keys() == keys  # nothing outside the namespace's pattern
+        assert redis.scan_keys() == keys  # nothing outside the namespace's pattern
 
         b.launch("--no-vllm")
         assert b.chunk_files() == []  # host B's NVMe starts empty
@@ -93,3 +93,88 @@ def test_chunks_stored_on_host_a_hit_on_host_b(tmp_path: Path, redis: Redis) -> 
         a.cleanup()
         b.cleanup()
 
+
+
+def health(s: Stack) -> tuple[int, dict[str, object]]:
+    r = s.kvp("health", s.config, "--no-vllm", "--json")
+    return r.returncode, json.loads(r.stdout)
+
+
+def test_store_down_degrades_recovers_report_and_prune(tmp_path: Path, redis: Redis) -> None:
+    b = host(tmp_path, "b", redis)
+    try:
+        ns = b.render()["namespace"]
+        b.launch("--no-vllm")
+        code, doc = health(b)
+        assert code == 0 and doc["components"]["shared_tier"] == "ok", doc  # type: ignore[index]
+        with connect(b.rpc, b.http, ns) as d:
+            first = d.store(1)
+        assert wait_until(lambda: len(redis.scan_keys(f"{ns}@*")) == 4, 30)
+        redis.kill()
+        # the store is gone: the server keeps serving and storing on L1 and the NVMe
+        with connect(b.rpc, b.http, ns) as d:
+            assert len(d.store(2)) == 4
+            lk, got = d.lookup_and_retrieve(1)
+            assert lk.hit_chunks == 4 and got == first
+        assert wait_until(lambda: len(b.chunk_files(ns + "_")) == 8, 30)  # nothing local lost
+        code, doc = health(b)
+        assert code == 1 and doc["status"] == "degraded", doc
+        assert doc["components"] == {**doc["components"], "shared_tier": "degraded",  # type: ignore[dict-item]
+                                     "cache_server": "ok"}, doc
+        redis.restart()
+        assert len(redis.scan_keys(f"{ns}@*")) == 4  # the store's AOF kept what it had
+        code, doc = health(b)
+        assert code == 0, doc
+        # hits resume from the shared tier once the NVMe copy is gone
+        for f in b.chunk_files(ns + "_"):
+            f.unlink()
+        b.stop()
+        b.launch("--no-vllm")
+        with connect(b.rpc, b.http, ns) as d:
+            lk, got = d.lookup_and_retrieve(1)
+            assert lk.hit_chunks == 4 and got == first
+
+        # report and prune on the shared tier: per namespace, dry run first, then exactly it
+        redis.nodes[0].cli("set", "kvp-" + "e" * 32 + "@01000100@0@ab", "x")
+        redis.nodes[0].cli("set", "unrelated", "y")
+        rep = b.kvp_json("report", "--tier", "shared", "--config", b.config)
+        rows = {r["namespace"]: r for r in rep["namespaces"]}
+        assert rows[ns]["keys"] == 4 and rows[ns]["active"] and rows[ns]["bytes"] > 4 * 65536
+        assert rep["other_keys"] == 1 and rep["store"]["eviction_policies"] == ["allkeys-lru"]
+        refused = b.kvp("prune", "--tier", "shared", "--config", b.config, "--namespace", ns,
+                        "--apply")
+        assert refused.returncode == 2 and "--force" in refused.stderr
+        other = "kvp-" + "e" * 32
+        dry = b.kvp_json("prune", "--tier", "shared", "--config", b.config,
+                         "--namespace", other)
+        assert dry["dry_run"] and dry["deleted_keys"] == 1
+        assert len(redis.scan_keys(f"{other}@*")) == 1
+        done = b.kvp_json("prune", "--tier", "shared", "--config", b.config,
+                          "--namespace", other, "--apply")
+        assert done["deleted_keys"] == 1 and redis.scan_keys(f"{other}@*") == []
+        assert len(redis.scan_keys(f"{ns}@*")) == 4 and "unrelated" in redis.scan_keys()
+        again = b.kvp_json("prune", "--tier", "shared", "--config", b.config,
+                           "--namespace", other, "--apply")
+        assert again["deleted_keys"] == 0  # idempotent
+        # a lock held by another host refuses the prune
+        redis.nodes[0].cli("set", f"kvpersist-lock:prune:{ns}", "hostX:1:ab", "px", "60000")
+        locked = b.kvp("prune", "--tier", "shared", "--config", b.config, "--namespace", ns,
+                       "--apply", "--force")
+        assert locked.returncode == 1 and "hostX" in locked.stderr
+        redis.nodes[0].cli("del", f"kvpersist-lock:prune:{ns}")
+        b.stop()
+    finally:
+        b.cleanup()
+
+
+def test_launch_refuses_a_store_that_would_not_evict(tmp_path: Path) -> None:
+    r = start_redis(tmp_path / "store", policy="noeviction")
+    try:
+        b = host(tmp_path, "b", r)
+        res = b.kvp("launch", b.config, "--no-vllm")
+        assert res.returncode == 2, res.stderr
+        assert "noeviction" in res.stderr and "allkeys-lru" in res.stderr
+        assert r.password not in res.stderr + res.stdout
+        b.cleanup()
+    finally:
+        r.stop()
