@@ -29,6 +29,8 @@ class RedisNode:
     dir: Path
     password: str
     proc: subprocess.Popen[bytes] | None = None
+    #: the cluster bus port (default would be port + 10000, above 65535 for high ports)
+    bus_port: int = 0
     extra: tuple[str, ...] = ()
 
     def conf(self, cluster: bool, maxmemory: str, policy: str) -> str:
@@ -39,6 +41,7 @@ class RedisNode:
                  f"user {ACL_USER} on >{self.password} ~* &* +@all"]
         if cluster:
             lines += ["cluster-enabled yes", f"cluster-config-file {self.dir}/nodes.conf",
+                      f"cluster-port {self.bus_port}",
                       "cluster-node-timeout 2000",
                       f"masteruser {ACL_USER}", f"masterauth {self.password}"]
         return "\n".join([*lines, *self.extra]) + "\n"
@@ -145,7 +148,7 @@ def start_redis(base: Path, *, cluster: bool = False, maxmemory: str = "512mb",
     for i in range(count):
         d = base / f"redis{i}"
         d.mkdir(parents=True, mode=0o700)
-        nodes.append(RedisNode(free_port(), d, password))
+        nodes.append(RedisNode(free_port(), d, password, bus_port=free_port()))
     r = Redis(nodes, cluster, password, maxmemory, policy)
     try:
         for n in nodes:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 
 from kvpersist.demo.kvdriver import connect
 
@@ -82,6 +83,8 @@ def test_chunks_stored_on_host_a_hit_on_host_b(tmp_path: Path, redis: Redis) -> 
                 lk, got = d.lookup_and_retrieve(seq)
                 assert (lk.hit_chunks, lk.total_chunks) == (4, 4)
                 assert got == digests  # the same bytes, through the aesgcm serde
+        # resp reads the credentials from its process environment: not in GET /config
+        assert redis.password not in requests.get(f"{b.http}/config", timeout=10).text
         with connect(b.rpc, b.http, "kvp-" + "0" * 32) as other:
             assert other.lookup(1).hit_chunks == 0  # another identity gets nothing
         for text in (b.server_log.read_text(errors="replace"),
@@ -177,4 +180,44 @@ def test_launch_refuses_a_store_that_would_not_evict(tmp_path: Path) -> None:
         assert r.password not in res.stderr + res.stdout
         b.cleanup()
     finally:
+        r.stop()
+
+
+def test_cluster_mode_through_the_valkey_adapter(tmp_path: Path) -> None:
+    """A 3-primary cluster (redis-cli --cluster create): LMCache's valkey adapter with an ACL
+    user (the launcher compensates 0.5.6's swapped credentials), keys spread over every
+    node, report and prune by SCAN on each primary."""
+    r = start_redis(tmp_path / "store", cluster=True)
+    a, b = host(tmp_path, "a", r), host(tmp_path, "b", r)
+    try:
+        shown = a.render()
+        ns = shown["namespace"]
+        assert shown["shared_tier"]["adapter"] == "valkey" and shown["shared_tier"]["cluster"]
+        a.launch("--no-vllm")
+        with connect(a.rpc, a.http, ns) as d:
+            stored = {seq: d.store(seq) for seq in (1, 2, 3)}
+        a.stop()
+        share_key(a, b)
+        per_node = [n.cli("--scan", "--pattern", f"{ns}@*").split() for n in r.nodes]
+        assert sum(len(k) for k in per_node) == 12 and sum(1 for k in per_node if k) >= 2
+        b.launch("--no-vllm")
+        assert r.password.encode() not in proc_as_nobody()
+        with connect(b.rpc, b.http, ns) as d:
+            for seq, digests in stored.items():
+                lk, got = d.lookup_and_retrieve(seq)
+                assert lk.hit_chunks == 4 and got == digests
+        code, doc = health(b)
+        assert code == 0 and doc["shared_tier"]["budget"]["nodes"] == 3, doc  # type: ignore[index]
+        # the known limit of LMCache's valkey adapter (docs/fleet.md, Secrets): its JSON
+        # fields, credentials included, are shown by GET /config on the loopback admin port
+        assert r.password in requests.get(f"{b.http}/config", timeout=10).text
+        b.stop()
+        rep = b.kvp_json("report", "--tier", "shared", "--config", b.config)
+        assert [(x["namespace"], x["keys"]) for x in rep["namespaces"]] == [(ns, 12)]
+        done = b.kvp_json("prune", "--tier", "shared", "--config", b.config, "--namespace", ns,
+                          "--apply", "--force")
+        assert done["deleted_keys"] == 12 and r.scan_keys(f"{ns}@*") == []
+    finally:
+        a.cleanup()
+        b.cleanup()
         r.stop()
