@@ -71,11 +71,12 @@ def choose_adapter(requested: str, *, cluster: bool, tls: bool, db: int,
     """Which LMCache adapter serves the tier; returns (adapter, problem or '').
 
     ``auto`` takes ``resp`` (LMCache's native C++ client) for a single standalone node
-    without TLS on db 0: it was the faster of the two here (docs/fleet.md) and it reads its
-    credentials from its own process environment, so they never appear in the server's
-    ``GET /config``. Everything else needs ``valkey`` (valkey-glide: cluster, TLS, db), whose
-    credentials are adapter-JSON fields and therefore visible in ``GET /config`` on the
-    loopback admin port (docs/fleet.md, "Secrets").
+    without TLS on db 0: it reads its credentials from its own process environment, so they
+    never appear in the server's ``GET /config`` (the two adapters' throughput was within
+    the noise of each other here, docs/benchmarks.md). Everything else needs ``valkey``
+    (valkey-glide: cluster, TLS, db), whose credentials are adapter-JSON fields and
+    therefore visible in ``GET /config`` on the loopback admin port (docs/fleet.md,
+    "Secrets").
     """
     needs_valkey = cluster or tls or db != 0 or nodes > 1
     if requested == "resp" and needs_valkey:
