@@ -58,8 +58,8 @@ BASE = {"endpoint": "h:1", "adapter": "resp"}
 ])
 def test_shared_tier_is_degraded_never_down(probe: dict[str, object], status: str) -> None:
     checks = shared_checks({**BASE, **probe})
-    assert max(c.status for c in checks) == status
     assert component_status(checks) == {"shared_tier": status}
+    assert all(c.status in ("ok", "degraded") for c in checks)
     f = Facts(expect_vllm=False, shared_tier={**BASE, **probe})
     overall, all_checks = verdict(f)
     assert any(c.name.startswith("shared_tier.") for c in all_checks)
