@@ -35,8 +35,7 @@ COMMANDS: dict[str, Entry] = {
                     "Render the lmcache server argv, vLLM arguments and namespace manifest of "
                     "CONFIG."),
     "report": Entry("kvpersist.commands.report:report",
-                    "What the L2 cache on disk holds, per namespace, measured from the "
-                    "filesystem."),
+                    "What the L2 cache holds per namespace, on disk and on the shared tier."),
     "budget": Entry("kvpersist.commands.budget:budget",
                     "How much L1 (RAM) and L2 (NVMe) the deployment's cache server may use, "
                     "and why."),

@@ -16,6 +16,8 @@ need_apt=()
 command -v jq >/dev/null || need_apt+=(jq)
 command -v systemd-analyze >/dev/null || need_apt+=(systemd)
 command -v ss >/dev/null || need_apt+=(iproute2)      # testinfra socket checks
+command -v redis-server >/dev/null || need_apt+=(redis-server)  # shared-tier tests
+command -v setpriv >/dev/null || need_apt+=(util-linux)  # secret checks as another user
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     say "installing ${need_apt[*]} with apt-get"
@@ -71,8 +73,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$want" > "$stamp"
 fi
-say "installing kvpersist (editable) with test and deploy extras"
-pip install -e ".[test,deploy]"
+say "installing kvpersist (editable) with test, deploy and shared extras"
+pip install -e ".[test,deploy,shared]"
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VENV/bin/python" -c "import lmcache, nixl, vllm, kvpersist" 2>/dev/null \
   || { say "import check failed"; exit 1; }

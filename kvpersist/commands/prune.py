@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -52,6 +52,16 @@ def format_result(res: PruneResult, plan: RetentionPlan) -> str:
     return "\n".join(lines)
 
 
+def format_shared(doc: dict[str, Any]) -> str:
+    verb = "would delete" if doc["dry_run"] else "deleted"
+    lines = [f"shared tier {doc['tier']['endpoint']}: {verb} {r['deleted_keys']:,} keys, "
+             f"{format_size(r['deleted_bytes'])}: {r['namespace']} ({r['batches']} batches)"
+             for r in doc["namespaces"]]
+    if doc["dry_run"]:
+        lines.append("dry run: nothing was deleted on the shared tier; add --apply")
+    return "\n".join(lines)
+
+
 @click.command("prune")
 @inventory_options
 @click.option("--namespace", "namespaces", multiple=True, metavar="NS",
@@ -65,14 +75,18 @@ def format_result(res: PruneResult, plan: RetentionPlan) -> str:
 @click.option("--to-budget", is_flag=True,
               help="Free space down to the budget's low watermark: temp, unpinned, then stale "
                    "namespaces least recently used first (and the active one with --force).")
+@click.option("--tier", type=click.Choice(["local", "shared", "all"]), default="local",
+              show_default=True,
+              help="Where to delete: the local NVMe, the shared tier (--namespace only; keys "
+                   "deleted in SCAN-page batches under a lock held in the store), or both.")
 @click.option("--force", is_flag=True, help="Allow deleting files of an active namespace.")
 @click.option("--apply", is_flag=True, help="Really delete (default: dry run).")
 @click.option("--list", "list_paths", is_flag=True,
               help="List every file (in the JSON output: a 'files' array).")
 @json_option
 def prune(root: str | None, configs: tuple[str, ...], namespaces: tuple[str, ...], stale: bool,
-          unpinned: bool, temp_older_than: str | None, to_budget: bool, force: bool,
-          apply: bool, list_paths: bool, as_json: bool) -> None:
+          unpinned: bool, temp_older_than: str | None, to_budget: bool, tier: str,
+          force: bool, apply: bool, list_paths: bool, as_json: bool) -> None:
     """Delete L2 cache files explicitly: dry run unless --apply.
 
     Only files whose names parse as LMCache chunk or temp files of a selected namespace are
@@ -80,6 +94,20 @@ def prune(root: str | None, configs: tuple[str, ...], namespaces: tuple[str, ...
     deleted. A file that changed after it was planned is skipped. Exit 1 if a file could not
     be deleted.
     """
+    shared: dict[str, Any] = {}
+    if tier != "local":
+        if stale or unpinned or temp_older_than or to_budget or list_paths:
+            raise UsageError("--tier shared/all selects by --namespace only (no --stale, "
+                             "--unpinned, --temp-older-than, --to-budget or --list)")
+        from kvpersist.actions.shared import prune_shared
+
+        shared = prune_shared(configs, namespaces, apply=apply, force=force)
+    if tier == "shared":
+        if as_json:
+            echo_json(shared)
+        else:
+            click.echo(format_shared(shared))
+        return
     from kvpersist.actions.prune import PruneRequest
     from kvpersist.actions.prune import prune as prune_action
 
@@ -104,8 +132,10 @@ def prune(root: str | None, configs: tuple[str, ...], namespaces: tuple[str, ...
         for cb in bars:
             end_progress(cb)
     if as_json:
-        echo_json(out.to_dict())
+        echo_json({**out.to_dict(), "shared": shared} if tier == "all" else out.to_dict())
     else:
         click.echo(format_result(out.result, out.plan))
+        if tier == "all":
+            click.echo(format_shared(shared))
     if out.result.errors:
         click.get_current_context().exit(EXIT_PROBLEM)

@@ -79,19 +79,57 @@ def format_report(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def format_shared(doc: dict[str, Any]) -> str:
+    """The shared tier's table: namespaces by size, then the store's budget."""
+    rows = [[r["namespace"], "active" if r["active"] else "-", f"{r['keys']:,}",
+             format_size(r["bytes"])] for r in doc["namespaces"]]
+    tier, store = doc["tier"], doc["store"]
+    out = [f"shared tier {tier['endpoint']} ({'cluster' if tier['cluster'] else 'standalone'}"
+           f", adapter {tier['adapter']})"]
+    out.append(table(rows, ["NAMESPACE", "STATUS", "KEYS", "SIZE"]) if rows
+               else "no chunk keys")
+    out.append(f"chunks    {doc['chunk_keys']:,} keys, {format_size(doc['chunk_bytes'])}; "
+               f"{doc['other_keys']:,} other keys (never touched)")
+    limit = format_size(store["maxmemory_bytes"]) if store["maxmemory_bytes"] else "unlimited"
+    out.append(f"store     {format_size(store['used_memory_bytes'])} used of {limit} on "
+               f"{store['nodes']} node(s), maxmemory-policy "
+               f"{', '.join(store['eviction_policies'])}")
+    out += [f"problem: {p}" for p in store["problems"]]
+    out += [f"warning: {w}" for w in store["warnings"]]
+    return "\n".join(out)
+
+
+TIER_CHOICE = click.Choice(["local", "shared", "all"])
+
+
 @click.command("report")
 @inventory_options
+@click.option("--tier", type=TIER_CHOICE, default="local", show_default=True,
+              help="The local NVMe, the shared tier (per-namespace keys and bytes, by SCAN on "
+                   "every node), or both.")
 @json_option
-def report(root: str | None, configs: tuple[str, ...], as_json: bool) -> None:
-    """What the L2 cache on disk holds, per namespace, measured from the filesystem."""
-    from kvpersist.actions.report import report as report_action
+def report(root: str | None, configs: tuple[str, ...], tier: str, as_json: bool) -> None:
+    """What the L2 cache holds per namespace, on disk and on the shared tier.
 
-    cb = progress_printer("scanned entries")
-    try:
-        doc = report_action(root, configs, progress=cb).to_dict()
-    finally:
-        end_progress(cb)
+    On disk it is measured from the filesystem; on the shared tier counted by server-side
+    iteration (SCAN on every node)."""
+    doc: dict[str, Any] = {}
+    if tier in ("local", "all"):
+        from kvpersist.actions.report import report as report_action
+
+        cb = progress_printer("scanned entries")
+        try:
+            doc = report_action(root, configs, progress=cb).to_dict()
+        finally:
+            end_progress(cb)
+    shared: dict[str, Any] | None = None
+    if tier in ("shared", "all"):
+        from kvpersist.actions.shared import report_shared
+
+        shared = report_shared(configs)
     if as_json:
-        echo_json(doc)
-    else:
-        click.echo(format_report(doc))
+        echo_json(shared if tier == "shared" else ({**doc, "shared": shared} if shared
+                                                   else doc))
+        return
+    parts = ([format_report(doc)] if doc else []) + ([format_shared(shared)] if shared else [])
+    click.echo("\n\n".join(parts))

@@ -26,6 +26,7 @@ from kvpersist.config.identity import (
     parse_engine_args,
     unpinned_namespace,
 )
+from kvpersist.config.shared_tier import SharedTier, parse_shared_tier
 from kvpersist.config.values import (
     SYSTEM_TREES,
     is_loopback,
@@ -259,6 +260,10 @@ class DeploymentSettings:
     allow_remote_vllm: tuple[str, ...] = ()
     #: the user the cache server runs as (systemd User=); empty: whoever runs kvp-admin
     service_user: str = ""
+    #: the shared KV tier's URL (kvpersist.config.shared_tier); empty: none
+    shared_tier: str = ""
+    #: owner-only file with the shared tier's ACL user and password
+    shared_tier_secret_file: str = ""
 
 
 #: env key -> (field, kind, default-or-None-if-required). Defaults starting with "generic."
@@ -298,6 +303,8 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_ALLOW_REMOTE_LMCACHE_HTTP": ("allow_remote_lmcache_http", "peers", ""),
     "KVP_ALLOW_REMOTE_VLLM": ("allow_remote_vllm", "peers", ""),
     "KVP_SERVICE_USER": ("service_user", "user?", ""),
+    "KVP_SHARED_TIER": ("shared_tier", "sharedtier?", ""),
+    "KVP_SHARED_TIER_SECRET_FILE": ("shared_tier_secret_file", "abspath?", ""),
 }
 
 def parse_peers(value: str) -> tuple[tuple[str, ...], str]:
@@ -406,6 +413,9 @@ def _convert(kind: str, raw: str) -> tuple[Any, str]:
     if kind == "dtype":
         ok = ("auto", "bfloat16", "float16", "float32")
         return (value, "") if value in ok else (None, f"must be one of {', '.join(ok)}")
+    if kind == "sharedtier":
+        _, message = parse_shared_tier(value)
+        return (None, message) if message else (value, "")
     if kind == "serde":
         return (value, "") if value in ("aesgcm", "none") else (
             None, f"must be aesgcm or none, got {value!r}")
@@ -473,7 +483,7 @@ def settings_from_env(
     if problems:
         return None, problems
     settings = DeploymentSettings(**converted)
-    problems = listener_problems(settings, origin)
+    problems = listener_problems(settings, origin) + shared_tier_problems(settings, origin)
     return (None, problems) if problems else (settings, problems)
 
 
@@ -489,7 +499,32 @@ _DEPLOY_FIX = {
     "KVP_ALLOW_REMOTE_LMCACHE_HTTP": "peers allowed to reach KVP_LMCACHE_HTTP_HOST, e.g. "
     "10.9.0.5",
     "KVP_ALLOW_REMOTE_VLLM": "peers allowed to reach KVP_VLLM_HOST, e.g. 10.0.0.0/8 or any",
+    "KVP_SHARED_TIER": "empty (no shared tier) or valkey://host:port[,host:port...]"
+    "?cluster=0&tls=0&db=0&workers=8 (docs/fleet.md)",
+    "KVP_SHARED_TIER_SECRET_FILE": "an absolute path to an owner-only file with username=... "
+    "and password=... lines",
 }
+
+
+def shared_tier_of(s: DeploymentSettings) -> SharedTier | None:
+    """The deployment's shared tier, parsed (None when KVP_SHARED_TIER is empty)."""
+    tier, _ = parse_shared_tier(s.shared_tier)
+    return tier
+
+
+def shared_tier_problems(s: DeploymentSettings, origin: Mapping[str, str]) -> list[Problem]:
+    """A shared tier needs its secret file, and a secret file needs a shared tier."""
+    if s.shared_tier and not s.shared_tier_secret_file:
+        return [Problem(origin.get("KVP_SHARED_TIER", "KVP_SHARED_TIER"),
+                        "a shared tier needs credentials (an ACL user and password)",
+                        "set KVP_SHARED_TIER_SECRET_FILE to an owner-only file with "
+                        "username=... and password=... lines")]
+    if s.shared_tier_secret_file and not s.shared_tier:
+        return [Problem(origin.get("KVP_SHARED_TIER_SECRET_FILE",
+                                   "KVP_SHARED_TIER_SECRET_FILE"),
+                        "is set but KVP_SHARED_TIER is empty: nothing to authenticate to",
+                        "set KVP_SHARED_TIER or remove KVP_SHARED_TIER_SECRET_FILE")]
+    return []
 
 
 # --------------------------------------------------------------------------- listeners

@@ -76,6 +76,8 @@ class Facts:
     lmcache_port: int = 0
     #: the L2 serde the deployment renders (aesgcm / none)
     serde: str = "aesgcm"
+    #: the shared tier (None: the deployment has none): endpoint, adapter and the probe
+    shared_tier: dict[str, Any] | None = None
     errors: list[str] = field(default_factory=list)
 
 
@@ -161,6 +163,7 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
         f.errors.append(f"cache root: {exc}")
     if f.root_exists:
         f.budget, f.budget_error = read_budget_record(plan.budget_record)
+    f.shared_tier = probe_shared(dep, timeout)
     if expect_vllm:
         code, _ = _get(f"{plan.vllm_url}/health", timeout)
         f.vllm_health = code == 200
@@ -223,6 +226,56 @@ def _kv_port_of(pid: int) -> int | None:
             except (ValueError, KeyError, TypeError):
                 return None
     return None
+
+
+def probe_shared(dep: Deployment, timeout: float) -> dict[str, Any] | None:
+    """Reachability, authentication, latency and budget of the deployment's shared tier
+    (None without one). Never raises."""
+    from kvpersist.config.deployment import shared_tier_of
+
+    tier = shared_tier_of(dep.settings)
+    if tier is None:
+        return None
+    out: dict[str, Any] = {"endpoint": tier.endpoint, "adapter": tier.adapter}
+    from kvpersist.stack.lmcache_exec import read_secret_file
+    from kvpersist.system.files import service_uids
+
+    try:
+        secret = read_secret_file(dep.settings.shared_tier_secret_file,
+                                  also=service_uids(dep.settings.service_user))
+    except KvpError as exc:
+        return {**out, "reachable": None, "auth_ok": False, "latency_ms": None,
+                "budget": None, "error": str(exc)}
+    from kvpersist.l2.shared_store import probe
+
+    return {**out, **probe(tier, secret, timeout).to_dict()}
+
+
+def shared_checks(shared: dict[str, Any]) -> list[Check]:
+    """The shared tier's checks (pure). A shared tier that is down, refuses the credentials
+    or would refuse writes makes the deployment *degraded*, never down: the server serves
+    from L1 and the NVMe, and stores there, without it."""
+    where = f"shared tier {shared['endpoint']}"
+    if not shared.get("reachable"):
+        return [Check("shared_tier.store", "degraded",
+                      f"{where} unreachable ({shared.get('error') or 'no answer'}): serving "
+                      "from L1 and the local NVMe only; nothing local is lost")]
+    if not shared.get("auth_ok"):
+        return [Check("shared_tier.store", "degraded",
+                      f"{where} refused the credentials ({shared.get('error')}): fix the ACL "
+                      "user or KVP_SHARED_TIER_SECRET_FILE")]
+    out = [Check("shared_tier.store", "ok",
+                 f"{where} reachable, authenticated, {shared.get('latency_ms')} ms")]
+    budget = shared.get("budget") or {}
+    problems, warnings = budget.get("problems") or [], budget.get("warnings") or []
+    if problems:
+        out.append(Check("shared_tier.budget", "degraded", "; ".join(problems)))
+    else:
+        out.append(Check("shared_tier.budget", "ok",
+                         f"maxmemory {budget.get('maxmemory_bytes')} B, policy "
+                         f"{', '.join(budget.get('eviction_policies') or [])}"
+                         + (f"; warning: {'; '.join(warnings)}" if warnings else "")))
+    return out
 
 
 def verdict(f: Facts) -> tuple[str, list[Check]]:
@@ -361,13 +414,15 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
             checks.append(Check("vllm.persistence", "degraded",
                                 "vLLM serves without the cache server: correct output, "
                                 "no persistence"))
+    if f.shared_tier is not None:
+        checks += shared_checks(f.shared_tier)
     worst = max((_RANK[c.status] for c in checks), default=0)
     status = {0: "healthy", 1: "degraded", 2: "down"}[worst]
     return status, checks
 
 
 #: The components of a deployment, each a group of checks (``kvpersist_component_health``).
-COMPONENTS = ("cache_server", "cache_root", "vllm", "wiring")
+COMPONENTS = ("cache_server", "cache_root", "vllm", "wiring", "shared_tier")
 
 
 def component_of(check: str) -> str:
@@ -381,6 +436,8 @@ def component_of(check: str) -> str:
         return "cache_root"
     if check in ("vllm", "vllm.health", "vllm.models"):
         return "vllm"
+    if check.startswith("shared_tier."):
+        return "shared_tier"
     return "wiring"
 
 
@@ -430,6 +487,7 @@ class HealthReport:
                            "mode": f"{f.root_mode:04o}" if f.root_mode is not None else None,
                            "avail_bytes": f.fs_avail_bytes,
                            "reserve_bytes": f.reserve_bytes, "budget": f.budget},
+            "shared_tier": f.shared_tier,
             "errors": f.errors,
         }
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from kvpersist.config.deployment import Deployment, listeners
 from kvpersist.errors import CheckFailed, ConfigError, KvpError, Problem
@@ -83,6 +84,16 @@ def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
         vllm_argv = list(rendered.container_argv)
     else:
         vllm_argv = [python or sys.executable, "-m", VLLM_MODULE, *rendered.vllm_argv]
+    if s.shared_tier:
+        # the shared tier's credentials enter in the server's own process (lmcache_exec)
+        from kvpersist.stack.lmcache_exec import exec_argv
+
+        server_argv = exec_argv(python or sys.executable, s.shared_tier_secret_file,
+                                server_argv)
+        # the launcher must be this very kvpersist (the server's cwd is the state dir)
+        here = str(Path(__file__).resolve().parents[2])
+        server_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (here, server_env.get("PYTHONPATH", "")) if p)
     loc = locate(dep)
     return LaunchPlan(**{f.name: getattr(loc, f.name) for f in fields(Location)},
                       server_argv=server_argv, server_env=server_env,
@@ -173,6 +184,7 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
             seen.add(why)
             problems.append(Problem(key, why, "the service user must own its cache, state and "
                                     "key, and no other user may be able to replace them"))
+    problems += shared_secret_problems(dep, also)
     ports = [("KVP_LMCACHE_PORT", *plan.listen["lmcache"]),
              ("KVP_LMCACHE_HTTP_PORT", *plan.listen["lmcache_http"])]
     if with_vllm:
@@ -206,6 +218,52 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
         problems += args.problems
         notes += args.notes
     return Preflight(tuple(problems), tuple(notes), weights)
+
+
+def shared_secret_problems(dep: Deployment, also: tuple[int, ...]) -> list[Problem]:
+    """The shared tier's secret file must exist, belong to the service user, be readable by
+    nobody else, and hold a password (its content is never shown)."""
+    s = dep.settings
+    if not s.shared_tier:
+        return []
+    key, path = "KVP_SHARED_TIER_SECRET_FILE", s.shared_tier_secret_file
+    fix = (f"write username=... and password=... lines into {path} as the service user, "
+           f"mode 0600 (the Ansible role does it from the vault)")
+    out = [Problem(key, why, fix) for why in trust_problems(path, also=also)]
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError as exc:
+        return [*out, Problem(key, f"{path}: {exc.strerror}", fix)]
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        out.append(Problem(key, f"{path} is accessible to others (mode "
+                           f"{stat.S_IMODE(st.st_mode):04o})", f"chmod 600 {path}"))
+    if not out and os.access(path, os.R_OK):
+        from kvpersist.stack.lmcache_exec import read_secret_file
+
+        try:
+            secret = read_secret_file(path, also=also)
+        except KvpError as exc:
+            return [*out, Problem(key, str(exc), fix)]
+        out += shared_store_problems(dep, secret)
+    return out
+
+
+def shared_store_problems(dep: Deployment, secret: Any) -> list[Problem]:
+    """Refuse a store that would answer writes with errors instead of evicting (noeviction,
+    volatile-*). An unreachable store is no reason to refuse: the deployment starts degraded
+    and uses the shared tier once it answers."""
+    from kvpersist.config.deployment import shared_tier_of
+    from kvpersist.l2.shared_store import probe
+
+    tier = shared_tier_of(dep.settings)
+    if tier is None:
+        return []
+    found = probe(tier, secret)
+    if found.budget is None:
+        return []
+    return [Problem("KVP_SHARED_TIER", f"the store at {tier.endpoint}: {p}",
+                    "CONFIG SET maxmemory-policy allkeys-lru (and in the store's config "
+                    "file); see docs/fleet.md, Sizing") for p in found.budget.problems]
 
 
 def listener_notes(dep: Deployment, *, with_vllm: bool) -> list[str]:

@@ -40,6 +40,9 @@ def test_first_run_converges(converged):
     assert "Kvp restart changed deployments" in run.handlers_run()
     assert sorted(run.handler_items("Kvp restart changed deployments")) == sorted(
         d["name"] for d in converged.vars["kvp_deployments"])
+    # the vaulted shared-tier password and serde key never reach the play's output
+    assert kvp_converge.CI_SHARED_PASSWORD not in run.output
+    assert kvp_converge.CI_SERDE_KEY_B64 not in run.output
 
 
 def test_second_run_changes_nothing(converged):

@@ -12,6 +12,7 @@ backend. Against a real host: give the role vars you deployed with, e.g.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,11 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvp_converge  # noqa: E402
+
+# The venv's kvp-admin (run by host.run) uses this checkout's kvpersist: a no-op where the venv
+# was installed from it, needed where several checkouts share one venv.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(kvp_converge.REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 ROLE_DEFAULTS = kvp_converge.ANSIBLE_DIR / "roles" / "kvp" / "defaults" / "main.yml"
 
@@ -45,6 +51,9 @@ class Deployment:
     log_dir: str
     env: dict[str, str]
     vllm: bool
+    #: the shared tier's vaulted password ("" : no shared tier)
+    shared_password: str = ""
+    serde_key_b64: str = ""
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,10 @@ def layout_from_vars(given: dict[str, Any], *, local_converge: bool) -> Layout:
             "KVP_LOG_DIR": f"{log_dir}/{name}",
             "KVP_SERVICE_USER": v["kvp_user"],
         })
+        shared = d.get("shared_tier") or {}
+        if shared:
+            env.update({"KVP_SHARED_TIER": shared["url"],
+                        "KVP_SHARED_TIER_SECRET_FILE": f"{state_dir}/{name}/shared-tier.secret"})
         deployments.append(Deployment(
             name=name,
             cache_root=prefix + d["cache_root"],
@@ -95,6 +108,8 @@ def layout_from_vars(given: dict[str, Any], *, local_converge: bool) -> Layout:
             log_dir=f"{log_dir}/{name}",
             env=env,
             vllm=bool(d.get("vllm", False)),
+            shared_password=str(shared.get("password", "")),
+            serde_key_b64=str(d.get("serde_key_b64", "")),
         ))
     return Layout(
         user=v["kvp_user"], group=v["kvp_group"], venv=venv,

@@ -56,6 +56,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: stand-ins for vaulted secrets: the tests check they land only in owner-only files
+CI_SHARED_PASSWORD = "ci-shared-pw-7f3a9c"
+CI_SERDE_KEY_B64 = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+
+
 def ci_vars(base: Path, stand_in_bin: Path) -> dict[str, Any]:
     """The role variables of the CI converge: two CPU deployments under ``base/root``.
 
@@ -79,6 +84,10 @@ def ci_vars(base: Path, stand_in_bin: Path) -> dict[str, Any]:
             "KVP_VLLM_EXTRA_ARGS": "--max-num-seqs 4",
         })
         deployments.append({"name": name, "cache_root": f"/srv/nvme0/kvp/{name}", "env": env})
+    # a shared tier with credentials "from the vault" (the store is never contacted here)
+    deployments[1]["shared_tier"] = {"url": "valkey://127.0.0.1:6390", "username": "kvp-fleet",
+                                     "password": CI_SHARED_PASSWORD}
+    deployments[1]["serde_key_b64"] = CI_SERDE_KEY_B64
     deployments[1]["vllm"] = True
     deployments[1]["extra_settings"] = ["Nice=5"]
     return {
@@ -147,6 +156,9 @@ def run_playbook(base: Path, vars_file: Path, *extra: str, timeout: float = 300)
         "ANSIBLE_FORCE_COLOR": "0",
         "ANSIBLE_LOCAL_TEMP": str(base / "ansible-tmp"),
         "PATH": f"{VENV / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}",
+        # the venv's kvp-admin runs this checkout's kvpersist (a no-op where the venv was
+        # installed from it; needed where several checkouts share one venv)
+        "PYTHONPATH": str(REPO),
     })
     for key in [k for k in env if k.startswith("KVP_")]:
         del env[key]

@@ -318,3 +318,22 @@ def test_exec_start_pre_preflight_passes(host, kvp_layout, cache_server):
         assert host.service(f"kvp-lmcache@{srv.dep.name}").is_running
         return
     assert srv.pre.rc == 0, srv.pre.stdout + srv.pre.stderr
+
+
+def test_shared_tier_secrets_are_owner_only_files(host, kvp_layout):
+    """The vaulted shared-tier password and fleet serde key land only in files of the service
+    user, mode 0600; identity.env names the tier and the secret file, never the password."""
+    import base64
+
+    shared = [d for d in kvp_layout.deployments if d.shared_password]
+    assert shared or not kvp_layout.local_converge
+    for dep in shared:
+        secret = host.file(dep.env["KVP_SHARED_TIER_SECRET_FILE"])
+        assert (secret.user, secret.group, secret.mode) == (kvp_layout.user, kvp_layout.group,
+                                                            0o600)
+        assert f"password={dep.shared_password}\n" in secret.content_string
+        assert dep.shared_password not in host.file(dep.identity_env).content_string
+        if dep.serde_key_b64:
+            key = host.file(f"{dep.state_dir}/keys/l2-master.key")
+            assert (key.user, key.mode) == (kvp_layout.user, 0o600)
+            assert key.content == base64.b64decode(dep.serde_key_b64)

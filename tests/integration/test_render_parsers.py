@@ -154,3 +154,27 @@ def test_tp4_container_argv_names_the_seed_container(rendered: dict[str, dict[st
     assert argv[argv.index("--name") + 1] == "mimo-pro-tp4-kvp"
     ns = rendered["mimo-pro-tp4"]["namespace"]
     assert f"/models/MiMo-V2-Flash:/kvp-models/{ns}:ro" in argv
+
+
+@pytest.mark.parametrize(("url", "kind"), [
+    ("valkey://10.0.5.11:6379?workers=4", "RESPL2AdapterConfig"),
+    ("valkey://10.0.5.11:6379,10.0.5.12:6379?cluster=1&tls=1", "ValkeyL2AdapterConfig"),
+])
+def test_lmcache_parser_accepts_the_shared_tier(tmp_path: Path,
+                                                lmcache_parser: argparse.ArgumentParser,
+                                                url: str, kind: str) -> None:
+    from lmcache.v1.distributed.config import parse_args_to_config
+
+    env = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"), KVP_SHARED_TIER=url,
+               KVP_SHARED_TIER_SECRET_FILE=str(tmp_path / "shared.secret"))
+    r = render_json("cpu-demo", env)
+    args = lmcache_parser.parse_args(r["lmcache_server_argv"][2:])
+    assert args.l2_store_policy == "default" and args.l2_prefetch_policy == "default"
+    storage = parse_args_to_config(args)
+    nvme, shared = storage.l2_adapter_config.adapters
+    assert type(nvme).__name__ == "DynamicNixlStoreL2AdapterConfig"
+    assert type(shared).__name__ == kind
+    assert shared.serde_config.type == "aesgcm"
+    assert shared.serde_config.kwargs == nvme.serde_config.kwargs
+    assert getattr(shared, "password", "") == "" and getattr(shared, "username", "") == ""
+    assert r["shared_tier"]["adapter"] in kind.lower()

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Shared-tier throughput (docs/benchmarks.md, "## Shared tier"). One run, one machine;
+ratios matter, not absolute numbers.
+
+    python bench/shared_tier_bench.py [--seqs 8] [--adapters resp,valkey] [--out FILE]
+
+For each adapter: a real redis-server (ACL user) and two deployments started by
+``kvp-admin launch --no-vllm`` with different cache roots ("host A", "host B"):
+
+1. store: host A stores N sequences through LMCache's MP client; the time until every chunk
+   is on A's NVMe and on the shared tier (LMCache writes both tiers asynchronously);
+2. local retrieve: A restarted (L1 empty): lookup + retrieve of every sequence from the NVMe;
+3. shared retrieve: B (fresh cache root, same serde key) retrieves the same sequences, all
+   from the shared tier.
+
+Uses the test suite's helpers for redis and the deployment; every process is stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from kvpersist.demo.kvdriver import connect, shape_spec  # noqa: E402
+from tests.fullstack._stack import Stack  # noqa: E402
+from tests.integration._redis import start_redis  # noqa: E402
+from tests.integration.test_shared_tier import host, share_key  # noqa: E402
+
+#: 8 KV heads x head dim 128 x 8 layers, bf16: 8 MiB per 256-token chunk
+SPEC = shape_spec(8, 128, 8)
+CHUNK_BYTES = 2 * 256 * 8 * 128 * 2 * 8
+
+
+def retrieve_all(s: Stack, ns: str, seqs: int, digests: dict[int, list[str]]) -> float:
+    with connect(s.rpc, s.http, ns, kvcache_shape_spec=SPEC) as d:
+        t0 = time.perf_counter()
+        for seq in range(seqs):
+            lk, got = d.lookup_and_retrieve(seq)
+            if lk.hit_chunks != lk.total_chunks or got != digests[seq]:
+                raise RuntimeError(f"sequence {seq}: {lk}, bytes equal: {got == digests[seq]}")
+        return time.perf_counter() - t0
+
+
+def run(adapter: str, seqs: int, tmp: Path) -> dict[str, Any]:
+    r = start_redis(tmp / "store", maxmemory="4gb")
+    url = r.url + ("?adapter=valkey" if adapter == "valkey" else "")
+    a, b = host(tmp, "a", r), host(tmp, "b", r)
+    for s in (a, b):
+        s.env.update({"KVP_SHARED_TIER": url, "KVP_L1_SIZE_GB": "2", "KVP_L2_BUDGET": "8G"})
+    try:
+        ns = a.render()["namespace"]
+        a.launch("--no-vllm")
+        chunks = seqs * 4
+        with connect(a.rpc, a.http, ns, kvcache_shape_spec=SPEC) as d:
+            t0 = time.perf_counter()
+            digests = {seq: d.store(seq) for seq in range(seqs)}
+            t_l1 = time.perf_counter() - t0
+            t_local = t_shared = None
+            while time.perf_counter() - t0 < 600 and (t_local is None or t_shared is None):
+                if t_local is None and len(a.chunk_files(ns + "_")) >= chunks:
+                    t_local = time.perf_counter() - t0
+                if t_shared is None and len(r.scan_keys(f"{ns}@*")) >= chunks:
+                    t_shared = time.perf_counter() - t0
+                time.sleep(0.05)
+        a.stop()
+        a.launch("--no-vllm")
+        local = retrieve_all(a, ns, seqs, digests)
+        a.stop()
+        share_key(a, b)
+        b.launch("--no-vllm")
+        shared = retrieve_all(b, ns, seqs, digests)
+        b.stop()
+        mib = chunks * CHUNK_BYTES / 2**20
+        return {"adapter": adapter, "chunks": chunks, "mib": mib,
+                "store_to_l1_s": round(t_l1, 2),
+                "store_on_nvme_s": round(t_local or -1, 2),
+                "store_on_shared_s": round(t_shared or -1, 2),
+                "retrieve_local_s": round(local, 2), "retrieve_shared_s": round(shared, 2),
+                "retrieve_local_mib_s": round(mib / local, 1),
+                "retrieve_shared_mib_s": round(mib / shared, 1),
+                "shared_over_local_retrieve_time": round(shared / local, 2)}
+    finally:
+        a.cleanup()
+        b.cleanup()
+        r.stop()
+
+
+def ttft(tmp: Path, turns: int) -> dict[str, Any]:
+    """Time to first token on the ``bench`` demo model (~186M parameters, vLLM CPU build):
+    cold prefill on A, A restarted (from its NVMe), fresh B (from the shared tier)."""
+    from kvpersist.demo.chat import chat_completion, long_chat
+    from kvpersist.demo.model import generate_model
+    from kvpersist.demo.run import _identity_file
+
+    model = generate_model("bench", tmp / "models")
+    config = _identity_file(tmp, "bench")
+    chat = long_chat(turns=turns, words_per_turn=150, seed=5)
+    warmup = [{"role": "user", "content": "Hello."}]
+
+    def first_token(s: Stack) -> Any:
+        # a short unrelated request first keeps first-request overheads out (as in
+        # persistence_bench.py)
+        chat_completion(s.vllm_url, "cpu-demo", warmup, max_tokens=2)
+        return chat_completion(s.vllm_url, "cpu-demo", chat, max_tokens=16)
+
+    r = start_redis(tmp / "store", maxmemory="4gb")
+    a, b = host(tmp, "a", r), host(tmp, "b", r)
+    for s in (a, b):
+        s.config = config
+        s.env["KVP_MODEL_PATH"] = str(model)
+    try:
+        a.launch()
+        cold = first_token(a)
+        a.stop()
+        a.launch()
+        local = first_token(a)
+        a.stop()
+        share_key(a, b)
+        b.launch()
+        shared = first_token(b)
+        b.stop()
+        return {"prompt_tokens": cold.prompt_tokens, "cold_ttft_s": round(cold.ttft_s, 3),
+                "a_restarted_nvme_ttft_s": round(local.ttft_s, 3),
+                "b_fresh_shared_ttft_s": round(shared.ttft_s, 3),
+                "shared_over_cold": round(shared.ttft_s / cold.ttft_s, 3),
+                "shared_over_nvme": round(shared.ttft_s / local.ttft_s, 3),
+                "identical": cold.text == local.text == shared.text}
+    finally:
+        a.cleanup()
+        b.cleanup()
+        r.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--adapters", default="resp,valkey")
+    ap.add_argument("--ttft", action="store_true", help="also TTFT on the bench model")
+    ap.add_argument("--turns", type=int, default=12)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    results: list[dict[str, Any]] = []
+    if args.ttft:
+        with tempfile.TemporaryDirectory(prefix="kvp-shared-bench-") as tmp:
+            Path(tmp).chmod(0o700)
+            results.append({"ttft": ttft(Path(tmp), args.turns)})
+            print(json.dumps(results[-1]), flush=True)
+    for adapter in [a for a in args.adapters.split(",") if a]:
+        with tempfile.TemporaryDirectory(prefix="kvp-shared-bench-") as tmp:
+            Path(tmp).chmod(0o700)
+            results.append(run(adapter, args.seqs, Path(tmp)))
+            print(json.dumps(results[-1]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

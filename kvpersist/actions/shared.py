@@ -1,0 +1,112 @@
+"""Use cases on the shared tier: ``report --tier shared`` and ``prune --tier shared``.
+
+The deployments (``--config``, default: every config under configs/ with a shared tier) name
+the tier, its credentials and the active namespaces; they must agree on one tier. The same
+rules as on disk: a dry run unless ``apply``, an active namespace only with ``force``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.shared_tier import SharedTier
+from kvpersist.errors import UsageError
+from kvpersist.l2.shared_keys import namespace_problem
+from kvpersist.l2.shared_store import SharedStore, connect, prune_namespace, usage
+
+REPORT_SCHEMA = "kvpersist.shared-report/1"
+PRUNE_SCHEMA = "kvpersist.shared-prune/1"
+
+
+@dataclass(frozen=True)
+class SharedContext:
+    tier: SharedTier
+    deployments: tuple[Deployment, ...]
+    active: frozenset[str]
+
+    def connect(self) -> SharedStore:
+        from kvpersist.stack.lmcache_exec import read_secret_file
+        from kvpersist.system.files import service_uids
+
+        dep = self.deployments[0]
+        secret = read_secret_file(dep.settings.shared_tier_secret_file,
+                                  also=service_uids(dep.settings.service_user))
+        return connect(self.tier, secret)
+
+
+def shared_context(configs: Sequence[str]) -> SharedContext:
+    """Load the deployments that use a shared tier. Raises UsageError when none does or they
+    name different tiers, ConfigError for a config that does not load."""
+    from kvpersist.config.loader import list_config_names, load_deployment
+
+    if configs:
+        deps = [load_deployment(c) for c in configs]
+        missing = [d.name for d in deps if not d.settings.shared_tier]
+        if missing:
+            raise UsageError(f"{', '.join(missing)}: no shared tier (KVP_SHARED_TIER is empty)")
+    else:
+        deps = []
+        for name in list_config_names():
+            try:
+                dep = load_deployment(name)
+            except Exception:  # noqa: BLE001 - a config that does not load is not this tier's
+                continue
+            if dep.settings.shared_tier:
+                deps.append(dep)
+        if not deps:
+            raise UsageError("no deployment config has a shared tier; name one with --config")
+    tiers = {shared_tier_of(d.settings) for d in deps}
+    if len(tiers) != 1:
+        raise UsageError("the configs name different shared tiers; give --config for one")
+    tier = tiers.pop()
+    assert tier is not None
+    return SharedContext(tier, tuple(deps), frozenset(d.namespace for d in deps))
+
+
+def report_shared(configs: Sequence[str]) -> dict[str, Any]:
+    """Per-namespace keys and bytes on the shared tier, and its budget as read back.
+    Raises KvpError when the store cannot be reached."""
+    ctx = shared_context(configs)
+    store = ctx.connect()
+    try:
+        budget = store.budget()
+        found = usage(store)
+    finally:
+        store.close()
+    rows = [{"namespace": ns, "keys": n, "bytes": b, "active": ns in ctx.active}
+            for ns, (n, b) in sorted(found.namespaces.items(), key=lambda kv: -kv[1][1])]
+    return {"schema": REPORT_SCHEMA, "tier": ctx.tier.to_dict(), "store": budget.to_dict(),
+            "namespaces": rows, "chunk_keys": sum(r["keys"] for r in rows),
+            "chunk_bytes": sum(r["bytes"] for r in rows), "other_keys": found.other_keys,
+            "active": sorted(ctx.active)}
+
+
+def prune_shared(configs: Sequence[str], namespaces: Sequence[str], *, apply: bool,
+                 force: bool, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Delete (``apply``) or count the chunk keys of ``namespaces`` on the shared tier.
+    Raises UsageError for a bad or active (without ``force``) namespace, CheckFailed when
+    another host holds a namespace's lock, KvpError when the store cannot be reached."""
+    if not namespaces:
+        raise UsageError("on the shared tier, name what to delete with --namespace NS")
+    for ns in namespaces:
+        problem = namespace_problem(ns)
+        if problem:
+            raise UsageError(f"--namespace: {problem}")
+    ctx = shared_context(configs)
+    active = [ns for ns in namespaces if ns in ctx.active]
+    if active and not force:
+        raise UsageError(f"{', '.join(active)} is active (a configured deployment uses it); "
+                         "add --force to delete its keys on the shared tier anyway")
+    store = ctx.connect()
+    try:
+        results = [prune_namespace(store, ns, apply=apply, progress=progress)
+                   for ns in dict.fromkeys(namespaces)]
+    finally:
+        store.close()
+    return {"schema": PRUNE_SCHEMA, "tier": ctx.tier.to_dict(), "dry_run": not apply,
+            "namespaces": [r.to_dict() for r in results],
+            "deleted_keys": sum(r.keys for r in results),
+            "deleted_bytes": sum(r.bytes for r in results)}

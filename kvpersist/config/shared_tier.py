@@ -1,0 +1,208 @@
+"""The optional shared KV tier (``KVP_SHARED_TIER``): parse its URL, choose LMCache's adapter
+and build the adapter JSON without credentials (pure).
+
+``KVP_SHARED_TIER`` is empty (no shared tier) or a URL::
+
+    valkey://host:port[,host:port...]?cluster=0&tls=0&db=0&workers=8&adapter=auto
+
+(``redis://`` is accepted as a synonym). Query keys, all optional:
+
+========  =======  ===========================================================
+key       default  meaning
+========  =======  ===========================================================
+cluster   0        1: a Redis/Valkey cluster; the nodes are seeds
+tls       0        1: TLS to the store
+db        0        logical database (standalone only)
+workers   8        LMCache's I/O worker threads for this tier
+adapter   auto     ``resp``, ``valkey`` or ``auto`` (see :func:`choose_adapter`)
+========  =======  ===========================================================
+
+Credentials never appear in the URL (a ``user:password@`` part is refused): the ACL user and
+password live in the owner-only file named by ``KVP_SHARED_TIER_SECRET_FILE``
+(:func:`parse_secret`), which only the launcher reads, in the cache server's own process
+(:mod:`kvpersist.stack.lmcache_exec`). Nothing here reads files.
+
+Keys on the store are LMCache's wire keys ``<model name>@<kv rank>@<group>@<chunk hash>``;
+the model name is the namespace, so ``kvp-<32 hex>@*`` matches exactly one namespace.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+SCHEMES = ("valkey", "redis")
+ADAPTERS = ("auto", "resp", "valkey")
+QUERY_KEYS = ("cluster", "tls", "db", "workers", "adapter")
+#: LMCache reads these in the resp adapter's factory when the JSON leaves them empty; the
+#: launcher sets them in its own process (never in a child's exec environment)
+RESP_ENV_USER = "LMCACHE_RESP_USERNAME"
+RESP_ENV_PASSWORD = "LMCACHE_RESP_PASSWORD"  # noqa: S105 - a variable name, not a secret
+_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252})\Z")
+
+
+@dataclass(frozen=True)
+class SharedTier:
+    """A parsed ``KVP_SHARED_TIER``."""
+
+    url: str
+    nodes: tuple[tuple[str, int], ...]
+    cluster: bool = False
+    tls: bool = False
+    db: int = 0
+    workers: int = 8
+    adapter: str = "resp"  # the adapter chosen (never "auto")
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port[,host:port...]``: where the tier is, for reports (no secret)."""
+        return ",".join(f"{h}:{p}" for h, p in self.nodes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "endpoint": self.endpoint, "cluster": self.cluster,
+                "tls": self.tls, "db": self.db, "workers": self.workers,
+                "adapter": self.adapter}
+
+
+def choose_adapter(requested: str, *, cluster: bool, tls: bool, db: int,
+                   nodes: int) -> tuple[str, str]:
+    """Which LMCache adapter serves the tier; returns (adapter, problem or '').
+
+    ``auto`` takes ``resp`` (LMCache's native C++ client) for a single standalone node
+    without TLS on db 0: it reads its credentials from its own process environment, so they
+    never appear in the server's ``GET /config`` (the two adapters' throughput was within
+    the noise of each other here, docs/benchmarks.md). Everything else needs ``valkey``
+    (valkey-glide: cluster, TLS, db), whose credentials are adapter-JSON fields and
+    therefore visible in ``GET /config`` on the loopback admin port (docs/fleet.md,
+    "Secrets").
+    """
+    needs_valkey = cluster or tls or db != 0 or nodes > 1
+    if requested == "resp" and needs_valkey:
+        return "", ("adapter=resp serves one standalone node without TLS on db 0 only; "
+                    "use adapter=valkey (or auto)")
+    if requested == "auto":
+        return ("valkey" if needs_valkey else "resp"), ""
+    return requested, ""
+
+
+def parse_shared_tier(value: str) -> tuple[SharedTier | None, str]:
+    """Parse a ``KVP_SHARED_TIER`` value; returns (tier or None for empty, problem or '')."""
+    value = value.strip()
+    if not value:
+        return None, ""
+    try:
+        parts = urlsplit(value)
+    except ValueError as exc:
+        return None, f"is not a URL: {exc}"
+    if parts.scheme not in SCHEMES:
+        return None, (f"must start with valkey:// or redis://, got {parts.scheme or value!r}")
+    if "@" in parts.netloc:
+        return None, ("must not carry credentials (user:password@): they would be visible "
+                      "to every user; put them in KVP_SHARED_TIER_SECRET_FILE")
+    if parts.path not in ("", "/") or parts.fragment:
+        return None, "takes no path or fragment: valkey://host:port[,host:port...]?options"
+    nodes: list[tuple[str, int]] = []
+    for item in parts.netloc.split(","):
+        host, sep, port_text = item.strip().rpartition(":")
+        if not sep or not _HOST.match(host) or not port_text.isdigit():
+            return None, f"node {item!r} must be host:port (a name or IPv4 address)"
+        port = int(port_text)
+        if not 1 <= port <= 65535:
+            return None, f"node {item!r}: port must be 1-65535"
+        nodes.append((host, port))
+    try:
+        query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError:
+        return None, f"query {parts.query!r} must be key=value pairs joined by '&'"
+    options: dict[str, str] = {}
+    for key, raw in query:
+        if key not in QUERY_KEYS:
+            return None, f"unknown option {key!r} (known: {', '.join(QUERY_KEYS)})"
+        if key in options:
+            return None, f"option {key!r} given twice"
+        options[key] = raw
+    flags: dict[str, bool] = {}
+    for key in ("cluster", "tls"):
+        raw = options.get(key, "0")
+        if raw not in ("0", "1"):
+            return None, f"{key} must be 0 or 1, got {raw!r}"
+        flags[key] = raw == "1"
+    db_text, workers_text = options.get("db", "0"), options.get("workers", "8")
+    if not db_text.isdigit() or int(db_text) > 15:
+        return None, f"db must be an integer 0-15, got {db_text!r}"
+    if not workers_text.isdigit() or not 1 <= int(workers_text) <= 64:
+        return None, f"workers must be an integer 1-64, got {workers_text!r}"
+    db = int(db_text)
+    if flags["cluster"] and db:
+        return None, "db must be 0 in cluster mode (a cluster has database 0 only)"
+    if not flags["cluster"] and len(nodes) > 1:
+        return None, "several nodes need cluster=1 (a standalone store has one address)"
+    requested = options.get("adapter", "auto")
+    if requested not in ADAPTERS:
+        return None, f"adapter must be one of {', '.join(ADAPTERS)}, got {requested!r}"
+    adapter, problem = choose_adapter(requested, cluster=flags["cluster"], tls=flags["tls"],
+                                      db=db, nodes=len(nodes))
+    if problem:
+        return None, problem
+    return SharedTier(url=value, nodes=tuple(nodes), cluster=flags["cluster"],
+                      tls=flags["tls"], db=db, workers=int(workers_text),
+                      adapter=adapter), ""
+
+
+def adapter_json(tier: SharedTier, serde: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``--l2-adapter`` object of the shared tier, *without* credentials (the launcher
+    adds them in the server's own process). ``max_capacity_gb`` stays 0: the store evicts
+    (allkeys-lru), LMCache's byte counter could not see the other hosts' writes anyway."""
+    if tier.adapter == "resp":
+        host, port = tier.nodes[0]
+        out: dict[str, Any] = {"type": "resp", "host": host, "port": port,
+                               "num_workers": tier.workers}
+    else:
+        out = {"type": "valkey", "startup_nodes": tier.endpoint,
+               "cluster_mode": tier.cluster, "tls_enable": tier.tls,
+               "num_workers": tier.workers}
+        if not tier.cluster:
+            out["database_id"] = tier.db
+    if serde:
+        out["serde"] = dict(serde)
+    return out
+
+
+# --------------------------------------------------------------------------- the secret file
+
+
+@dataclass(frozen=True)
+class SharedSecret:
+    """The ACL user and password of the shared tier. ``repr`` never shows the password."""
+
+    username: str
+    password: str
+
+    def __repr__(self) -> str:
+        return f"SharedSecret(username={self.username!r}, password=<redacted>)"
+
+
+def parse_secret(text: str) -> tuple[SharedSecret | None, str]:
+    """Parse the secret file's text: ``username=NAME`` and ``password=PW`` lines (``#``
+    comments and blank lines allowed; the password is taken verbatim after the first
+    ``=``). Returns (secret or None, problem or ''); a problem never quotes the password."""
+    values: dict[str, str] = {}
+    for number, line in enumerate(text.split("\n"), 1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if not sep or key not in ("username", "password"):
+            return None, f"line {number}: expected username=... or password=..."
+        if key in values:
+            return None, f"line {number}: {key} given twice"
+        values[key] = value.rstrip("\r") if key == "password" else value.strip()
+    if not values.get("password"):
+        return None, "no password=... line"
+    user = values.get("username", "")
+    if user and not re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", user):
+        return None, "username must be 1-128 characters of A-Z a-z 0-9 _ . : -"
+    return SharedSecret(user or "default", values["password"]), ""

@@ -1,0 +1,256 @@
+"""Talk to the shared tier's store (Redis/Valkey, standalone or cluster) for ``report``,
+``prune`` and ``health``: the I/O half of :mod:`kvpersist.l2.shared_keys`.
+
+Listing is server-side iteration only: ``SCAN MATCH`` on every primary node (never ``KEYS``);
+value sizes come from ``STRLEN`` in pipelines of one SCAN page. A prune deletes one namespace
+in bounded batches (``UNLINK`` per key, one pipeline per page) under a lock held *in the
+store* (``SET NX PX``, refreshed per batch, released only by its holder), so two hosts
+never prune the same namespace at once. Running it again deletes nothing more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpersist.config.shared_tier import SharedSecret, SharedTier
+from kvpersist.errors import CheckFailed, KvpError
+from kvpersist.l2.shared_keys import (
+    StoreBudget,
+    lock_key,
+    match_pattern,
+    namespace_of,
+    plan_store_budget,
+)
+
+SCAN_COUNT = 500
+
+
+def _errors() -> tuple[type[Exception], ...]:
+    """What redis-py raises for a store that cannot serve (the cluster client's own
+    exception type does not derive from RedisError)."""
+    import redis
+    from redis.exceptions import RedisClusterException
+
+    return (redis.RedisError, RedisClusterException)
+
+LOCK_TTL_MS = 60_000
+_RELEASE = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+            "return redis.call('del', KEYS[1]) else return 0 end")
+_REFRESH = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+            "return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end")
+
+
+class SharedStore:
+    """A connection to the store; ``nodes()`` are per-primary clients (one for standalone)."""
+
+    def __init__(self, tier: SharedTier, secret: SharedSecret, timeout: float = 3.0) -> None:
+        import redis
+        from redis.cluster import ClusterNode, RedisCluster
+
+        self.tier = tier
+        common: dict[str, Any] = {"username": secret.username, "password": secret.password,
+                                  "socket_timeout": timeout, "socket_connect_timeout": timeout,
+                                  "ssl": tier.tls}
+        self.client: Any
+        if tier.cluster:
+            self.client = RedisCluster(
+                startup_nodes=[ClusterNode(h, p)  # type: ignore[no-untyped-call]
+                               for h, p in tier.nodes], **common)
+        else:
+            host, port = tier.nodes[0]
+            self.client = redis.Redis(host=host, port=port, db=tier.db, **common)
+
+    def nodes(self) -> list[Any]:
+        if not self.tier.cluster:
+            return [self.client]
+        return [self.client.get_redis_connection(n) for n in self.client.get_primaries()]
+
+    def close(self) -> None:
+        self.client.close()
+
+    def scan(self, pattern: str) -> Iterator[tuple[Any, list[str]]]:
+        """(node client, one page of keys) for every page of ``SCAN MATCH pattern`` on every
+        primary node."""
+        for node in self.nodes():
+            cursor = 0
+            while True:
+                cursor, page = node.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
+                keys = [k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k)
+                        for k in page]
+                if keys:
+                    yield node, keys
+                if int(cursor) == 0:
+                    break
+
+    def budget(self) -> StoreBudget:
+        maxmemory, used, policies = [], [], []
+        for node in self.nodes():
+            info = node.info("memory")
+            maxmemory.append(int(info.get("maxmemory", 0)))
+            used.append(int(info.get("used_memory", 0)))
+            policies.append(str(info.get("maxmemory_policy", "")))
+        return plan_store_budget(maxmemory, used, policies)
+
+
+def connect(tier: SharedTier, secret: SharedSecret, timeout: float = 3.0) -> SharedStore:
+    """Connect (and authenticate) to the store. Raises KvpError with the reason."""
+    import redis
+
+    try:
+        store = SharedStore(tier, secret, timeout)
+        for node in store.nodes():
+            node.ping()
+        return store
+    except redis.AuthenticationError as exc:
+        raise KvpError(f"shared tier {tier.endpoint}: authentication failed ({exc})") from exc
+    except _errors() as exc:
+        raise KvpError(f"shared tier {tier.endpoint}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- probe (health)
+
+
+@dataclass(frozen=True)
+class StoreProbe:
+    """What health learns from the store."""
+
+    reachable: bool
+    auth_ok: bool
+    latency_ms: float | None = None
+    budget: StoreBudget | None = None
+    error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reachable": self.reachable, "auth_ok": self.auth_ok,
+                "latency_ms": self.latency_ms, "error": self.error,
+                "budget": self.budget.to_dict() if self.budget else None}
+
+
+def probe(tier: SharedTier, secret: SharedSecret, timeout: float = 2.0) -> StoreProbe:
+    """Ping every primary (latency: the slowest), read the budget. Never raises."""
+    import redis
+
+    try:
+        store = SharedStore(tier, secret, timeout)
+    except redis.AuthenticationError as exc:
+        return StoreProbe(True, False, error=f"authentication failed: {exc}")
+    except _errors() as exc:
+        return StoreProbe(False, False, error=str(exc))
+    try:
+        worst = 0.0
+        for node in store.nodes():
+            t0 = time.perf_counter()
+            node.ping()
+            worst = max(worst, (time.perf_counter() - t0) * 1000)
+        return StoreProbe(True, True, round(worst, 2), store.budget())
+    except redis.AuthenticationError as exc:
+        return StoreProbe(True, False, error=f"authentication failed: {exc}")
+    except redis.ResponseError as exc:
+        auth = any(w in str(exc) for w in ("WRONGPASS", "NOAUTH", "NOPERM"))
+        return StoreProbe(True, not auth, error=str(exc))
+    except _errors() as exc:
+        return StoreProbe(False, False, error=str(exc))
+    finally:
+        with contextlib.suppress(*_errors()):
+            store.close()
+
+
+# --------------------------------------------------------------------------- usage (report)
+
+
+@dataclass
+class SharedUsage:
+    """Per-namespace keys and value bytes on the store, and what is not a chunk key."""
+
+    namespaces: dict[str, list[int]] = field(default_factory=dict)  # ns -> [keys, bytes]
+    other_keys: int = 0
+
+    def add(self, ns: str, size: int) -> None:
+        entry = self.namespaces.setdefault(ns, [0, 0])
+        entry[0] += 1
+        entry[1] += size
+
+
+def _sizes(node: Any, keys: list[str]) -> list[int]:
+    pipe = node.pipeline(transaction=False)
+    for k in keys:
+        pipe.strlen(k)
+    return [int(v or 0) for v in pipe.execute()]
+
+
+def usage(store: SharedStore, pattern: str = "*") -> SharedUsage:
+    """Scan the store (``pattern``, default every key) and sum chunk keys per namespace."""
+    out = SharedUsage()
+    for node, keys in store.scan(pattern):
+        chunk = [(k, namespace_of(k)) for k in keys]
+        mine = [(k, ns) for k, ns in chunk if ns]
+        out.other_keys += len(chunk) - len(mine)
+        for (_, ns), size in zip(mine, _sizes(node, [k for k, _ in mine]), strict=True):
+            out.add(str(ns), size)
+    return out
+
+
+# --------------------------------------------------------------------------- prune
+
+
+@dataclass
+class SharedPruneResult:
+    namespace: str
+    dry_run: bool
+    keys: int = 0
+    bytes: int = 0
+    batches: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"namespace": self.namespace, "dry_run": self.dry_run,
+                "deleted_keys": self.keys, "deleted_bytes": self.bytes,
+                "batches": self.batches}
+
+
+def lock_holder() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def prune_namespace(store: SharedStore, ns: str, *, apply: bool,
+                    progress: Callable[[int], None] | None = None) -> SharedPruneResult:
+    """Delete (``apply``) or count every chunk key of ``ns``, one SCAN page per batch, under
+    the store-wide lock. Raises CheckFailed if another host holds the lock."""
+    res = SharedPruneResult(ns, dry_run=not apply)
+    if not apply:
+        for node, keys in store.scan(match_pattern(ns)):
+            res.keys += len(keys)
+            res.bytes += sum(_sizes(node, keys))
+            res.batches += 1
+        return res
+    key, holder = lock_key(ns), lock_holder()
+    if not store.client.set(key, holder, nx=True, px=LOCK_TTL_MS):
+        other = store.client.get(key)
+        raise CheckFailed(f"another prune of {ns} holds the shared tier's lock ({key} = "
+                          f"{other.decode() if isinstance(other, bytes) else other}); try again "
+                          f"when it is done (the lock expires {LOCK_TTL_MS // 1000} s after "
+                          "its holder stops refreshing it)")
+    try:
+        for node, keys in store.scan(match_pattern(ns)):
+            if not store.client.eval(_REFRESH, 1, key, holder, LOCK_TTL_MS):
+                raise CheckFailed(f"lost the shared tier's prune lock of {ns}; stopped after "
+                                  f"{res.keys} keys (run it again)")
+            sizes = _sizes(node, keys)
+            pipe = node.pipeline(transaction=False)
+            for k in keys:
+                pipe.unlink(k)
+            gone = [int(v or 0) for v in pipe.execute()]
+            res.keys += sum(gone)
+            res.bytes += sum(s for s, g in zip(sizes, gone, strict=True) if g)
+            res.batches += 1
+            if progress:
+                progress(res.keys)
+    finally:
+        store.client.eval(_RELEASE, 1, key, holder)
+    return res

@@ -1,0 +1,156 @@
+"""Start stock LMCache's server with the shared tier's credentials, keeping them out of /proc.
+
+``/proc/PID/cmdline`` is world-readable, and LMCache takes adapter credentials only as
+adapter-JSON fields (``valkey``) or from its own process environment (``resp``). So a
+deployment with a shared tier does not exec ``lmcache server ...`` directly; it runs::
+
+    python -m kvpersist.stack.lmcache_exec --secret-file FILE -- lmcache server ... \\
+        --l2-adapter '{"type":"resp",...}' ...
+
+which reads the owner-only FILE, puts the credentials into *this process's* copy of the
+argument list (``valkey``) or environment (``resp``), and calls LMCache's own console entry
+point (``lmcache.cli.main:main``) in the same process. The kernel's copies — the exec-time
+argv and environment block behind ``/proc/PID/cmdline`` and ``/proc/PID/environ`` — never
+hold them. LMCache itself is not changed.
+
+The valkey adapter of LMCache 0.5.6 hands ``(username, password)`` positionally to glide's
+``ServerCredentials(password, username)``, i.e. swapped; :func:`valkey_swaps_credentials`
+recognises that code in the installed LMCache and :func:`inject` compensates, so an ACL user
+authenticates (docs/fleet.md, "Adapters").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from collections.abc import Sequence
+
+from kvpersist.config.shared_tier import (
+    RESP_ENV_PASSWORD,
+    RESP_ENV_USER,
+    SharedSecret,
+    parse_secret,
+)
+from kvpersist.errors import KvpError
+
+MODULE = "kvpersist.stack.lmcache_exec"
+SHARED_TYPES = ("resp", "valkey")
+#: the swapped call in LMCache 0.5.6's ValkeyWorkerPool._get_client
+_SWAPPED_CALL = "ServerCredentials(self._username, self._password)"
+_WORKER_POOL = "lmcache.v1.storage_backend.valkey.worker_pool"
+
+
+def exec_argv(python: str, secret_file: str, server_argv: Sequence[str]) -> list[str]:
+    """The command line that starts ``server_argv`` through this launcher (pure)."""
+    return [python, "-m", MODULE, "--secret-file", secret_file, "--", *server_argv]
+
+
+def read_secret_file(path: str, also: tuple[int, ...] = ()) -> SharedSecret:
+    """Read the shared tier's secret file: a regular file (no symlink) owned by this user (or
+    one of ``also``: the service user, when root administers for it) and readable by nobody
+    else. Raises KvpError naming the problem (never the content)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise KvpError(f"shared tier secret file {path}: {exc.strerror}; check "
+                       "KVP_SHARED_TIER_SECRET_FILE") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KvpError(f"shared tier secret file {path} is not a regular file")
+        if st.st_uid != os.geteuid() and st.st_uid not in also:
+            raise KvpError(f"shared tier secret file {path} belongs to uid {st.st_uid}, not "
+                           f"to the cache server's user (uid {os.geteuid()}); chown it")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise KvpError(f"shared tier secret file {path} is readable by others (mode "
+                           f"{stat.S_IMODE(st.st_mode):04o}); chmod 600 {path}")
+        with os.fdopen(fd, "r", encoding="utf-8", errors="strict") as f:
+            fd = -1
+            text = f.read(65536)
+    except UnicodeDecodeError as exc:
+        raise KvpError(f"shared tier secret file {path} is not UTF-8 text") from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    secret, problem = parse_secret(text)
+    if secret is None:
+        raise KvpError(f"shared tier secret file {path}: {problem}")
+    return secret
+
+
+def valkey_swaps_credentials(worker_pool_source: str) -> bool:
+    """True when LMCache's valkey worker pool (its source text) passes the credentials to
+    glide in the swapped order (LMCache 0.5.6)."""
+    return _SWAPPED_CALL in worker_pool_source
+
+
+def inject(argv: Sequence[str], secret: SharedSecret, *,
+           valkey_swapped: bool) -> tuple[list[str], dict[str, str]]:
+    """Put ``secret`` into the shared tier's ``--l2-adapter`` (pure).
+
+    Returns (the in-process argv, environment entries to set in this process). ``resp``
+    reads its credentials from the environment, ``valkey`` from its JSON. Raises KvpError
+    when ``argv`` holds no shared-tier adapter, or more than one.
+    """
+    out = list(argv)
+    env: dict[str, str] = {}
+    found = 0
+    for i, arg in enumerate(out[:-1]):
+        if arg != "--l2-adapter":
+            continue
+        try:
+            spec = json.loads(out[i + 1])
+        except ValueError:
+            continue
+        if not isinstance(spec, dict) or spec.get("type") not in SHARED_TYPES:
+            continue
+        found += 1
+        if spec["type"] == "resp":
+            env = {RESP_ENV_USER: secret.username, RESP_ENV_PASSWORD: secret.password}
+            continue
+        user, password = secret.username, secret.password
+        if valkey_swapped:
+            user, password = password, user
+        spec["username"], spec["password"] = user, password
+        out[i + 1] = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    if found != 1:
+        raise KvpError(f"expected one shared-tier --l2-adapter (resp or valkey), found {found}")
+    return out, env
+
+
+def _installed_valkey_swaps() -> bool:
+    import importlib.util
+
+    spec = importlib.util.find_spec(_WORKER_POOL)
+    if spec is None or not spec.origin:
+        return False
+    with open(spec.origin, encoding="utf-8") as f:
+        return valkey_swaps_credentials(f.read())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``--secret-file FILE -- lmcache server ARGS...``: inject and run LMCache in-process."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 4 or args[0] != "--secret-file" or args[2] != "--":
+        print(f"usage: python -m {MODULE} --secret-file FILE -- lmcache server ARGS...",
+              file=sys.stderr)
+        return 2
+    try:
+        secret = read_secret_file(args[1])
+        server, env = inject(args[3:], secret, valkey_swapped=_installed_valkey_swaps())
+    except KvpError as exc:
+        print(f"kvp-admin: {exc}", file=sys.stderr)
+        return 2
+    del secret
+    os.environ.update(env)  # this process only: not the exec-time block /proc shows
+    from lmcache.cli.main import main as lmcache_main
+
+    sys.argv = ["lmcache", *server[1:]]
+    result = lmcache_main()
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""config/shared_tier.py and the shared tier in the rendered config (pure)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpersist.config.shared_tier import adapter_json, parse_secret, parse_shared_tier
+from kvpersist.errors import ConfigError
+from kvpersist.stack.render import render
+
+from .test_render import TEMPLATES, dep
+
+SECRET = {"KVP_SHARED_TIER_SECRET_FILE": "/etc/kvp/shared.secret"}
+
+
+def test_empty_means_no_tier() -> None:
+    assert parse_shared_tier("") == (None, "")
+    assert parse_shared_tier("  ") == (None, "")
+
+
+def test_standalone_defaults_take_resp() -> None:
+    tier, problem = parse_shared_tier("valkey://10.0.0.5:6379")
+    assert problem == "" and tier is not None
+    assert tier.nodes == (("10.0.0.5", 6379),) and tier.adapter == "resp"
+    assert (tier.cluster, tier.tls, tier.db, tier.workers) == (False, False, 0, 8)
+    assert adapter_json(tier, None) == {"type": "resp", "host": "10.0.0.5", "port": 6379,
+                                        "num_workers": 8}
+
+
+@pytest.mark.parametrize("url", [
+    "valkey://a:1,b:2,c:3?cluster=1&workers=4",
+    "redis://kv.example:6380?tls=1",
+    "valkey://kv:6379?db=3",
+    "valkey://kv:6379?adapter=valkey",
+])
+def test_cluster_tls_db_take_valkey(url: str) -> None:
+    tier, problem = parse_shared_tier(url)
+    assert problem == "" and tier is not None and tier.adapter == "valkey"
+    js = adapter_json(tier, {"type": "aesgcm"})
+    assert js["type"] == "valkey" and js["startup_nodes"] == tier.endpoint
+    assert js["cluster_mode"] is tier.cluster and js["tls_enable"] is tier.tls
+    assert ("database_id" in js) is (not tier.cluster)
+    assert js["serde"] == {"type": "aesgcm"}
+    assert "password" not in js and "username" not in js
+
+
+@pytest.mark.parametrize(("url", "words"), [
+    ("http://kv:6379", "valkey://"),
+    ("valkey://user:pw@kv:6379", "credentials"),
+    ("valkey://kv", "host:port"),
+    ("valkey://kv:0", "1-65535"),
+    ("valkey://kv:6379/0", "path"),
+    ("valkey://kv:6379?cluster=yes", "cluster must be 0 or 1"),
+    ("valkey://kv:6379?tls=2", "tls must be"),
+    ("valkey://kv:6379?db=x", "db must be"),
+    ("valkey://kv:6379?workers=0", "workers"),
+    ("valkey://kv:6379?colour=red", "unknown option"),
+    ("valkey://kv:6379?db=1&db=2", "twice"),
+    ("valkey://a:1,b:2", "cluster=1"),
+    ("valkey://a:1?cluster=1&db=2", "db must be 0"),
+    ("valkey://a:1?tls=1&adapter=resp", "adapter=resp"),
+    ("valkey://a:1?adapter=s3", "adapter must be"),
+])
+def test_bad_urls_say_why(url: str, words: str) -> None:
+    tier, problem = parse_shared_tier(url)
+    assert tier is None and words in problem
+
+
+def test_secret_file_parse_never_echoes_the_password() -> None:
+    s, problem = parse_secret("# shared tier\nusername=kvp\npassword= p=w#x \n")
+    assert problem == "" and s is not None
+    assert (s.username, s.password) == ("kvp", " p=w#x ")
+    assert "p=w" not in repr(s)
+    s, _ = parse_secret("password=only\n")
+    assert s is not None and s.username == "default"
+    for bad, words in (("username=kvp\n", "no password"), ("pw=x\n", "line 1"),
+                       ("password=a\npassword=b\n", "twice"),
+                       ("username=a b\npassword=x\n", "username")):
+        s, problem = parse_secret(bad)
+        assert s is None and words in problem and "x\n" not in problem
+
+
+def test_render_adds_the_shared_tier_after_the_nvme() -> None:
+    d = dep({"KVP_SHARED_TIER": "valkey://10.0.0.5:6379?workers=4", **SECRET})
+    r = render(d, TEMPLATES, l1_size_gb=64, l2_capacity_gb=100)
+    argv = r.lmcache_server_argv
+    idx = [i for i, a in enumerate(argv) if a == "--l2-adapter"]
+    assert len(idx) == 2
+    first, second = (json.loads(argv[i + 1]) for i in idx)
+    assert first["type"] == "nixl_store_dynamic"
+    assert second == r.shared_l2_adapter and second["type"] == "resp"
+    assert second["serde"] == first["serde"]  # aesgcm on the shared tier too
+    assert argv[argv.index("--l2-store-policy") + 1] == "default"
+    assert argv[argv.index("--l2-prefetch-policy") + 1] == "default"
+    shown = r.as_json()["shared_tier"]
+    assert shown["endpoint"] == "10.0.0.5:6379" and shown["key_pattern"] == f"{d.namespace}@*"
+    assert "redacted" in shown["credentials"]
+
+
+def test_no_shared_tier_renders_one_adapter() -> None:
+    r = render(dep(), TEMPLATES, l1_size_gb=64, l2_capacity_gb=100)
+    assert r.lmcache_server_argv.count("--l2-adapter") == 1
+    assert "--l2-store-policy" not in r.lmcache_server_argv
+    assert r.shared_tier is None and r.shared_l2_adapter is None
+
+
+def test_tier_and_secret_file_go_together() -> None:
+    with pytest.raises(ConfigError) as e:
+        dep({"KVP_SHARED_TIER": "valkey://kv:6379"})
+    assert "KVP_SHARED_TIER_SECRET_FILE" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        dep(SECRET)
+    assert "KVP_SHARED_TIER is empty" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        dep({"KVP_SHARED_TIER": "valkey://u:p@kv:6379", **SECRET})
+    assert "credentials" in str(e.value) and "u:p" not in str(e.value)
