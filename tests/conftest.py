@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.integration._redis import Redis
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -69,3 +74,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             module is not None and SERVER_HELPERS & set(vars(module)))
         if uses_server and marker is None:
             item.add_marker("integration")
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[Redis]:
+    """A real redis-server (Debian's package) with an ACL user and password on a free loopback
+    port, its data under the test's temp dir; stopped after the test."""
+    from tests.integration._redis import start_redis
+
+    r = start_redis(tmp_path / "store")
+    try:
+        yield r
+    finally:
+        r.stop()

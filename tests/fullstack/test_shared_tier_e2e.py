@@ -6,14 +6,13 @@ an ACL user. Host B answers host A's long chat from the shared tier with identic
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvpersist.demo.chat import chat_completion, long_chat
 
-from ..integration._redis import Redis, start_redis
+from ..integration._redis import Redis
 from ..integration.test_shared_tier import host, proc_as_nobody, share_key
 from ._stack import l2_hits_in_log, vllm_metric
 
@@ -21,15 +20,6 @@ pytestmark = pytest.mark.fullstack
 
 CHAT = long_chat(turns=8, words_per_turn=150, seed=23)
 HITS = "vllm:external_prefix_cache_hits_total"
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[Redis]:
-    r = start_redis(tmp_path / "store")
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 def test_host_b_answers_host_a_chat_from_the_shared_tier(tmp_path: Path, redis: Redis,

@@ -148,11 +148,11 @@ def test_metrics_textfile_dir_is_writable_by_the_service_group(host, kvp_layout)
 # --------------------------------------------------------------------------- live server
 
 
-def _unit_settings(host, layout, name: str) -> dict[str, list[str]]:
-    """Settings of kvp-lmcache@name.service (unit + drop-in), %i expanded."""
+def _unit_settings(host, layout, name: str, unit: str = "kvp-lmcache") -> dict[str, list[str]]:
+    """Settings of <unit>@name.service (unit + drop-in), %i expanded."""
     settings: dict[str, list[str]] = {}
-    for path in (f"{layout.systemd_dir}/kvp-lmcache@.service",
-                 f"{layout.systemd_dir}/kvp-lmcache@{name}.service.d/10-kvpersist.conf"):
+    for path in (f"{layout.systemd_dir}/{unit}@.service",
+                 f"{layout.systemd_dir}/{unit}@{name}.service.d/10-kvpersist.conf"):
         for line in host.file(path).content_string.splitlines():
             if not line or line.startswith(("#", "[")) or "=" not in line:
                 continue
@@ -273,25 +273,12 @@ def test_health_is_zero(host, kvp_layout, cache_server):
     assert json.loads(out.stdout)["status"] == "healthy"
 
 
-def _health_unit(host, layout, name: str) -> dict[str, list[str]]:
-    """Settings of kvp-health@name.service (unit + drop-in), %i expanded."""
-    settings: dict[str, list[str]] = {}
-    for path in (f"{layout.systemd_dir}/kvp-health@.service",
-                 f"{layout.systemd_dir}/kvp-health@{name}.service.d/10-kvpersist.conf"):
-        for line in host.file(path).content_string.splitlines():
-            if not line or line.startswith(("#", "[")) or "=" not in line:
-                continue
-            key, _, value = line.partition("=")
-            settings.setdefault(key, []).append(value.replace("%i", name))
-    return settings
-
-
 def test_health_timer_unit_writes_the_metrics(host, kvp_layout, cache_server):
     """The health unit's metrics ExecStart=, run with its Environment= (and as its user where
     that user can run the venv), writes the deployment's and its root's textfiles, readable
     by node_exporter, with the live server healthy."""
     srv = cache_server
-    unit = _health_unit(host, kvp_layout, srv.dep.name)
+    unit = _unit_settings(host, kvp_layout, srv.dep.name, "kvp-health")
     [metrics_line] = [ln for ln in unit["ExecStart"] if " metrics " in ln]
     env = dict(e.split("=", 1) for e in unit.get("Environment", []))
     cmd = metrics_line.lstrip("-").replace("$KVP_HEALTH_ARGS", env.get("KVP_HEALTH_ARGS", ""))

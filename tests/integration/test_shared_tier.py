@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,6 @@ from ..fullstack._stack import Stack, wait_until
 from ._redis import Redis, start_redis
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[Redis]:
-    r = start_redis(tmp_path / "store")
-    try:
-        yield r
-    finally:
-        r.stop()
 
 
 def host(tmp: Path, name: str, redis: Redis) -> Stack:
