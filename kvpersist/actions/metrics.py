@@ -23,7 +23,8 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvpersist.l2.scan import ProgressFn
+from kvpersist.config.deployment import Deployment
+from kvpersist.l2.scan import ProgressFn, ScanResult
 from kvpersist.stack.health import COMPONENTS, EXIT, HealthReport, component_status
 
 PREFIX = "kvpersist_"
@@ -34,9 +35,11 @@ INFO_LABELS = ("model_id", "model_revision", "kv_cache_dtype", "tensor_parallel_
 
 @dataclass
 class RootFacts:
-    """What one cache root holds: the report document and its recorded runs."""
+    """What one cache root holds: the report document, the scan behind it (for the exact
+    nanosecond times the document rounds to seconds) and its recorded runs."""
 
     doc: dict[str, Any]
+    scan: ScanResult
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: per active namespace, info labels from its deployment (used when no manifest has them)
     deployment_info: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -51,28 +54,24 @@ class RootFacts:
 class Exposition:
     """Metric families by name, filled by :func:`root_families` / :func:`health_families`."""
 
-    families: dict[str, Metric] = field(default_factory=dict)
-    _gauges: dict[str, GaugeMetricFamily] = field(default_factory=dict)
-    _infos: dict[str, InfoMetricFamily] = field(default_factory=dict)
+    families: dict[str, GaugeMetricFamily | InfoMetricFamily] = field(default_factory=dict)
 
     def gauge(self, name: str, doc: str, labels: dict[str, str], value: float | None,
               unit: str = "") -> None:
         """Add one sample (None: none) to gauge family ``name`` (created on first use)."""
         full = PREFIX + name
-        fam = self._gauges.get(full)
-        if fam is None:
-            fam = self._gauges[full] = GaugeMetricFamily(full, doc, labels=list(labels),
-                                                         unit=unit)
-            self.families[full] = fam
+        fam = self.families.get(full)
+        if not isinstance(fam, GaugeMetricFamily):
+            fam = self.families[full] = GaugeMetricFamily(full, doc, labels=list(labels),
+                                                          unit=unit)
         if value is not None:
             fam.add_metric(list(labels.values()), float(value))
 
     def info(self, name: str, doc: str, labels: dict[str, str], info: dict[str, str]) -> None:
         full = PREFIX + name
-        fam = self._infos.get(full)
-        if fam is None:
-            fam = self._infos[full] = InfoMetricFamily(full, doc, labels=list(labels))
-            self.families[full] = fam
+        fam = self.families.get(full)
+        if not isinstance(fam, InfoMetricFamily):
+            fam = self.families[full] = InfoMetricFamily(full, doc, labels=list(labels))
         fam.add_metric(list(labels.values()), info)
 
     def registry(self) -> CollectorRegistry:
@@ -94,20 +93,13 @@ def _seconds(ns: int | None) -> float | None:
     return None if not ns else ns / 1e9
 
 
-def _ts(iso: str | None) -> float | None:
-    """Seconds since the epoch of an ISO-8601 UTC time from a report (None stays None)."""
-    if not iso:
-        return None
-    from datetime import datetime
-
-    return datetime.fromisoformat(iso).timestamp()
-
-
 def root_families(exp: Exposition, facts: RootFacts, now_s: float) -> None:
     """The per-root and per-namespace series of one root (pure)."""
-    doc = facts.doc
+    doc, scan = facts.doc, facts.scan
     r = {"root": facts.root}
     for row in doc["namespaces"]:
+        usage = scan.prefixes.get(row["prefix"])  # None: an active namespace without files
+        oldest, newest = (usage.oldest_mtime_ns, usage.newest_mtime_ns) if usage else (0, 0)
         ns = row["namespace"] or row["prefix"]
         lab = {**r, "namespace": ns}
         man = row["manifest"] or {}
@@ -124,9 +116,9 @@ def root_families(exp: Exposition, facts: RootFacts, now_s: float) -> None:
                   "chunk files.", lab, row["allocated_bytes"])
         exp.gauge("namespace_files", "Chunk files of the namespace.", lab, row["files"])
         exp.gauge("namespace_oldest_chunk_timestamp_seconds", "Modification time of the "
-                  "namespace's oldest chunk file.", lab, _ts(row["oldest_mtime"]))
+                  "namespace's oldest chunk file.", lab, _seconds(oldest))
         exp.gauge("namespace_newest_chunk_timestamp_seconds", "Modification time of the "
-                  "namespace's newest chunk file.", lab, _ts(row["newest_mtime"]))
+                  "namespace's newest chunk file.", lab, _seconds(newest))
         exp.gauge("namespace_active", "1 when a deployment configured on this host uses the "
                   "namespace.", lab, 1 if row["active"] else 0)
     fs = doc["filesystem"]
@@ -145,7 +137,7 @@ def root_families(exp: Exposition, facts: RootFacts, now_s: float) -> None:
     exp.gauge("temp_files", "Temp files (in-flight or interrupted writes).", r, temp["files"])
     exp.gauge("temp_bytes", "Bytes of temp files.", r, temp["bytes"])
     exp.gauge("temp_oldest_timestamp_seconds", "Modification time of the oldest temp file "
-              "(0: none).", r, _ts(temp["oldest_mtime"]) or 0)
+              "(0: none).", r, _seconds(scan.temp.oldest_mtime_ns) or 0)
     foreign = doc["foreign"]
     exp.gauge("foreign_files", "Files kvpersist cannot parse (never touched).", r,
               foreign["files"])
@@ -249,10 +241,10 @@ def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
 
     measured = time.time()
     deps = [(c, load_deployment(c, allow_unpinned=True)) for c in configs]
-    groups: dict[str, list[tuple[str, Any]]] = {}
+    groups: dict[str, list[tuple[str, Deployment]]] = {}
     if root is not None:
-        groups[real_root(root)] = [
-            (c, d) for c, d in deps if real_root(d.settings.cache_root) == real_root(root)]
+        given = real_root(root)
+        groups[given] = [(c, d) for c, d in deps if real_root(d.settings.cache_root) == given]
     else:
         if not deps:
             raise UsageError("give --root DIR or a CONFIG")
@@ -263,7 +255,7 @@ def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
     failed: list[str] = []
     for path, mine in groups.items():
         try:
-            doc = report(path, [c for c, _ in mine], progress=progress).to_dict()
+            rep = report(path, [c for c, _ in mine], progress=progress)
         except UsageError as exc:
             if root is not None:
                 raise
@@ -272,13 +264,13 @@ def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
             continue
         runs, problems = read_runs(path)
         info = {d.namespace: _deployment_info(d) for _, d in mine}
-        roots.append(RootFacts(doc, runs, info, problems))
+        roots.append(RootFacts(rep.to_dict(), rep.scan, runs, info, problems))
         notes.extend(problems)
     reports = [health(c, timeout=timeout, expect_vllm=expect_vllm) for c, _ in deps]
     return MetricsOutcome(roots, reports, measured, notes, failed)
 
 
-def _deployment_info(dep: Any) -> dict[str, str]:
+def _deployment_info(dep: Deployment) -> dict[str, str]:
     ident = dep.identity
     out = {"served_model_name": dep.settings.served_model_name, "config": dep.name}
     if ident is not None:
