@@ -12,8 +12,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpersist.l2.layout import is_namespace
+
 _WIRE = re.compile(r"(kvp-[0-9a-z-]{1,80})@[0-9a-f]{8}@[0-9a-f]+@[0-9a-f]+(@.*)?\Z", re.S)
-_NAMESPACE = re.compile(r"kvp-(unpinned-)?[0-9a-f]{16,64}\Z")
 LOCK_PREFIX = "kvpersist-lock:prune:"
 #: the eviction policies that make a full store evict chunks (LMCache writes no TTL, so the
 #: volatile-* policies behave like noeviction: a full store answers writes with an error)
@@ -28,7 +29,7 @@ def namespace_of(key: str) -> str | None:
 
 def namespace_problem(ns: str) -> str:
     """Why ``ns`` cannot be pruned on the shared tier (must be a kvp namespace), or ''."""
-    return "" if _NAMESPACE.match(ns) else (
+    return "" if is_namespace(ns) else (
         f"{ns!r} is not a kvpersist namespace (kvp-<hex> or kvp-unpinned-<hex>)")
 
 
