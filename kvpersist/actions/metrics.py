@@ -1,14 +1,18 @@
 """Use case: kvpersist's facts as Prometheus metrics (``kvp-admin metrics``).
 
 One scan per cache root (the scan ``report`` runs) gives the per-namespace and per-root figures,
-the recorded ``verify``/``prune`` runs give their times and results, and one health probe per
-deployment gives the state of each component. The families are built with ``prometheus_client``
-(its metric families, registry and text exposition); names and labels are documented in
-docs/observability.md. :func:`build_families` is pure; :func:`collect` does the I/O.
+the recorded ``verify``/``prune`` runs give their times and results, one health probe per
+deployment gives the state of each component, and one measurement per shared-tier store (the
+probe of ``health`` and the scan of ``report --tier shared``, however many deployments point at
+it) gives the store's figures. The families are built with ``prometheus_client`` (its metric
+families, registry and text exposition); names and labels are documented in
+docs/observability.md. :func:`root_families`, :func:`store_families` and
+:func:`health_families` are pure; :func:`collect` does the I/O.
 
-With ``--textfile`` the exposition is split into one file per cache root and one per deployment,
-so that two deployments sharing a root (each with its own timer) never export the root's series
-twice: node_exporter rejects a series that two files both carry.
+With ``--textfile`` the exposition is split into one file per cache root, one per shared-tier
+store and one per deployment, so that two deployments sharing a root or a store (each with its
+own timer) never export the same series twice: node_exporter rejects a series that two files
+both carry.
 """
 
 from __future__ import annotations
@@ -20,11 +24,19 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvpersist.config.deployment import Deployment
+from kvpersist.config.shared_tier import SharedTier
+from kvpersist.errors import KvpError
 from kvpersist.l2.scan import ProgressFn, ScanResult
+from kvpersist.l2.shared_store import StoreMeasurement
 from kvpersist.stack.health import COMPONENTS, EXIT, HealthReport, component_status
 
 PREFIX = "kvpersist_"
@@ -54,7 +66,8 @@ class RootFacts:
 class Exposition:
     """Metric families by name, filled by :func:`root_families` / :func:`health_families`."""
 
-    families: dict[str, GaugeMetricFamily | InfoMetricFamily] = field(default_factory=dict)
+    families: dict[str, GaugeMetricFamily | InfoMetricFamily | CounterMetricFamily] = field(
+        default_factory=dict)
 
     def gauge(self, name: str, doc: str, labels: dict[str, str], value: float | None,
               unit: str = "") -> None:
@@ -66,6 +79,14 @@ class Exposition:
                                                           unit=unit)
         if value is not None:
             fam.add_metric(list(labels.values()), float(value))
+
+    def counter(self, name: str, doc: str, labels: dict[str, str], value: float) -> None:
+        """Add one sample to counter family ``name`` (exposed as ``name_total``)."""
+        full = PREFIX + name
+        fam = self.families.get(full)
+        if not isinstance(fam, CounterMetricFamily):
+            fam = self.families[full] = CounterMetricFamily(full, doc, labels=list(labels))
+        fam.add_metric(list(labels.values()), float(value))
 
     def info(self, name: str, doc: str, labels: dict[str, str], info: dict[str, str]) -> None:
         full = PREFIX + name
@@ -165,11 +186,71 @@ def root_families(exp: Exposition, facts: RootFacts, now_s: float) -> None:
     exp.gauge("last_prune_deleted_bytes", "Bytes the last prune deleted.", r,
               int(prune["counts"].get("deleted_bytes", 0)) if prune else None)
     exp.gauge("metrics_timestamp_seconds", "When these series were measured.",
-              {"root": facts.root, "config": ""}, now_s)
+              {"root": facts.root, "config": "", "store": ""}, now_s)
 
 
-def health_families(exp: Exposition, rep: HealthReport, now_s: float) -> None:
-    """The per-deployment health series (pure)."""
+@dataclass
+class StoreFacts:
+    """One shared-tier store as measured (``measured`` None: no deployment's credentials could
+    be read, so it was not contacted), and the namespaces of the deployments using it."""
+
+    store: str
+    measured: StoreMeasurement | None
+    active: frozenset[str] = frozenset()
+    error: str = ""
+
+    @property
+    def complete(self) -> bool:
+        """Every figure measured (the store up and scanned)."""
+        return self.measured is not None and self.measured.usage is not None
+
+
+def store_families(exp: Exposition, facts: StoreFacts, now_s: float) -> None:
+    """The series of one shared-tier store (pure). A store that is down exports ``up`` 0 and
+    its timestamp; the figures it could not give are absent."""
+    s = {"store": facts.store}
+    m = facts.measured
+    probe = m.probe if m is not None else None
+    exp.gauge("shared_tier_up", "1 when every primary of the shared-tier store answers PING "
+              "with the deployments' credentials.", s, 1 if probe and probe.up else 0)
+    exp.gauge("shared_tier_reachable", "1 when the store answers at all (0 with up 0: down; 1 "
+              "with up 0: it refuses the credentials; absent: the credentials were not "
+              "readable).", s, None if probe is None else (1 if probe.reachable else 0))
+    exp.gauge("shared_tier_probe_latency_seconds", "PING round trip of the slowest primary.",
+              s, probe.latency_ms / 1000 if probe and probe.up and probe.latency_ms is not None
+              else None)
+    for node in probe.nodes if probe else ():
+        n = {**s, "node": node.node}
+        exp.info("shared_tier_node", "A primary node of the store and its eviction policy.",
+                 n, {"maxmemory_policy": node.policy})
+        exp.gauge("shared_tier_used_memory_bytes", "Memory the node uses (INFO memory "
+                  "used_memory).", n, node.used_memory_bytes)
+        exp.gauge("shared_tier_maxmemory_bytes", "The node's maxmemory (0: unlimited).", n,
+                  node.maxmemory_bytes)
+        exp.counter("shared_tier_evicted_keys", "Keys the node evicted since it started (INFO "
+                    "stats evicted_keys).", n, node.evicted_keys)
+    usage = m.usage if m is not None else None
+    if usage is not None:
+        found = {ns: (0, 0) for ns in sorted(facts.active)}
+        found.update((ns, (kb[0], kb[1])) for ns, kb in usage.namespaces.items())
+        for ns, (keys, size) in sorted(found.items()):
+            lab = {**s, "namespace": ns}
+            exp.gauge("shared_tier_namespace_keys", "Chunk keys of the namespace on the "
+                      "shared tier.", lab, keys)
+            exp.gauge("shared_tier_namespace_bytes", "Value bytes of the namespace's chunk keys "
+                      "on the shared tier.", lab, size)
+        exp.gauge("shared_tier_other_keys", "Keys on the store that are not chunk keys (never "
+                  "touched).", s, usage.other_keys)
+        exp.gauge("shared_tier_scan_duration_seconds", "How long the scan of the store took.",
+                  s, m.scan_seconds if m is not None else None)
+    exp.gauge("metrics_timestamp_seconds", "When these series were measured.",
+              {"root": "", "config": "", "store": facts.store}, now_s)
+
+
+def health_families(exp: Exposition, rep: HealthReport, now_s: float,
+                    store: tuple[str, str] | None = None) -> None:
+    """The per-deployment health series (pure); ``store``: the (store, adapter) of the
+    deployment's shared tier, None without one."""
     lab = {"config": rep.config, "namespace": rep.namespace}
     exp.gauge("deployment_health", "0 healthy, 1 degraded, 2 down (the exit code of "
               "kvp-admin health).", lab, EXIT[rep.status])
@@ -183,8 +264,11 @@ def health_families(exp: Exposition, rep: HealthReport, now_s: float) -> None:
               lab, 1 if rep.facts.server_healthcheck else 0)
     exp.gauge("vllm_up", "1 when vLLM answers /health (absent when not checked).", lab,
               (1 if rep.facts.vllm_health else 0) if rep.facts.expect_vllm else None)
+    if store is not None:
+        exp.info("deployment_shared_tier", "The shared-tier store the deployment uses (join on "
+                 "store).", lab, {"store": store[0], "adapter": store[1]})
     exp.gauge("metrics_timestamp_seconds", "When these series were measured.",
-              {"root": "", "config": rep.config}, now_s)
+              {"root": "", "config": rep.config, "store": ""}, now_s)
 
 
 @dataclass
@@ -195,28 +279,39 @@ class MetricsOutcome:
     health: list[HealthReport]
     measured_at: float
     notes: list[str] = field(default_factory=list)
-    #: cache roots that could not be measured (missing, not a directory); their deployments'
-    #: health series are still there
+    #: cache roots and shared-tier stores that could not be measured (a root missing or not a
+    #: directory, a store down); their deployments' health series, and a store's up 0, are
+    #: still there
     unmeasured: list[str] = field(default_factory=list)
+    stores: list[StoreFacts] = field(default_factory=list)
+    #: config name -> (store, adapter) of its shared tier
+    deployment_stores: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def whole(self) -> Exposition:
         """One exposition of everything (stdout)."""
         exp = Exposition()
         for rf in self.roots:
             root_families(exp, rf, self.measured_at)
+        for sf in self.stores:
+            store_families(exp, sf, self.measured_at)
         for rep in self.health:
-            health_families(exp, rep, self.measured_at)
+            health_families(exp, rep, self.measured_at, self.deployment_stores.get(rep.config))
         return exp
 
     def files(self) -> Iterator[tuple[str, Exposition]]:
-        """(file name, exposition) per root and per deployment, for the textfile collector."""
+        """(file name, exposition) per root, per store and per deployment, for the textfile
+        collector."""
         for rf in self.roots:
             exp = Exposition()
             root_families(exp, rf, self.measured_at)
             yield textfile_name_for_root(rf.root), exp
+        for sf in self.stores:
+            exp = Exposition()
+            store_families(exp, sf, self.measured_at)
+            yield textfile_name_for_store(sf.store), exp
         for rep in self.health:
             exp = Exposition()
-            health_families(exp, rep, self.measured_at)
+            health_families(exp, rep, self.measured_at, self.deployment_stores.get(rep.config))
             yield f"kvpersist-deployment-{rep.config}.prom", exp
 
 
@@ -226,9 +321,16 @@ def textfile_name_for_root(root: str) -> str:
     return f"kvpersist-root-{hashlib.sha256(root.encode()).hexdigest()[:12]}.prom"
 
 
+def textfile_name_for_store(store: str) -> str:
+    """``kvpersist-store-<12 hex of the store label's digest>.prom`` (pure): one file per
+    shared-tier store, whichever deployment's timer writes it."""
+    return f"kvpersist-store-{hashlib.sha256(store.encode()).hexdigest()[:12]}.prom"
+
+
 def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
             expect_vllm: bool = True, progress: ProgressFn | None = None) -> MetricsOutcome:
-    """Scan each cache root once (``root``, or the configs' roots) and probe each config.
+    """Scan each cache root once (``root``, or the configs' roots), measure each shared-tier
+    store once (the configs' tiers) and probe each config.
 
     Raises UsageError without a root or a config, ConfigError for a config that does not load,
     KvpError for a root that cannot be read."""
@@ -266,8 +368,49 @@ def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
         info = {d.namespace: _deployment_info(d) for _, d in mine}
         roots.append(RootFacts(rep.to_dict(), rep.scan, runs, info, problems))
         notes.extend(problems)
+    stores = [measure_store(store, mine, timeout) for store, mine in _stores_of(deps).items()]
+    failed += [f"shared tier {sf.store}: {sf.error} (exported kvpersist_shared_tier_up "
+               f"{1 if sf.measured and sf.measured.probe.up else 0})"
+               for sf in stores if not sf.complete]
     reports = [health(c, timeout=timeout, expect_vllm=expect_vllm) for c, _ in deps]
-    return MetricsOutcome(roots, reports, measured, notes, failed)
+    return MetricsOutcome(roots, reports, measured, notes, failed, stores,
+                          {d.name: (tier.store_id, tier.adapter)
+                           for mine in _stores_of(deps).values() for d, tier in mine})
+
+
+def _stores_of(deps: Sequence[tuple[str, Deployment]],
+               ) -> dict[str, list[tuple[Deployment, SharedTier]]]:
+    """The deployments with a shared tier, by store (in the configs' order)."""
+    from kvpersist.config.deployment import shared_tier_of
+
+    out: dict[str, list[tuple[Deployment, SharedTier]]] = {}
+    for _, dep in deps:
+        tier = shared_tier_of(dep.settings)
+        if tier is not None:
+            out.setdefault(tier.store_id, []).append((dep, tier))
+    return out
+
+
+def measure_store(store: str, mine: Sequence[tuple[Deployment, SharedTier]],
+                  timeout: float) -> StoreFacts:
+    """Measure one store once, with the credentials of the first of its deployments whose
+    secret file can be read (the others' are tried in turn). Never raises."""
+    from kvpersist.l2.shared_store import measure
+    from kvpersist.stack.lmcache_exec import read_secret_file
+    from kvpersist.system.files import service_uids
+
+    active = frozenset(dep.namespace for dep, _ in mine)
+    problems = []
+    for dep, tier in mine:
+        try:
+            secret = read_secret_file(dep.settings.shared_tier_secret_file,
+                                      also=service_uids(dep.settings.service_user))
+        except KvpError as exc:
+            problems.append(str(exc))
+            continue
+        found = measure(tier, secret, timeout)
+        return StoreFacts(store, found, active, found.error)
+    return StoreFacts(store, None, active, "; ".join(problems))
 
 
 def _deployment_info(dep: Deployment) -> dict[str, str]:

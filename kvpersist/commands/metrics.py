@@ -22,7 +22,8 @@ DEFAULT_TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
                    "root counted as active.")
 @click.option("--textfile", "textfile_dir", type=click.Path(file_okay=False), default=None,
               metavar="DIR",
-              help="Write kvpersist-root-*.prom and kvpersist-deployment-<config>.prom into DIR "
+              help="Write kvpersist-root-*.prom, kvpersist-store-*.prom (shared tier) and "
+                   "kvpersist-deployment-<config>.prom into DIR "
                    f"(node_exporter's textfile collector; Debian: {DEFAULT_TEXTFILE_DIR}) "
                    "instead of printing.")
 @click.option("--no-vllm", is_flag=True, help="Do not probe vLLM (this host runs none).")
@@ -30,8 +31,12 @@ DEFAULT_TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
               help="Timeout of each health probe, seconds.")
 def metrics(configs: tuple[str, ...], root: str | None, textfile_dir: str | None,
             no_vllm: bool, timeout: float) -> None:
-    """Prometheus metrics of cache roots and deployments: bytes per namespace, budget, free
-    space, temp and quarantined files, health, last verify and prune."""
+    """Prometheus metrics of cache roots, shared-tier stores and deployments: bytes per
+    namespace, budget, free space, temp and quarantined files, health, last verify and prune,
+    keys and memory of the shared tier.
+
+    Exit status 1 when a cache root or a shared-tier store could not be measured (its
+    deployments' health series, and the store's up 0, are still written)."""
     from prometheus_client import generate_latest
 
     from kvpersist.actions.metrics import collect, write_textfiles
@@ -51,5 +56,6 @@ def metrics(configs: tuple[str, ...], root: str | None, textfile_dir: str | None
     for problem in outcome.unmeasured:
         click.echo(f"kvp-admin: {problem}", err=True)
     if outcome.unmeasured:
-        # the health series were written; exit 1 says that a root's figures are missing
+        # the health series (and a store's up 0) were written; exit 1 says that a root's or a
+        # store's figures are missing
         raise SystemExit(1)

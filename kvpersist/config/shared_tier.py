@@ -60,6 +60,14 @@ class SharedTier:
         """``host:port[,host:port...]``: where the tier is, for reports (no secret)."""
         return ",".join(f"{h}:{p}" for h, p in self.nodes)
 
+    @property
+    def store_id(self) -> str:
+        """Which store (and logical database) this is, for metric labels: the nodes sorted
+        (a cluster's seeds in any order are the same cluster), ``/<db>`` when not 0. Built
+        from host:port only: never a credential."""
+        nodes = ",".join(sorted(f"{h}:{p}" for h, p in self.nodes))
+        return f"{nodes}/{self.db}" if self.db else nodes
+
     def to_dict(self) -> dict[str, Any]:
         return {"url": self.url, "endpoint": self.endpoint, "cluster": self.cluster,
                 "tls": self.tls, "db": self.db, "workers": self.workers,

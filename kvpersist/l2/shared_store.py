@@ -68,9 +68,15 @@ class SharedStore:
             self.client = redis.Redis(host=host, port=port, db=tier.db, **common)
 
     def nodes(self) -> list[Any]:
+        return [client for _, client in self.named_nodes()]
+
+    def named_nodes(self) -> list[tuple[str, Any]]:
+        """(``host:port``, client) of every primary node (the one node of a standalone)."""
         if not self.tier.cluster:
-            return [self.client]
-        return [self.client.get_redis_connection(n) for n in self.client.get_primaries()]
+            host, port = self.tier.nodes[0]
+            return [(f"{host}:{port}", self.client)]
+        return [(f"{n.host}:{n.port}", self.client.get_redis_connection(n))
+                for n in self.client.get_primaries()]
 
     def close(self) -> None:
         self.client.close()
@@ -89,14 +95,37 @@ class SharedStore:
                 if int(cursor) == 0:
                     break
 
+    def memory(self) -> list[NodeMemory]:
+        """Each primary's memory figures (``INFO memory``) and evictions (``INFO stats``)."""
+        out = []
+        for name, node in self.named_nodes():
+            mem, stats = node.info("memory"), node.info("stats")
+            out.append(NodeMemory(name, int(mem.get("used_memory", 0)),
+                                  int(mem.get("maxmemory", 0)),
+                                  str(mem.get("maxmemory_policy", "")),
+                                  int(stats.get("evicted_keys", 0))))
+        return out
+
     def budget(self) -> StoreBudget:
-        maxmemory, used, policies = [], [], []
-        for node in self.nodes():
-            info = node.info("memory")
-            maxmemory.append(int(info.get("maxmemory", 0)))
-            used.append(int(info.get("used_memory", 0)))
-            policies.append(str(info.get("maxmemory_policy", "")))
-        return plan_store_budget(maxmemory, used, policies)
+        return budget_of(self.memory())
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """One primary's memory as read back: used, ``maxmemory`` (0: unlimited), the eviction
+    policy and the keys it evicted since it started."""
+
+    node: str
+    used_memory_bytes: int
+    maxmemory_bytes: int
+    policy: str
+    evicted_keys: int
+
+
+def budget_of(nodes: list[NodeMemory]) -> StoreBudget:
+    """The store's budget, judged over its nodes (pure)."""
+    return plan_store_budget([n.maxmemory_bytes for n in nodes],
+                             [n.used_memory_bytes for n in nodes], [n.policy for n in nodes])
 
 
 def connect(tier: SharedTier, secret: SharedSecret, timeout: float = 3.0) -> SharedStore:
@@ -119,13 +148,19 @@ def connect(tier: SharedTier, secret: SharedSecret, timeout: float = 3.0) -> Sha
 
 @dataclass(frozen=True)
 class StoreProbe:
-    """What health learns from the store."""
+    """What health learns from the store (``nodes``: the per-node figures behind ``budget``)."""
 
     reachable: bool
     auth_ok: bool
     latency_ms: float | None = None
     budget: StoreBudget | None = None
     error: str = ""
+    nodes: tuple[NodeMemory, ...] = ()
+
+    @property
+    def up(self) -> bool:
+        """Reachable and authenticated on every primary."""
+        return self.reachable and self.auth_ok
 
     def to_dict(self) -> dict[str, Any]:
         return {"reachable": self.reachable, "auth_ok": self.auth_ok,
@@ -135,31 +170,78 @@ class StoreProbe:
 
 def probe(tier: SharedTier, secret: SharedSecret, timeout: float = 2.0) -> StoreProbe:
     """Ping every primary (latency: the slowest), read the budget. Never raises."""
+    found, store = _probe_open(tier, secret, timeout)
+    if store is not None:
+        _close(store)
+    return found
+
+
+def _close(store: SharedStore) -> None:
+    with contextlib.suppress(*_errors()):
+        store.close()
+
+
+def _probe_open(tier: SharedTier, secret: SharedSecret,
+                timeout: float) -> tuple[StoreProbe, SharedStore | None]:
+    """:func:`probe`, and the store still open when it is up (the caller closes it)."""
     import redis
 
     try:
         store = SharedStore(tier, secret, timeout)
     except redis.AuthenticationError as exc:
-        return StoreProbe(True, False, error=f"authentication failed: {exc}")
+        return StoreProbe(True, False, error=f"authentication failed: {exc}"), None
     except _errors() as exc:
-        return StoreProbe(False, False, error=str(exc))
+        return StoreProbe(False, False, error=str(exc)), None
     try:
         worst = 0.0
         for node in store.nodes():
             t0 = time.perf_counter()
             node.ping()
             worst = max(worst, (time.perf_counter() - t0) * 1000)
-        return StoreProbe(True, True, round(worst, 2), store.budget())
+        nodes = store.memory()
+        return StoreProbe(True, True, round(worst, 2), budget_of(nodes),
+                          nodes=tuple(nodes)), store
     except redis.AuthenticationError as exc:
-        return StoreProbe(True, False, error=f"authentication failed: {exc}")
+        found = StoreProbe(True, False, error=f"authentication failed: {exc}")
     except redis.ResponseError as exc:
         auth = any(w in str(exc) for w in ("WRONGPASS", "NOAUTH", "NOPERM"))
-        return StoreProbe(True, not auth, error=str(exc))
+        found = StoreProbe(True, not auth, error=str(exc))
     except _errors() as exc:
-        return StoreProbe(False, False, error=str(exc))
+        found = StoreProbe(False, False, error=str(exc))
+    _close(store)
+    return found, None
+
+
+# --------------------------------------------------------------------------- measure (metrics)
+
+
+@dataclass(frozen=True)
+class StoreMeasurement:
+    """What ``metrics`` learns from the store: the probe (up, latency, per-node memory) and,
+    when it is up, the usage scan of ``report --tier shared`` and how long it took
+    (``usage`` None: not measured, ``error`` says why)."""
+
+    probe: StoreProbe
+    usage: SharedUsage | None = None
+    scan_seconds: float | None = None
+    error: str = ""
+
+
+def measure(tier: SharedTier, secret: SharedSecret, timeout: float = 3.0) -> StoreMeasurement:
+    """Probe the store, then (when it is up) scan it as ``report --tier shared`` does, on the
+    same connection. Never raises: a store that is down or fails mid-scan says so in the
+    result."""
+    found, store = _probe_open(tier, secret, timeout)
+    if store is None:
+        return StoreMeasurement(found, error=found.error)
+    try:
+        t0 = time.perf_counter()
+        counted = usage(store)
+        return StoreMeasurement(found, counted, time.perf_counter() - t0)
+    except _errors() as exc:
+        return StoreMeasurement(found, error=f"scan failed: {exc}")
     finally:
-        with contextlib.suppress(*_errors()):
-            store.close()
+        _close(store)
 
 
 # --------------------------------------------------------------------------- usage (report)

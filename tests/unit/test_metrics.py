@@ -356,3 +356,154 @@ def test_health_json_has_the_components(tmp_path: Path) -> None:
     doc: dict[str, Any] = json.loads(res.stdout)
     assert res.returncode == 2
     assert doc["components"] == {"cache_server": "down", "cache_root": "ok", "vllm": "skipped"}
+
+
+# --------------------------------------------------------------------------- shared tier
+
+STORE = "10.0.0.7:6379"
+
+
+def store_text(facts: Any) -> str:
+    from prometheus_client import generate_latest
+
+    from kvpersist.actions.metrics import Exposition, store_families
+
+    exp = Exposition()
+    store_families(exp, facts, 1_800_000_000.0)
+    return generate_latest(exp.registry()).decode()
+
+
+def up_store(active: frozenset[str] = frozenset()) -> Any:
+    from kvpersist.actions.metrics import StoreFacts
+    from kvpersist.l2.shared_keys import plan_store_budget
+    from kvpersist.l2.shared_store import NodeMemory, SharedUsage, StoreMeasurement, StoreProbe
+
+    nodes = (NodeMemory("10.0.0.7:6379", 700, 1000, "allkeys-lru", 12),
+             NodeMemory("10.0.0.8:6379", 50, 0, "noeviction", 0))
+    usage = SharedUsage({NS: [3, 3 * 4096], OTHER: [1, 77]}, other_keys=2)
+    probe = StoreProbe(True, True, 1.5, plan_store_budget([1000, 0], [700, 50],
+                                                          ["allkeys-lru", "noeviction"]),
+                       nodes=nodes)
+    return StoreFacts(STORE, StoreMeasurement(probe, usage, 0.25), active)
+
+
+def test_store_series_are_the_measurement() -> None:
+    active_ns = "kvp-" + "ef" * 16  # a configured namespace with no keys yet: 0, not absent
+    m = samples(store_text(up_store(frozenset({NS, active_ns}))))
+    assert value(m, "kvpersist_shared_tier_up", store=STORE) == 1
+    assert value(m, "kvpersist_shared_tier_reachable", store=STORE) == 1
+    assert value(m, "kvpersist_shared_tier_probe_latency_seconds", store=STORE) == 0.0015
+    assert value(m, "kvpersist_shared_tier_namespace_keys", namespace=NS) == 3
+    assert value(m, "kvpersist_shared_tier_namespace_bytes", namespace=NS) == 3 * 4096
+    assert value(m, "kvpersist_shared_tier_namespace_keys", namespace=OTHER) == 1
+    assert value(m, "kvpersist_shared_tier_namespace_bytes", namespace=OTHER) == 77
+    assert value(m, "kvpersist_shared_tier_namespace_keys", namespace=active_ns) == 0
+    assert value(m, "kvpersist_shared_tier_namespace_bytes", namespace=active_ns) == 0
+    assert value(m, "kvpersist_shared_tier_other_keys", store=STORE) == 2
+    assert value(m, "kvpersist_shared_tier_scan_duration_seconds", store=STORE) == 0.25
+    # per node: memory, maxmemory, the policy as an info series, evictions as a counter
+    a, b = {"store": STORE, "node": "10.0.0.7:6379"}, {"store": STORE, "node": "10.0.0.8:6379"}
+    assert value(m, "kvpersist_shared_tier_used_memory_bytes", **a) == 700
+    assert value(m, "kvpersist_shared_tier_maxmemory_bytes", **a) == 1000
+    assert value(m, "kvpersist_shared_tier_maxmemory_bytes", **b) == 0
+    assert value(m, "kvpersist_shared_tier_node_info", maxmemory_policy="allkeys-lru", **a) == 1
+    assert value(m, "kvpersist_shared_tier_node_info", maxmemory_policy="noeviction", **b) == 1
+    assert value(m, "kvpersist_shared_tier_evicted_keys_total", **a) == 12
+    assert value(m, "kvpersist_metrics_timestamp_seconds", store=STORE, root="",
+                 config="") == 1_800_000_000
+    # every series of the store carries its label, and nothing else carries a root or config
+    for (name, labels), _ in m.items():
+        assert ("store", STORE) in labels, name
+        assert not {k for k, v in labels if k in ("root", "config") and v}, name
+
+
+@pytest.mark.parametrize("case", ["down", "refused", "unreadable_secret", "scan_failed"])
+def test_a_store_that_cannot_be_measured_exports_up_0_and_no_figures(case: str) -> None:
+    from kvpersist.actions.metrics import StoreFacts
+    from kvpersist.l2.shared_store import StoreMeasurement, StoreProbe
+
+    measured = {
+        "down": StoreMeasurement(StoreProbe(False, False, error="connection refused")),
+        "refused": StoreMeasurement(StoreProbe(True, False, error="WRONGPASS")),
+        "unreadable_secret": None,
+        "scan_failed": StoreMeasurement(up_store().measured.probe, error="scan failed: timeout"),
+    }[case]
+    facts = StoreFacts(STORE, measured, frozenset({NS}), "why")
+    assert not facts.complete
+    m = samples(store_text(facts))
+    up = 1 if case == "scan_failed" else 0
+    assert value(m, "kvpersist_shared_tier_up", store=STORE) == up
+    reachable = {"down": [0.0], "refused": [1.0], "unreadable_secret": [],
+                 "scan_failed": [1.0]}[case]
+    assert [v for (n, _), v in m.items() if n == "kvpersist_shared_tier_reachable"] == reachable
+    assert "kvpersist_shared_tier_namespace_keys" not in names(m)
+    assert "kvpersist_shared_tier_namespace_bytes" not in names(m)
+    assert "kvpersist_shared_tier_other_keys" not in names(m)
+    assert "kvpersist_shared_tier_scan_duration_seconds" not in names(m)
+    assert ("kvpersist_shared_tier_probe_latency_seconds" in names(m)) is (case == "scan_failed")
+    assert value(m, "kvpersist_metrics_timestamp_seconds", store=STORE) == 1_800_000_000
+
+
+def test_the_store_exposition_passes_promtool() -> None:
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool (Debian package prometheus) is installed by scripts/setup.sh"
+    chk = subprocess.run([promtool, "check", "metrics"], input=store_text(up_store()),
+                         text=True, capture_output=True, timeout=60)
+    assert chk.returncode == 0, chk.stdout + chk.stderr
+    assert chk.stdout + chk.stderr == ""
+
+
+def test_a_store_that_is_down_writes_up_0_and_the_other_files_and_exits_1(
+        tmp_path: Path, root: Path) -> None:
+    """Nothing listens on the store's port (a real refused connection): the run still writes
+    every file, the store's with up 0, says why and exits 1 as for a root it cannot measure;
+    the password is in no output."""
+    from kvpersist.actions.metrics import textfile_name_for_store
+
+    password = "s3cret-" + os.urandom(8).hex()
+    secret = tmp_path / "shared.secret"
+    secret.write_text(f"username=kvp-fleet\npassword={password}\n")
+    secret.chmod(0o600)
+    port = free_port()
+    env = demo_env(root, KVP_SHARED_TIER=f"valkey://127.0.0.1:{port}",
+                   KVP_SHARED_TIER_SECRET_FILE=str(secret))
+    out = tmp_path / "textfile"
+    out.mkdir()
+    res = kvp("metrics", "cpu-demo", "--no-vllm", "--timeout", "0.5", "--textfile", str(out),
+              env=env)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert f"shared tier 127.0.0.1:{port}" in res.stderr and "up 0" in res.stderr
+    store_file = out / textfile_name_for_store(f"127.0.0.1:{port}")
+    assert sorted(p.name for p in out.iterdir()) == sorted([
+        textfile_name_for_root(str(root.resolve())), store_file.name,
+        "kvpersist-deployment-cpu-demo.prom"])
+    s = samples(store_file.read_text())
+    assert value(s, "kvpersist_shared_tier_up", store=f"127.0.0.1:{port}") == 0
+    assert value(s, "kvpersist_shared_tier_reachable") == 0
+    d = samples((out / "kvpersist-deployment-cpu-demo.prom").read_text())
+    assert value(d, "kvpersist_component_health", component="shared_tier") == 1
+    assert value(d, "kvpersist_deployment_shared_tier_info", store=f"127.0.0.1:{port}",
+                 adapter="resp", config="cpu-demo", namespace=DEMO_NS) == 1
+    r = samples((out / textfile_name_for_root(str(root.resolve()))).read_text())
+    assert value(r, "kvpersist_namespace_bytes", namespace=NS) == 3000
+    # stdout too: the same exit, up 0 in the exposition
+    res2 = kvp("metrics", "cpu-demo", "--no-vllm", "--timeout", "0.5", env=env)
+    assert res2.returncode == 1
+    assert value(samples(res2.stdout), "kvpersist_shared_tier_up") == 0
+    for text in [res.stdout, res.stderr, res2.stdout, res2.stderr,
+                 *(p.read_text() for p in out.iterdir())]:
+        assert password not in text
+
+
+def test_an_unreadable_secret_file_is_not_a_traceback(tmp_path: Path, root: Path) -> None:
+    secret = tmp_path / "shared.secret"
+    secret.write_text("username=kvp-fleet\npassword=pw\n")
+    secret.chmod(0o644)  # readable by others: refused, the store is not contacted
+    env = demo_env(root, KVP_SHARED_TIER=f"valkey://127.0.0.1:{free_port()}",
+                   KVP_SHARED_TIER_SECRET_FILE=str(secret))
+    res = kvp("metrics", "cpu-demo", "--no-vllm", "--timeout", "0.5", env=env)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "readable by others" in res.stderr
+    m = samples(res.stdout)
+    assert value(m, "kvpersist_shared_tier_up") == 0
+    assert "kvpersist_shared_tier_reachable" not in names(m)

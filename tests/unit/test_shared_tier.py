@@ -116,3 +116,17 @@ def test_tier_and_secret_file_go_together() -> None:
     with pytest.raises(ConfigError) as e:
         dep({"KVP_SHARED_TIER": "valkey://u:p@kv:6379", **SECRET})
     assert "credentials" in str(e.value) and "u:p" not in str(e.value)
+
+
+@pytest.mark.parametrize(("url", "store"), [
+    ("valkey://10.0.0.5:6379", "10.0.0.5:6379"),
+    ("redis://10.0.0.5:6379?adapter=valkey&workers=2", "10.0.0.5:6379"),
+    ("valkey://kv:6379?db=3", "kv:6379/3"),
+    # a cluster's seeds in any order are one store
+    ("valkey://c:3,a:1,b:2?cluster=1", "a:1,b:2,c:3"),
+    ("valkey://b:2,c:3,a:1?cluster=1&tls=1", "a:1,b:2,c:3"),
+])
+def test_store_id_is_the_sorted_endpoint_and_db(url: str, store: str) -> None:
+    tier, problem = parse_shared_tier(url)
+    assert problem == "" and tier is not None
+    assert tier.store_id == store
