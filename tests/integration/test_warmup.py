@@ -122,6 +122,7 @@ def test_warmup_pins_prefetch_report_and_prune(warm: Stack) -> None:
         code, out, err = warmup(stack)
         assert code == 0, err
         assert out["state"] == "done" and out["tokens_cached"] is True
+        assert out["pins"]["reused"] is True  # same warm set: LMCache's keys not recomputed
         assert (out["requested_chunks"], out["found_chunks"], out["bytes"]) == (total, 0, 0)
         assert [e["chunks"] for e in out["entries"]] == chunks
         # vLLM's workers compute the warm set once (here: LMCache's client stores it)
