@@ -147,6 +147,11 @@ def warmup(config: str, *, wait_s: float = DEFAULT_WAIT_S,
         res.state, res.finished = "none", res.started
         _write_state(dep, res)
         return res
+    if dep.identity is None:
+        raise ConfigError(Problem(
+            f"{dep.source}: KVP_WARMUP_FILE", "is set but the namespace is unpinned (identity "
+            "incomplete): a one-off namespace never reuses anything, so there is nothing to warm",
+            "complete the identity, or leave KVP_WARMUP_FILE empty"), dep.source)
     ws = read_warm_set(dep)
     res.warm_file, res.warm_file_sha256 = ws.source, ws.sha256
     t0 = time.monotonic()
@@ -227,11 +232,12 @@ def _run(dep: Deployment, ws: WarmSet, res: WarmupResult, wait_s: float,
 
 def _token_ids(dep: Deployment, ws: WarmSet, vllm_argv: list[str], res: WarmupResult,
                say: Progress) -> list[list[int]]:
-    expected = dep.identity.chat_template_sha256 if dep.identity is not None else None
+    assert dep.identity is not None
+    expected = dep.identity.chat_template_sha256
     cache = os.path.join(dep.settings.state_dir, TOKENS_DIR,
                          tokens_cache_name(dep.namespace, ws.sha256))
     cached = _read_json(cache)
-    if cached is not None and expected is not None:
+    if cached is not None:
         ids = parse_tokens_document(cached, dep.namespace, ws.sha256, expected)
         if ids is not None and len(ids) == len(ws.entries):
             res.tokens_cached = True
@@ -242,13 +248,11 @@ def _token_ids(dep: Deployment, ws: WarmSet, vllm_argv: list[str], res: WarmupRe
         "template)")
     tok = tokenize(vllm_argv, dep.settings.model_path, ws.entries,
                    expected_template_sha256=expected, source=ws.source)
-    if expected is not None:
-        try:
-            atomic_write_json(cache, tokens_document(dep.namespace, ws.sha256, expected,
-                                                     tok.token_ids,
-                                                     [e.line for e in ws.entries]))
-        except KvpError as exc:
-            res.warnings.append(f"the token ids were not cached: {exc}")
+    try:
+        atomic_write_json(cache, tokens_document(dep.namespace, ws.sha256, expected,
+                                                 tok.token_ids, [e.line for e in ws.entries]))
+    except KvpError as exc:
+        res.warnings.append(f"the token ids were not cached: {exc}")
     return tok.token_ids
 
 

@@ -147,3 +147,19 @@ def test_no_warm_set_is_not_an_error(tmp_path: Path) -> None:
     assert state.stat().st_mode & 0o777 == 0o600
     r = run_warmup(tmp_path)
     assert r.returncode == 0 and "no warm set" in r.stdout
+
+
+def test_an_unpinned_namespace_has_nothing_to_warm(tmp_path: Path) -> None:
+    wf = tmp_path / "warm.jsonl"
+    wf.write_text(GOOD)
+    ident = tmp_path / "cfg" / "identity.env"
+    ident.parent.mkdir()
+    text = (REPO / "configs" / "cpu-demo" / "identity.env").read_text()
+    ident.write_text(text.replace("KVP_MODEL_REVISION=", "# KVP_MODEL_REVISION=") +
+                     "KVP_ALLOW_UNPINNED=true\n")
+    base = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"),
+                KVP_WARMUP_FILE=str(wf), KVP_MODEL_PATH=str(tmp_path / "model"))
+    r = subprocess.run([sys.executable, "-m", "kvpersist.cli", "warmup", str(ident)],
+                       capture_output=True, text=True, cwd=REPO, timeout=120, env=base)
+    assert r.returncode == 2 and "unpinned" in r.stderr, r.stderr
+    assert written(tmp_path) == ["cfg/identity.env"]
