@@ -77,6 +77,9 @@ def format_report(doc: dict[str, Any]) -> str:
                    "chunks)")
     if doc["manifests_without_files"]:
         out.append("manifests without files: " + ", ".join(doc["manifests_without_files"]))
+    if any(r.get("warm_pins") for r in doc["namespaces"]):
+        out.append("warm pins: the warm set's files (kvp-admin warmup); prune --to-budget and "
+                   "--stale never delete them")
     if not doc["active"]:
         out.append("no active deployment on this root (give --config to mark one)")
     else:

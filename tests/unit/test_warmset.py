@@ -20,6 +20,7 @@ from kvpersist.config.warmset import (
 from kvpersist.errors import ConfigError
 
 from ..conftest import REPO, clean_env, free_port
+from .test_cli_startup import HEAVY, WRAPPER, matching
 
 GOOD = (
     '{"messages": [{"role": "system", "content": "You are terse."}, '
@@ -163,3 +164,43 @@ def test_an_unpinned_namespace_has_nothing_to_warm(tmp_path: Path) -> None:
                        capture_output=True, text=True, cwd=REPO, timeout=120, env=base)
     assert r.returncode == 2 and "unpinned" in r.stderr, r.stderr
     assert written(tmp_path) == ["cfg/identity.env"]
+
+
+def test_a_server_that_does_not_answer_fails_the_warm_up_with_exit_1(tmp_path: Path) -> None:
+    """With the token ids cached and the pins recorded, a warm-up needs neither vLLM nor
+    LMCache: this runs without them, against a port nobody listens on."""
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.config.warmset import file_digest, tokens_cache_name
+    from kvpersist.l2.layout import ChunkName
+    from kvpersist.l2.pin_store import write_pins
+    from kvpersist.l2.pins import pin_document
+    from kvpersist.system.files import atomic_write_json
+
+    (tmp_path / "cache").mkdir()
+    wf = tmp_path / "warm.jsonl"
+    wf.write_text('{"prompt": "x"}\n')
+    env = {"KVP_CACHE_ROOT": str(tmp_path / "cache"), "KVP_WARMUP_FILE": str(wf),
+           "KVP_LMCACHE_HTTP_PORT": str(free_port()), "KVP_MODEL_PATH": str(tmp_path / "m")}
+    dep = load_deployment("cpu-demo", environ=env)
+    assert dep.identity is not None
+    sha = file_digest(wf.read_bytes())
+    atomic_write_json(Path(dep.settings.state_dir) / "warmup" / tokens_cache_name(
+        dep.namespace, sha), tokens_document(dep.namespace, sha,
+                                             dep.identity.chat_template_sha256,
+                                             [list(range(300))], [1]))
+    write_pins(tmp_path / "cache", pin_document(
+        dep.namespace, sha, [ChunkName(dep.namespace, 0x01000100, 0, "ab" * 32).filename()],
+        world_size=1, chunk_size=256, hash_algorithm="blake3", shard_dirs=False, chunks=1,
+        created_ns=1))
+    r = subprocess.run([sys.executable, "-c", WRAPPER, "warmup", "cpu-demo", "--wait", "2",
+                        "--json"], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**clean_env(), **env})
+    data = json.loads(r.stdout.split("\nMODULES=")[-1])
+    assert data["code"] == 1, r.stderr
+    assert matching(data["modules"], HEAVY) == []
+    out = json.loads(r.stdout.split("\nMODULES=")[0])
+    assert out["tokens_cached"] and out["pins"]["reused"]
+    assert out["state"] == "failed" and "does not answer" in out["error"]
+    assert (out["requested_chunks"], out["found_chunks"]) == (1, 0)
+    state = json.loads((Path(dep.settings.state_dir) / "warmup.json").read_text())
+    assert state["state"] == "failed" and state["error"] == out["error"]
