@@ -137,11 +137,13 @@ def warmup_only(config: str, *, deadline_s: float = 1800.0,
     ConfigError for a config that does not load."""
     import os
 
-    from kvpersist.stack.readiness import warmup_after_vllm
+    from kvpersist.stack.readiness import log_to, warmup_after_vllm
 
     dep, loc = load_located(config)
+    logged = log_to(loc.warmup_log, progress)
     run = warmup_after_vllm(loc, config, env=dict(os.environ if environ is None else environ),
-                            deadline_s=deadline_s, progress=progress)
+                            deadline_s=deadline_s, progress=logged)
+    logged(lc.warmup_summary(run))
     return WarmupOnlyOutcome(dep.name, dep.namespace, run)
 
 

@@ -249,7 +249,12 @@ def run_warmup(loc: Location, config: str, *, env: Mapping[str, str],
     ids = service_ids(loc)
     progress(f"warming up (at most {wait:g} s; log {loc.warmup_log})")
     t0, started_at = time.monotonic(), time.time()
+    log_dir = os.path.dirname(loc.warmup_log)
     try:
+        if not os.path.isdir(log_dir):
+            os.makedirs(log_dir, mode=0o700)
+            if ids is not None:
+                os.chown(log_dir, *ids, follow_symlinks=False)
         proc = procs.start_background(argv, log_path=loc.warmup_log, env=env, cwd=cwd,
                                       as_ids=ids)
     except OSError as exc:
@@ -294,6 +299,30 @@ def _last_line(path: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
+def log_to(path: str, progress: Progress) -> Progress:
+    """``progress`` that also appends each line, time-stamped, to the log at ``path`` (the
+    scripts run the readiness step detached, its output discarded: the log keeps it).
+    A line that cannot be written is only shown."""
+    import os
+
+    def both(msg: str) -> None:
+        progress(msg)
+        line = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} kvp-admin launch " \
+               f"--warmup-only: {msg}\n"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return
+        try:
+            os.write(fd, line.encode("utf-8", "replace"))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    return both
+
+
 def warmup_after_vllm(loc: Location, config: str, *, env: Mapping[str, str],
                       deadline_s: float, cwd: str | None = None,
                       progress: Progress = _quiet) -> WarmupRun:
@@ -321,5 +350,5 @@ def warmup_after_vllm(loc: Location, config: str, *, env: Mapping[str, str],
 
 
 __all__ = ["GRACE_S", "WARMUP_MARKERS", "WarmupFacts", "WarmupRun", "epoch_of", "gather",
-           "judge", "read_record", "run_warmup", "service_ids", "warmup_after_vllm",
+           "judge", "log_to", "read_record", "run_warmup", "service_ids", "warmup_after_vllm",
            "warmup_argv"]
