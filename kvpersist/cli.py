@@ -61,6 +61,9 @@ COMMANDS: dict[str, Entry] = {
     "weights": Entry("kvpersist.commands.weights:weights",
                      "Check that the weights at CONFIG's KVP_MODEL_PATH are those its namespace "
                      "was first served with."),
+    "warmup": Entry("kvpersist.commands.warmup:warmup",
+                    "Prefetch CONFIG's warm set (KVP_WARMUP_FILE) from disk into the cache "
+                    "server's memory."),
     "demo": Entry("kvpersist.commands.demo:demo",
                   "Launch the cache server and vLLM (CPU build) on a generated model, send a "
                   "long chat, restart both, send it again: cold vs after-restart time to first "

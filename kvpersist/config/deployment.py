@@ -265,6 +265,9 @@ class DeploymentSettings:
     shared_tier: str = ""
     #: owner-only file with the shared tier's ACL user and password
     shared_tier_secret_file: str = ""
+    #: the warm set (JSONL: the prompts every session starts with, docs/warm-restart.md);
+    #: empty: none. Not in the namespace: it selects what to warm, not what is computed
+    warmup_file: str = ""
     #: seconds the launch's warm-up may take (its ``--wait``) before the deployment is
     #: reported ready anyway (cold, degraded in health); kvpersist.stack.readiness
     warmup_wait: float = 120.0
@@ -309,6 +312,7 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_SERVICE_USER": ("service_user", "user?", ""),
     "KVP_SHARED_TIER": ("shared_tier", "sharedtier?", ""),
     "KVP_SHARED_TIER_SECRET_FILE": ("shared_tier_secret_file", "abspath?", ""),
+    "KVP_WARMUP_FILE": ("warmup_file", "abspath?", ""),
     "KVP_WARMUP_WAIT": ("warmup_wait", "duration", "120"),
 }
 
@@ -514,6 +518,8 @@ _DEPLOY_FIX = {
     "?cluster=0&tls=0&db=0&workers=8 (docs/fleet.md)",
     "KVP_SHARED_TIER_SECRET_FILE": "an absolute path to an owner-only file with username=... "
     "and password=... lines",
+    "KVP_WARMUP_FILE": "empty (no warm set) or an absolute path to a JSONL file of "
+    '{"messages": [...]} or {"prompt": "..."} lines (docs/warm-restart.md)',
     "KVP_WARMUP_WAIT": "seconds (or 90s, 5m) the launch's warm-up may take, e.g. 120",
 }
 

@@ -1,0 +1,52 @@
+"""``kvp-admin warmup``: load the deployment's warm set from L2 into L1 (a launch step)."""
+
+from __future__ import annotations
+
+import click
+
+from kvpersist.commands.common import config_argument, echo_json, json_option
+
+
+@click.command("warmup")
+@config_argument
+@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=120.0,
+              show_default=True, metavar="SECONDS",
+              help="Give up after SECONDS (covers the cache server's 503 until vLLM has "
+                   "registered its KV layout).")
+@json_option
+def warmup(config: str, wait_s: float, as_json: bool) -> None:
+    """Prefetch CONFIG's warm set (KVP_WARMUP_FILE) from disk into the cache server's memory.
+
+    Tokenizes the warm set as the deployment's vLLM does, pins its chunk files against
+    kvp-admin prune, submits it to the server's /cache/prefetches for every TP rank and
+    waits. Chunks not on disk yet are reported, not errors. Exit 0 when every prefetch
+    completed (or there is no warm set), 1 when the warm-up failed or timed out, 2 for a bad
+    config or warm set. The state is written to <state dir>/warmup.json.
+    """
+    from kvpersist.actions.warmup import warmup as warmup_action
+
+    def progress(line: str) -> None:
+        if not as_json:
+            click.echo(f"  {line}", err=True)
+
+    res = warmup_action(config, wait_s=wait_s, progress=progress)
+    if as_json:
+        echo_json(res.to_dict())
+    elif res.state == "none":
+        click.echo(f"namespace {res.namespace}: no warm set (KVP_WARMUP_FILE is empty)")
+    else:
+        cached = ", token ids cached" if res.tokens_cached else ""
+        click.echo(f"namespace {res.namespace}: warm set {res.warm_file} "
+                   f"({len(res.entries)} entries{cached})")
+        for e in res.entries:
+            click.echo(f"  line {e.line}: {e.tokens} tokens, {e.chunks} chunk(s), "
+                       f"{e.found_keys}/{e.total_keys} keys found")
+        click.echo(f"{res.state}: {res.found_chunks}/{res.requested_chunks} chunks found "
+                   f"({res.requested_chunks - res.found_chunks} not on disk yet), "
+                   f"{res.bytes:,} bytes, {res.seconds:.1f} s; "
+                   f"{res.pinned_files} file(s) pinned")
+        if res.error:
+            click.echo(f"error: {res.error}", err=True)
+    for w in res.warnings:
+        click.echo(f"warning: {w}", err=True)
+    raise SystemExit(res.exit_code)

@@ -1,0 +1,172 @@
+"""Pin manifests on a cache root (I/O): write, read, measure, remove.
+
+``<root>/.kvpersist/pins/<namespace>.json`` (:mod:`kvpersist.l2.pins`). Everything is opened
+relative to directory descriptors, never through a symlink, as :mod:`kvpersist.l2.runs` does.
+Reading never creates anything; a manifest that is unreadable or not ours is reported and
+ignored (its files are then not protected, and the problem says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat as stat_mod
+from typing import Any
+
+from kvpersist.errors import KvpError
+from kvpersist.l2.layout import META_DIR, is_namespace
+from kvpersist.l2.pins import (
+    MAX_BYTES,
+    PINS_DIR,
+    PinnedUsage,
+    PinSet,
+    parse_pin_document,
+    pins_name,
+)
+from kvpersist.l2.scan import HIST_BUCKET_NS
+from kvpersist.l2.tree import FILE_FLAGS, meta_dir, open_rel, open_root
+
+
+def write_pins(root: str | os.PathLike[str], doc: dict[str, Any]) -> str:
+    """Write a pin manifest (atomic, owner-only) into the root; return its path.
+    Raises KvpError when it cannot be written (e.g. ``.kvpersist`` is a symlink)."""
+    namespace = str(doc["namespace"])
+    data = (json.dumps(doc, sort_keys=True) + "\n").encode()
+    final = pins_name(namespace)
+    with open_root(root, purpose="write the pins of") as r:
+        dfd = meta_dir(r, PINS_DIR)
+        try:
+            _replace(dfd, final, data)
+        except OSError as exc:
+            raise KvpError(f"cannot write {os.path.join(r.path, META_DIR, PINS_DIR, final)}: "
+                           f"{exc.strerror or exc}; run as the user that owns the cache") from None
+        finally:
+            os.close(dfd)
+        return os.path.join(r.path, META_DIR, PINS_DIR, final)
+
+
+def _replace(dfd: int, final: str, data: bytes) -> None:
+    tmp = f".{final}.{os.getpid()}.part"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=dfd)
+    try:
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+
+
+def read_pins(root: str | os.PathLike[str]) -> tuple[dict[str, PinSet], list[str]]:
+    """Every namespace's pins on ``root`` and problems met (a manifest not ours, unreadable,
+    or naming files that are not its namespace's chunk files). Never creates anything."""
+    pins: dict[str, PinSet] = {}
+    problems: list[str] = []
+    try:
+        with open_root(root, purpose="read the pins of") as r:
+            try:
+                dfd = open_rel(r.fd, f"{META_DIR}/{PINS_DIR}")
+            except FileNotFoundError:
+                return pins, problems
+            except OSError as exc:
+                return pins, [f"{META_DIR}/{PINS_DIR}: {exc.strerror or exc}"]
+            try:
+                for name in sorted(os.listdir(dfd)):
+                    ns = name[:-5] if name.endswith(".json") else ""
+                    if not is_namespace(ns):
+                        continue
+                    pset, why = _read(dfd, name, ns)
+                    if pset is not None:
+                        pins[ns] = pset
+                    elif why:
+                        problems.append(f"{META_DIR}/{PINS_DIR}/{name}: {why}; its files are "
+                                        "not protected")
+            finally:
+                os.close(dfd)
+    except KvpError as exc:
+        problems.append(str(exc))
+    return pins, problems
+
+
+def _read(dfd: int, name: str, namespace: str) -> tuple[PinSet | None, str]:
+    try:
+        fd = os.open(name, FILE_FLAGS, dir_fd=dfd)
+    except OSError as exc:
+        return None, str(exc.strerror or exc)
+    try:
+        if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
+            return None, "not a regular file"
+        chunks = []
+        size = 0
+        while size <= MAX_BYTES:
+            block = os.read(fd, 1 << 20)
+            if not block:
+                break
+            chunks.append(block)
+            size += len(block)
+    except OSError as exc:
+        return None, str(exc.strerror or exc)
+    finally:
+        os.close(fd)
+    if size > MAX_BYTES:
+        return None, "too big"
+    try:
+        doc = json.loads(b"".join(chunks))
+    except ValueError:
+        return None, "not JSON"
+    return parse_pin_document(doc, namespace)
+
+
+def remove_pins(root: str | os.PathLike[str], namespace: str) -> bool:
+    """Remove the pin manifest of ``namespace``; True if one was removed."""
+    with open_root(root, purpose="remove the pins of") as r:
+        try:
+            dfd = open_rel(r.fd, f"{META_DIR}/{PINS_DIR}")
+        except FileNotFoundError:
+            return False
+        try:
+            os.unlink(pins_name(namespace), dir_fd=dfd)
+        except FileNotFoundError:
+            return False
+        finally:
+            os.close(dfd)
+    return True
+
+
+def measure_pins(root_fd: int, pins: PinSet, *, hist: bool = False) -> PinnedUsage:
+    """Stat each pinned file relative to the root descriptor (never through a symlink):
+    present files and bytes, missing ones, and (``hist``) their last-use histogram in the
+    scan's buckets."""
+    files = nbytes = missing = 0
+    use: dict[int, list[int]] = {}
+    for rel in sorted(pins.files):
+        head, _, name = rel.rpartition("/")
+        try:
+            if head:
+                dfd = open_rel(root_fd, head)
+                try:
+                    st = os.lstat(name, dir_fd=dfd)
+                finally:
+                    os.close(dfd)
+            else:
+                st = os.lstat(name, dir_fd=root_fd)
+        except OSError:
+            missing += 1
+            continue
+        if not stat_mod.S_ISREG(st.st_mode):
+            missing += 1
+            continue
+        files += 1
+        nbytes += st.st_size
+        if hist:
+            b = max(st.st_mtime_ns, st.st_atime_ns) // HIST_BUCKET_NS
+            h = use.setdefault(b, [0, 0])
+            h[0] += 1
+            h[1] += st.st_size
+    return PinnedUsage(files, nbytes, missing, use if hist else None)

@@ -1,0 +1,166 @@
+"""Token ids of a warm set, exactly as the deployment's vLLM computes them (imports vLLM).
+
+vLLM's render-only server (``vllm/entrypoints/launchers/render``) builds the same
+preprocessing pipeline as the OpenAI server without an engine: the deployment's vLLM argv is
+parsed with vLLM's own parser, ``AsyncEngineArgs.create_model_config()`` and ``VllmConfig``
+are built as ``run_launch_fastapi`` builds them, and ``init_render_app_state`` sets up the
+``OnlineRenderer`` (tokenizer, ``--chat-template`` resolution, content format, default chat
+template kwargs). A ``{"messages": ...}`` entry then goes through
+``OnlineRenderer.render_chat(ChatCompletionRequest)`` -- the path of ``/v1/chat/completions``
+-- and a ``{"prompt": ...}`` entry through ``render_completion(CompletionRequest)``.
+``--model`` is the real weights directory (``KVP_MODEL_PATH``), not the namespace link: the
+tokenizer and chat template are read from there.
+
+The template vLLM resolves (``vllm.renderers.hf.resolve_chat_template``) is digested with
+kvpersist's probe (:func:`kvpersist.config.chat_template.template_sha256`) and must equal the
+identity's ``chat_template_sha256``; otherwise the warm set is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpersist.config.chat_template import template_sha256
+from kvpersist.config.warmset import WarmEntry
+from kvpersist.errors import ConfigError, Problem
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """Token ids per entry (file order) and the digest of the template that rendered them."""
+
+    token_ids: list[list[int]]
+    template_sha256: str
+
+
+def _argv_with_model(vllm_argv: Sequence[str], model_path: str) -> list[str]:
+    argv = list(vllm_argv)
+    for i, a in enumerate(argv[:-1]):
+        if a == "--model":
+            argv[i + 1] = model_path
+            return argv
+    return ["--model", model_path, *argv]
+
+
+def tokenize(vllm_argv: Sequence[str], model_path: str, entries: Sequence[WarmEntry], *,
+             expected_template_sha256: str | None, source: str) -> Tokenized:
+    """Token ids of ``entries`` for the deployment whose rendered vLLM arguments are
+    ``vllm_argv`` (``--model`` replaced by ``model_path``).
+
+    Raises ConfigError (exit 2) when vLLM refuses the arguments or an entry (naming its line),
+    or when the chat template vLLM resolves does not digest to ``expected_template_sha256``
+    (None: not checked; an unpinned deployment has no recorded digest)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return asyncio.run(_tokenize(_argv_with_model(vllm_argv, model_path), entries,
+                                 expected_template_sha256, source))
+
+
+async def _tokenize(argv: list[str], entries: Sequence[WarmEntry],
+                    expected: str | None, source: str) -> Tokenized:
+    from starlette.datastructures import State
+    from vllm import AsyncEngineArgs, envs
+    from vllm.config import VllmConfig
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.entrypoints.launchers.render.app_state import init_render_app_state
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)  # type: ignore[no-untyped-call]
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        model_config = engine_args.create_model_config()
+        # as vLLM's render-only server: no inference, no KV cache
+        model_config.quantization = None
+        envs.VLLM_CPU_KVCACHE_SPACE = 0
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            logging_config=engine_args.create_logging_config(),
+            structured_outputs_config=engine_args.create_structured_outputs_config())
+        state = State()
+        await init_render_app_state(vllm_config, state, args)
+    except (Exception, SystemExit) as exc:  # vLLM raises many types for a bad model dir
+        raise ConfigError(Problem("KVP_MODEL_PATH / vLLM arguments",
+                                  f"vLLM cannot build its renderer: {exc}",
+                                  "check KVP_MODEL_PATH and `kvp-admin render CONFIG`")) from None
+    online = state.online_renderer
+    problems: list[Problem] = []
+    templates: dict[str, str] = {}
+    out: list[list[int]] = []
+    for e in entries:
+        where = f"{source}:{e.line}"
+        try:
+            ids, digest = await _entry(online, model_config, e, templates)
+        except _Refused as exc:
+            problems.append(Problem(where, str(exc)))
+            out.append([])
+            continue
+        if expected is not None and digest is not None and digest != expected:
+            problems.append(Problem(
+                where, f"vLLM renders it with a chat template whose digest is {digest}, not "
+                       f"the identity's KVP_CHAT_TEMPLATE_SHA256 {expected}: its token ids "
+                       "would not be what this namespace's requests send",
+                "fix KVP_CHAT_TEMPLATE_SHA256 (kvp-admin identity derive) or the "
+                "--chat-template the deployment passes"))
+        out.append(ids)
+    if problems:
+        raise ConfigError(problems, source)
+    digest = next(iter(templates.values()), "") if templates else ""
+    return Tokenized(out, digest)
+
+
+class _Refused(Exception):
+    pass
+
+
+async def _entry(online: Any, model_config: Any, e: WarmEntry,
+                 templates: dict[str, str]) -> tuple[list[int], str | None]:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    try:
+        if e.kind == "prompt":
+            creq = CompletionRequest(model=model_config.served_model_name, **e.body)
+            res: Any = await online.render_completion(creq)
+            digest = None
+        else:
+            req = ChatCompletionRequest(model=model_config.served_model_name, **e.body)
+            digest = _template_digest(online, model_config, req, templates)
+            res = await online.render_chat(req)
+            if not isinstance(res, tuple):
+                raise _Refused(_error_text(res))
+            res = res[1]
+    except _Refused:
+        raise
+    except Exception as exc:  # pydantic validation, template errors
+        raise _Refused(f"vLLM refuses it: {exc}") from None
+    if not isinstance(res, list) or len(res) != 1:
+        raise _Refused(_error_text(res))
+    ids = res[0].get("prompt_token_ids")
+    if not isinstance(ids, list):
+        raise _Refused("vLLM produced no prompt token ids for it")
+    return [int(t) for t in ids], digest
+
+
+def _template_digest(online: Any, model_config: Any, req: Any,
+                     templates: dict[str, str]) -> str:
+    from vllm.renderers.hf import resolve_chat_template
+
+    tools = None if req.tools is None else [t.model_dump() for t in req.tools]
+    tokenizer = online.renderer.get_tokenizer()
+    chosen = req.chat_template or online.chat_template
+    key = f"{chosen!r}:{tools is not None}"
+    if key not in templates:
+        text = resolve_chat_template(tokenizer, chosen, tools, model_config=model_config)
+        if not text:
+            raise _Refused("vLLM finds no chat template for this model")
+        templates[key] = template_sha256(text)
+    return templates[key]
+
+
+def _error_text(res: Any) -> str:
+    err = getattr(res, "error", None)
+    message = getattr(err, "message", None) or getattr(res, "message", None)
+    return f"vLLM refuses it: {message or res}"
