@@ -141,7 +141,8 @@ def warmup_only(config: str, *, deadline_s: float = 1800.0,
 
     dep, loc = load_located(config)
     logged = log_to(loc.warmup_log, progress)
-    run = warmup_after_vllm(loc, config, env=dict(os.environ if environ is None else environ),
+    run = warmup_after_vllm(loc, config, warm_file=dep.settings.warmup_file,
+                            env=dict(os.environ if environ is None else environ),
                             deadline_s=deadline_s, progress=logged)
     logged(lc.warmup_summary(run))
     return WarmupOnlyOutcome(dep.name, dep.namespace, run)

@@ -32,7 +32,7 @@ from kvpersist.l2.inventory import Sizing
 from kvpersist.stack import crash_window
 from kvpersist.stack.crash_window import CrashCheck
 from kvpersist.stack.locate import Location, locate, vllm_mode
-from kvpersist.stack.readiness import WarmupRun, run_warmup
+from kvpersist.stack.readiness import NO_WARM_SET, WarmupRun, run_warmup
 from kvpersist.stack.render import Rendered, serde_warnings
 from kvpersist.stack.weights import WeightsCheck, check_weights, manifest_with_weights
 from kvpersist.system import procs
@@ -683,7 +683,9 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
     if with_vllm:
         started.append(start_vllm(plan, timeout=vllm_timeout, progress=progress))
         progress(f"vLLM serves in {started[1].seconds:.1f} s (pid {started[1].pid})")
-        if warmup:
+        if warmup and not dep.settings.warmup_file:
+            warm = NO_WARM_SET
+        elif warmup:
             warm = run_warmup(plan, prepared.config or dep.name,
                               env=prepared.environ or os.environ, wait_s=warmup_wait,
                               progress=progress)

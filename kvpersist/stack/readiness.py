@@ -37,7 +37,7 @@ WARMUP_MARKERS = ("kvpersist.cli", "warmup")
 #: seconds a warm-up may run past its own ``--wait`` (process start, the tokenizer's import)
 #: before the launch stops it; also how long past that a "warming" record without a known
 #: process still counts as warming
-GRACE_S = 60.0
+GRACE_S = 90.0
 
 Progress = Callable[[str], None]
 
@@ -128,6 +128,8 @@ def judge(f: WarmupFacts, namespace: str) -> tuple[str, str] | None:
         return "skipped", ("the last warm-up ran before the cache server started (its L1 is "
                            "gone): this server has not been warmed")
     state = rec.get("state")
+    if state == "done" and rec.get("warm_set") is False:
+        return "skipped", "no warm set (KVP_WARMUP_FILE is empty): nothing to warm"
     if state == "done":
         return "ok", f"warm: {_counts(rec)}"
     if state == "failed":
@@ -281,9 +283,9 @@ def run_warmup(loc: Location, config: str, *, env: Mapping[str, str],
         return WarmupRun("failed", f"the warm-up did not end within {wait + GRACE_S:.0f} s "
                          "and was stopped", seconds, None, proc.pid, record)
     if code == 0:
-        if record is None:  # no warm set: the command says so
-            return WarmupRun("skipped", _last_line(loc.warmup_log) or "nothing to warm",
-                             seconds, 0, proc.pid, None)
+        if record is None or record.get("warm_set") is False:  # no warm set
+            return WarmupRun("skipped", "no warm set (KVP_WARMUP_FILE is empty)", seconds, 0,
+                             proc.pid, record)
         return WarmupRun("done", f"warm: {_counts(record)}", seconds, 0, proc.pid, record)
     why = (record or {}).get("error") or error or _last_line(loc.warmup_log)
     return WarmupRun("failed", f"exit {code}: {why or 'no reason given'}", seconds, code,
@@ -323,16 +325,21 @@ def log_to(path: str, progress: Progress) -> Progress:
     return both
 
 
-def warmup_after_vllm(loc: Location, config: str, *, env: Mapping[str, str],
-                      deadline_s: float, cwd: str | None = None,
+NO_WARM_SET = WarmupRun("skipped", "no warm set (KVP_WARMUP_FILE is empty)")
+
+
+def warmup_after_vllm(loc: Location, config: str, *, warm_file: str,
+                      env: Mapping[str, str], deadline_s: float, cwd: str | None = None,
                       progress: Progress = _quiet) -> WarmupRun:
     """For the units and the hook, which start vLLM themselves: wait until vLLM serves the
     namespace, then :func:`run_warmup`, all of it within ``deadline_s`` seconds (the vLLM
     unit's start timeout must not expire under it): the warm-up gets KVP_WARMUP_WAIT or what
-    is left, whichever is less. Never raises for a vLLM that does not come up in time (the
-    result says so)."""
+    is left, whichever is less. Without a warm set (``warm_file`` empty) it returns at once.
+    Never raises for a vLLM that does not come up in time (the result says so)."""
     from kvpersist.stack.launch import vllm_ready
 
+    if not warm_file:
+        return NO_WARM_SET
     t0 = time.monotonic()
     vllm_bound = max(1.0, deadline_s - GRACE_S - 10.0)
     progress(f"waiting for vLLM at {loc.vllm_url} to serve {loc.namespace} "
@@ -349,6 +356,6 @@ def warmup_after_vllm(loc: Location, config: str, *, env: Mapping[str, str],
     return run_warmup(loc, config, env=env, wait_s=wait, cwd=cwd, progress=progress)
 
 
-__all__ = ["GRACE_S", "WARMUP_MARKERS", "WarmupFacts", "WarmupRun", "epoch_of", "gather",
-           "judge", "log_to", "read_record", "run_warmup", "service_ids", "warmup_after_vllm",
-           "warmup_argv"]
+__all__ = ["GRACE_S", "NO_WARM_SET", "WARMUP_MARKERS", "WarmupFacts", "WarmupRun", "epoch_of",
+           "gather", "judge", "log_to", "read_record", "run_warmup", "service_ids",
+           "warmup_after_vllm", "warmup_argv"]

@@ -56,7 +56,7 @@ def facts(rec: dict[str, Any] | None, **kw: Any) -> WarmupFacts:
     # a warm-up run by hand (no pid file): warming within KVP_WARMUP_WAIT + grace...
     (record("warming", started=NOW - 100), {}, "warming", "100 s"),
     # ...and stuck after it
-    (record("warming", started=NOW - 200), {}, "degraded", "no process known"),
+    (record("warming", started=NOW - 300), {}, "degraded", "no process known"),
     (record("warming", started="not a time"), {}, "degraded", "unknown time"),
     # another namespace's record is ignored
     (record("failed", ns=OTHER), {}, "skipped", "ignored"),
@@ -66,6 +66,8 @@ def facts(rec: dict[str, Any] | None, **kw: Any) -> WarmupFacts:
     (record("failed", started=SERVER_STARTED - 60), {}, "skipped", "before the cache server"),
     (record("done", started=SERVER_STARTED - 60), {"server_started": None}, "ok", "warm"),
     (record("paused"), {}, "degraded", "unknown state"),
+    # the command ran without a warm set (KVP_WARMUP_FILE empty): nothing to judge
+    (record("done", warm_set=False, requested_chunks=0), {}, "skipped", "no warm set"),
     (None, {"error": "warmup.json: Expecting value"}, "degraded", "unreadable"),
 ])
 def test_judge(rec: dict[str, Any] | None, kw: dict[str, Any], status: str | None,
