@@ -79,7 +79,7 @@ def test_first_launch_warms_an_empty_l2_finds_nothing_and_is_healthy(stack: Stac
     STATE["ns"] = info["namespace"]
     warm = info["warmup"]
     assert warm["state"] == "done", warm
-    assert warm["requested_chunks"] >= 3 and warm["found_chunks"] == 0, warm
+    assert warm["requested_chunks"] >= 2 and warm["found_chunks"] == 0, warm
     code, doc = _health(stack)
     assert (code, doc["status"]) == (0, "healthy"), doc["checks"]
     assert doc["components"]["warmup"] == "ok"
@@ -90,8 +90,8 @@ def test_first_launch_warms_an_empty_l2_finds_nothing_and_is_healthy(stack: Stac
 
 def test_a_warmup_that_times_out_is_degraded_and_vllm_keeps_serving(stack: Stack) -> None:
     # compute the warm set: vLLM stores its chunks through the cache server onto the NVMe
-    cold = chat_completion(stack.vllm_url, "cpu-demo", WARM, max_tokens=4)
-    assert cold.text
+    cold = chat_completion(stack.vllm_url, "cpu-demo", WARM, max_tokens=24)
+    assert cold.completion_tokens and cold.prompt_tokens and cold.prompt_tokens > 256, cold
     ns = STATE["ns"]
     assert wait_until(lambda: len(stack.chunk_files(ns + "_")) >= STATE["requested"], 60), \
         [p.name for p in stack.chunk_files()]
@@ -110,8 +110,8 @@ def test_a_warmup_that_times_out_is_degraded_and_vllm_keeps_serving(stack: Stack
     assert (code, doc["status"]) == (1, "degraded"), doc["checks"]
     assert doc["components"] == {**{k: "ok" for k in doc["components"]}, "warmup": "degraded"}
     assert "warm-up failed" in _warmup_check(doc)["detail"]
-    served = chat_completion(stack.vllm_url, "cpu-demo", WARM, max_tokens=4)
-    assert served.text == cold.text
+    served = chat_completion(stack.vllm_url, "cpu-demo", WARM, max_tokens=24)
+    assert served.completion_tokens and served.text == cold.text, served
 
 
 def test_health_says_warming_while_the_warmup_runs_and_healthy_after(stack: Stack) -> None:

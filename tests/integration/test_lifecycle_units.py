@@ -310,7 +310,9 @@ exec {real} "$@"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
     env.update(KVP_CACHE_ROOT=str(tmp_path / "cache"), KVP_MODEL_PATH=str(model),
                KVP_ADMIN=str(admin), KVP_PYTHON=str(fake), PYTHONPATH=str(REPO),
-               KVP_VLLM_PORT=str(procs.free_port()), KVP_READY_DEADLINE="1")
+               KVP_VLLM_PORT=str(procs.free_port()), KVP_READY_DEADLINE="1",
+               KVP_WARMUP_FILE=str(tmp_path / "warm.jsonl"))
+    (tmp_path / "warm.jsonl").write_text('{"prompt": "You are a helpful assistant."}\n')
     log = Path(locate(load_deployment("cpu-demo", env, allow_unpinned=True)).warmup_log)
     log.parent.mkdir(parents=True, mode=0o700)
     for warmup, expect_step in (("0", False), ("1", True)):
