@@ -20,6 +20,7 @@ into health checks; :func:`run_warmup` and :func:`warmup_after_vllm` do the I/O.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -176,11 +177,11 @@ def gather(loc: Location, server_pid: int | None) -> WarmupFacts:
     st = procs.check_pid_file(loc.warmup_pid_file, WARMUP_MARKERS)
     started = None
     if server_pid:
-        try:
-            import psutil
+        import psutil
 
+        try:
             started = psutil.Process(server_pid).create_time()
-        except Exception:
+        except (psutil.Error, OSError):
             started = None
     return WarmupFacts(record, error, st.state, st.pid, st.reason, started, loc.warmup_wait,
                        time.time())
@@ -223,8 +224,6 @@ def service_ids(loc: Location) -> tuple[int, int] | None:
     """(uid, gid) to run the warm-up as: the deployment's KVP_SERVICE_USER when root runs
     kvp-admin (the vLLM unit runs as root for docker), so that the record, the pid file and
     the log belong to the user whose health check reads them; None otherwise."""
-    import os
-
     if os.geteuid() != 0 or not loc.service_user:
         return None
     import pwd
@@ -244,11 +243,14 @@ def run_warmup(loc: Location, config: str, *, env: Mapping[str, str],
     root) and wait for it at most S + :data:`GRACE_S` seconds (then stop it). S defaults to
     KVP_WARMUP_WAIT. Never raises for a warm-up that fails: the result says so; vLLM keeps
     serving either way."""
-    import os
-
     wait = loc.warmup_wait if wait_s is None else wait_s
     argv = warmup_argv(config, wait)
     ids = service_ids(loc)
+    if ids is not None:
+        # the service user's home and JIT cache, as in the cache server's unit
+        env = {**env, "HOME": loc.state_dir,
+               "NUMBA_CACHE_DIR": env.get("NUMBA_CACHE_DIR",
+                                          os.path.join(loc.state_dir, "numba-cache"))}
     progress(f"warming up (at most {wait:g} s; log {loc.warmup_log})")
     t0, started_at = time.monotonic(), time.time()
     log_dir = os.path.dirname(loc.warmup_log)
@@ -305,7 +307,6 @@ def log_to(path: str, progress: Progress) -> Progress:
     """``progress`` that also appends each line, time-stamped, to the log at ``path`` (the
     scripts run the readiness step detached, its output discarded: the log keeps it).
     A line that cannot be written is only shown."""
-    import os
 
     def both(msg: str) -> None:
         progress(msg)

@@ -223,3 +223,23 @@ def test_a_bad_warmup_wait_is_a_config_error() -> None:
         with pytest.raises(ConfigError, match="KVP_WARMUP_WAIT"):
             load_deployment("cpu-demo", {"KVP_CACHE_ROOT": "/tmp/x", "KVP_WARMUP_WAIT": bad},
                             allow_unpinned=True)
+
+
+def test_root_runs_the_warmup_as_the_service_user(tmp_path: Path) -> None:
+    """Root (the vLLM unit) runs the warm-up as KVP_SERVICE_USER, so that the record, pid
+    file and log belong to the user whose health check reads them; anyone else runs it as
+    themselves."""
+    import os
+    import pwd
+
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.stack.locate import locate
+
+    env = {"KVP_CACHE_ROOT": str(tmp_path / "c")}
+    assert readiness.service_ids(locate(load_deployment("cpu-demo", env,
+                                                        allow_unpinned=True))) is None
+    user = pwd.getpwuid(65534).pw_name if os.geteuid() == 0 else pwd.getpwuid(os.getuid())[0]
+    loc = locate(load_deployment("cpu-demo", {**env, "KVP_SERVICE_USER": user},
+                                 allow_unpinned=True))
+    want = (65534, pwd.getpwuid(65534).pw_gid) if os.geteuid() == 0 else None
+    assert readiness.service_ids(loc) == want
