@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +24,19 @@ from kvpersist.l2.inventory import (
     scan_existing,
 )
 from kvpersist.l2.manifests import manifest_dirs
+from kvpersist.l2.pin_store import measure_pins, read_pins
+from kvpersist.l2.pins import PinnedUsage, all_names, without_pins
 from kvpersist.l2.prune import PruneResult, prune_lock, prune_stream
-from kvpersist.l2.retention import RetentionPlan, plan_explicit, plan_retention, select_named
+from kvpersist.l2.retention import (
+    RetentionPlan,
+    UsageView,
+    plan_explicit,
+    plan_retention,
+    select_named,
+)
 from kvpersist.l2.runs import record_run
 from kvpersist.l2.scan import ScanResult
+from kvpersist.l2.tree import open_root
 
 ProgressFactory = Callable[[str], Callable[..., None] | None]
 
@@ -79,13 +88,29 @@ def check_inventory(req: PruneRequest, inv: Inventory, configs: Sequence[str]) -
         raise UsageError("--to-budget needs a deployment config on this root (--config)")
 
 
+def unpinned_usage(res: ScanResult,
+                   pinned: Mapping[str, PinnedUsage]) -> dict[str, UsageView]:
+    """Each prefix's scan figures less its warm-set pins (measured just after the scan), so
+    that a plan never counts on bytes it may not delete (pure)."""
+    out: dict[str, UsageView] = dict(res.prefixes)
+    for ns, pu in pinned.items():
+        u = res.prefixes.get(ns)
+        if u is not None:
+            out[ns] = without_pins(u.files, u.bytes, u.use_hist, u.last_use_ns, pu)
+    return out
+
+
 def select(res: ScanResult, inv: Inventory, req: PruneRequest,
-           ram_bytes: int | None = None) -> tuple[RetentionPlan, dict[str, Any] | None]:
+           ram_bytes: int | None = None,
+           pinned: Mapping[str, PinnedUsage] | None = None,
+           ) -> tuple[RetentionPlan, dict[str, Any] | None]:
     """The retention plan for ``req`` from one scan (and, for --to-budget, the budget of the
-    deployment that needs the most freed)."""
+    deployment that needs the most freed). ``pinned``: what each namespace's warm-set pins
+    hold; they are left out of what --stale, --unpinned and --to-budget may choose."""
     now = time.time_ns()
+    prefixes = unpinned_usage(res, pinned or {})
     if not req.to_budget:
-        return plan_explicit(res.prefixes, res.temp, active=inv.active, now_ns=now,
+        return plan_explicit(prefixes, res.temp, active=inv.active, now_ns=now,
                              namespaces=req.namespaces, stale=req.stale,
                              unpinned=req.unpinned, temp_older_than_s=req.temp_older_than_s,
                              force=req.force), None
@@ -106,7 +131,7 @@ def select(res: ScanResult, inv: Inventory, req: PruneRequest,
                 "need_bytes": want,
             }
     extra = {} if req.temp_older_than_s is None else {"temp_min_age_s": req.temp_older_than_s}
-    plan = plan_retention(res.prefixes, res.temp, active=inv.active, need_bytes=need,
+    plan = plan_retention(prefixes, res.temp, active=inv.active, need_bytes=need,
                           now_ns=now, allow_active=req.force, **extra)
     return plan, budget_doc
 
@@ -142,12 +167,15 @@ def prune(root: str | None, configs: Sequence[str], req: PruneRequest, *, apply:
     def bar(what: str) -> Callable[..., None] | None:
         return progress(what) if progress is not None else None
 
+    pins, pin_problems = read_pins(inv.root)
     lock = prune_lock(inv.root) if apply else contextlib.nullcontext()
     with lock:
         budget_doc = None
         if req.needs_scan:
             res = scan_existing(inv.root, hist=req.to_budget, progress=bar("scanned entries"))
-            plan, budget_doc = select(res, inv, req)
+            with open_root(inv.root, purpose="measure the pins of") as r:
+                pinned = {ns: measure_pins(r.fd, p, hist=True) for ns, p in pins.items()}
+            plan, budget_doc = select(res, inv, req, pinned=pinned)
         else:
             plan = select_named(active=inv.active, now_ns=time.time_ns(),
                                 namespaces=req.namespaces,
@@ -155,7 +183,9 @@ def prune(root: str | None, configs: Sequence[str], req: PruneRequest, *, apply:
         result = prune_stream(inv.root, plan.selections, active=inv.active, dry_run=not apply,
                               list_paths=list_paths,
                               progress=bar("files deleted" if apply else "files selected"),
-                              lock=False, manifest_dirs=manifest_dirs(inv.deployments))
+                              lock=False, manifest_dirs=manifest_dirs(inv.deployments),
+                              keep=all_names(pins.values()))
+        result.warnings.extend(pin_problems)
         if apply:
             warning = record_run(inv.root, "prune", ok=not result.errors, counts={
                 "deleted_files": result.deleted_files, "deleted_bytes": result.deleted_bytes,

@@ -11,6 +11,7 @@ from kvpersist.l2.budget import l2_limit
 from kvpersist.l2.inventory import Inventory, resolve_inventory, scan_existing
 from kvpersist.l2.layout import KvRank, is_namespace
 from kvpersist.l2.manifests import Manifest, manifest_dirs, read_manifests
+from kvpersist.l2.pins import PinnedUsage, PinSet
 from kvpersist.l2.retention import category
 from kvpersist.l2.scan import PrefixUsage, ProgressFn, ScanResult, Usage
 
@@ -62,19 +63,22 @@ def _usage(u: Usage, samples: bool = False) -> dict[str, Any]:
 
 def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest],
                  budget: int | None, limit: int | None = None,
-                 reserve: int | None = None) -> dict[str, Any]:
+                 reserve: int | None = None,
+                 pins: dict[str, tuple[PinSet, PinnedUsage]] | None = None) -> dict[str, Any]:
     """The report document (schema ``kvpersist.report/1``) from a scan (pure).
 
     ``share_of_budget`` is each namespace's share of the limit (the budget less what the
-    reserve takes), the figure ``kvp-admin budget`` plans with."""
+    reserve takes), the figure ``kvp-admin budget`` plans with. ``pins``: each namespace's
+    warm-set pins and what they hold on disk (``warm_pins`` of its row)."""
+    pins = pins or {}
     assert res.fs is not None
     limit = budget if limit is None else limit
     rows = []
     prefixes = dict(res.prefixes)
-    for act in inv.active:  # an active namespace is listed even before it has files
+    for act in [*inv.active, *pins]:  # listed even before it has files
         prefixes.setdefault(act, PrefixUsage(prefix=act))
     for prefix, u in sorted(prefixes.items(), key=lambda pu: (-pu[1].bytes, pu[0])):
-        if not u.files and prefix not in inv.active:
+        if not u.files and prefix not in inv.active and prefix not in pins:
             continue
         ns = prefix if is_namespace(prefix) else None
         man = manifests.get(prefix)
@@ -104,6 +108,9 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
             "salted_files": u.salted_files,
             "salts": sorted(u.salts),
             "sharded_files": u.sharded_files,
+            "warm_pins": None if prefix not in pins else {
+                **pins[prefix][1].to_dict(), "listed": len(pins[prefix][0].files),
+                "warm_file_sha256": pins[prefix][0].warm_file_sha256},
             "manifest": None if man is None else {
                 **{k: man.field(k) for k in MANIFEST_FIELDS},
                 "config": man.deployment.get("config"),
@@ -160,9 +167,18 @@ def report(root: str | None, configs: Sequence[str] = (), *,
            progress: ProgressFn | None = None) -> Report:
     """Scan the root (given, or the configs' cache root) once and join it with the
     manifests and the configured deployments. Raises UsageError for a missing root."""
+    from kvpersist.l2.pin_store import measure_pins, read_pins
+    from kvpersist.l2.tree import open_root
+
     inv = resolve_inventory(root, configs)
     res = scan_existing(inv.root, progress=progress)
     manifests, bad = read_manifests(inv.root, manifest_dirs(inv.deployments))
     inv.notes.extend(bad)
+    pin_sets, pin_problems = read_pins(inv.root)
+    inv.notes.extend(pin_problems)
+    pins: dict[str, tuple[PinSet, PinnedUsage]] = {}
+    if pin_sets:
+        with open_root(inv.root, purpose="measure the pins of") as r:
+            pins = {ns: (p, measure_pins(r.fd, p)) for ns, p in pin_sets.items()}
     budget, limit, reserve = budget_figures(inv, res)
-    return Report(build_report(res, inv, manifests, budget, limit, reserve), res)
+    return Report(build_report(res, inv, manifests, budget, limit, reserve, pins), res)

@@ -72,6 +72,10 @@ class WarmupResult:
     warm_file_sha256: str = ""
     world_size: int = 1
     tokens_cached: bool = False
+    #: the root's pin manifest was for this warm set already (LMCache not imported)
+    pins_reused: bool = False
+    #: seconds from the first request to the server to the last completion
+    prefetch_seconds: float = 0.0
     pins_path: str = ""
     pinned_files: int = 0
     entries: list[EntryOutcome] = field(default_factory=list)
@@ -92,7 +96,9 @@ class WarmupResult:
     def to_dict(self) -> dict[str, Any]:
         return {**self.state_document(), "state": self.state, "warm_file": self.warm_file,
                 "world_size": self.world_size, "tokens_cached": self.tokens_cached,
-                "pins": {"path": self.pins_path, "files": self.pinned_files},
+                "prefetch_seconds": round(self.prefetch_seconds, 3),
+                "pins": {"path": self.pins_path, "files": self.pinned_files,
+                         "reused": self.pins_reused},
                 "entries": [e.to_dict() for e in self.entries], "warnings": self.warnings}
 
 
@@ -141,6 +147,11 @@ def warmup(config: str, *, wait_s: float = DEFAULT_WAIT_S,
         res.state, res.finished = "none", res.started
         _write_state(dep, res)
         return res
+    if dep.identity is None:
+        raise ConfigError(Problem(
+            f"{dep.source}: KVP_WARMUP_FILE", "is set but the namespace is unpinned (identity "
+            "incomplete): a one-off namespace never reuses anything, so there is nothing to warm",
+            "complete the identity, or leave KVP_WARMUP_FILE empty"), dep.source)
     ws = read_warm_set(dep)
     res.warm_file, res.warm_file_sha256 = ws.source, ws.sha256
     t0 = time.monotonic()
@@ -177,36 +188,43 @@ def _run(dep: Deployment, ws: WarmSet, res: WarmupResult, wait_s: float,
     from kvpersist.stack import prefetch
     from kvpersist.stack.locate import locate
     from kvpersist.stack.render import TEMPLATE_NAMES, render
-    from kvpersist.stack.warm_keys import chunk_files, key_scheme
     from kvpersist.system.templates import read_templates
 
     # the sizes do not enter the key scheme nor the vLLM arguments tokenization reads
     rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=dep.settings.l1_size_gb,
                       l2_capacity_gb=1.0)
     token_ids = _token_ids(dep, ws, rendered.vllm_argv, res, say)
-    scheme = key_scheme(rendered.lmcache_server_argv)
-    files: list[str] = []
-    for e, ids in zip(ws.entries, token_ids, strict=True):
-        rel, chunks = chunk_files(scheme, dep.lmcache_model_name, res.world_size, ids)
-        files += rel
-        res.entries.append(EntryOutcome(e.line, len(ids), chunks))
+    pins = _recorded_pins(dep, ws, res) if res.tokens_cached else None
+    if pins is None:
+        pins = _compute_pins(dep, ws, res, rendered.lmcache_server_argv, token_ids)
+    else:
+        res.pins_reused = True
+        res.pins_path = os.path.join(dep.settings.cache_root, ".kvpersist", "pins",
+                                     f"{dep.namespace}.json")
+    chunk_size = int(pins["chunk_size"])
+    res.entries = [EntryOutcome(e.line, len(ids), len(ids) // chunk_size)
+                   for e, ids in zip(ws.entries, token_ids, strict=True)]
     res.requested_chunks = sum(e.chunks for e in res.entries)
-    _record_pins(dep, ws, res, scheme, files)
+    _measure(dep, res, pins)
     base = locate(dep).server_http_url
     # --wait counts from the first request to the server, not from the tokenization
-    deadline = time.monotonic() + wait_s
-    for entry, ids in zip(res.entries, token_ids, strict=True):
-        if not entry.chunks:
-            continue
-        say(f"line {entry.line}: prefetching {entry.chunks} chunk(s) x {res.world_size} "
-            "rank(s)")
-        sub = prefetch.submit(base, dep.lmcache_model_name, res.world_size, ids,
-                              deadline=deadline, on_wait=say)
-        if sub.request_id is None:
-            continue
-        done = prefetch.wait_completed(base, sub.request_id, deadline=deadline)
-        entry.found_keys, entry.total_keys = done.found_keys, done.total_keys
-        entry.chunks = sub.chunks
+    t0 = time.monotonic()
+    deadline = t0 + wait_s
+    try:
+        for entry, ids in zip(res.entries, token_ids, strict=True):
+            if not entry.chunks:
+                continue
+            say(f"line {entry.line}: prefetching {entry.chunks} chunk(s) x {res.world_size} "
+                "rank(s)")
+            sub = prefetch.submit(base, dep.lmcache_model_name, res.world_size, ids,
+                                  deadline=deadline, on_wait=say)
+            if sub.request_id is None:
+                continue
+            done = prefetch.wait_completed(base, sub.request_id, deadline=deadline)
+            entry.found_keys, entry.total_keys = done.found_keys, done.total_keys
+            entry.chunks = sub.chunks
+    finally:
+        res.prefetch_seconds = time.monotonic() - t0
     res.requested_chunks = sum(e.chunks for e in res.entries)
     res.found_chunks = sum(e.found_keys * e.chunks // e.total_keys
                            for e in res.entries if e.total_keys)
@@ -214,11 +232,12 @@ def _run(dep: Deployment, ws: WarmSet, res: WarmupResult, wait_s: float,
 
 def _token_ids(dep: Deployment, ws: WarmSet, vllm_argv: list[str], res: WarmupResult,
                say: Progress) -> list[list[int]]:
-    expected = dep.identity.chat_template_sha256 if dep.identity is not None else None
+    assert dep.identity is not None
+    expected = dep.identity.chat_template_sha256
     cache = os.path.join(dep.settings.state_dir, TOKENS_DIR,
                          tokens_cache_name(dep.namespace, ws.sha256))
     cached = _read_json(cache)
-    if cached is not None and expected is not None:
+    if cached is not None:
         ids = parse_tokens_document(cached, dep.namespace, ws.sha256, expected)
         if ids is not None and len(ids) == len(ws.entries):
             res.tokens_cached = True
@@ -229,13 +248,11 @@ def _token_ids(dep: Deployment, ws: WarmSet, vllm_argv: list[str], res: WarmupRe
         "template)")
     tok = tokenize(vllm_argv, dep.settings.model_path, ws.entries,
                    expected_template_sha256=expected, source=ws.source)
-    if expected is not None:
-        try:
-            atomic_write_json(cache, tokens_document(dep.namespace, ws.sha256, expected,
-                                                     tok.token_ids,
-                                                     [e.line for e in ws.entries]))
-        except KvpError as exc:
-            res.warnings.append(f"the token ids were not cached: {exc}")
+    try:
+        atomic_write_json(cache, tokens_document(dep.namespace, ws.sha256, expected,
+                                                 tok.token_ids, [e.line for e in ws.entries]))
+    except KvpError as exc:
+        res.warnings.append(f"the token ids were not cached: {exc}")
     return tok.token_ids
 
 
@@ -251,16 +268,38 @@ def _read_json(path: str) -> Any:
         return None
 
 
-def _record_pins(dep: Deployment, ws: WarmSet, res: WarmupResult, scheme: Any,
-                 files: list[str]) -> None:
-    from kvpersist.l2.pin_store import measure_pins, write_pins
-    from kvpersist.l2.pins import parse_pin_document, pin_document
-    from kvpersist.l2.tree import open_root
+def _recorded_pins(dep: Deployment, ws: WarmSet, res: WarmupResult) -> dict[str, Any] | None:
+    """The root's pin manifest when it was computed for exactly this namespace, warm file,
+    world size, chunk size and file layout (then LMCache need not be imported again)."""
+    from kvpersist.l2.pin_store import read_pin_document
 
+    doc = read_pin_document(dep.settings.cache_root, dep.namespace)
+    g = dep.generic
+    if (doc is None or doc.get("warm_file_sha256") != ws.sha256
+            or doc.get("world_size") != res.world_size or doc.get("chunk_size") != g.chunk_size
+            or doc.get("shard_dirs") != g.l2_shard_dirs):
+        return None
+    return doc
+
+
+def _compute_pins(dep: Deployment, ws: WarmSet, res: WarmupResult, server_argv: list[str],
+                  token_ids: list[list[int]]) -> dict[str, Any]:
+    """The chunk files of the warm set by LMCache's own key code, recorded as the pins."""
+    from kvpersist.l2.pin_store import write_pins
+    from kvpersist.l2.pins import pin_document
+    from kvpersist.stack.warm_keys import chunk_files, key_scheme
+
+    scheme = key_scheme(server_argv)
+    files: list[str] = []
+    chunks = 0
+    for ids in token_ids:
+        rel, n = chunk_files(scheme, dep.lmcache_model_name, res.world_size, ids)
+        files += rel
+        chunks += n
     try:
         doc = pin_document(dep.namespace, ws.sha256, files, world_size=res.world_size,
                            chunk_size=scheme.chunk_size, hash_algorithm=scheme.hash_algorithm,
-                           shard_dirs=scheme.shard_dirs, chunks=res.requested_chunks,
+                           shard_dirs=scheme.shard_dirs, chunks=chunks,
                            created_ns=time.time_ns())
     except ValueError as exc:
         raise KvpError(f"LMCache's key code and kvpersist's file-name parser disagree: {exc}; "
@@ -269,9 +308,20 @@ def _record_pins(dep: Deployment, ws: WarmSet, res: WarmupResult, scheme: Any,
         res.pins_path = write_pins(dep.settings.cache_root, doc)
     except KvpError as exc:
         res.warnings.append(f"the warm set's files are not pinned: {exc}")
-        return
+    return doc
+
+
+def _measure(dep: Deployment, res: WarmupResult, doc: dict[str, Any]) -> None:
+    from kvpersist.l2.pin_store import measure_pins
+    from kvpersist.l2.pins import parse_pin_document
+    from kvpersist.l2.tree import open_root
+
     pins, _ = parse_pin_document(doc, dep.namespace)
-    assert pins is not None
+    if pins is None:
+        return
     res.pinned_files = len(pins.files)
-    with open_root(dep.settings.cache_root, purpose="measure the pins of") as r:
-        res.bytes = measure_pins(r.fd, pins).bytes
+    try:
+        with open_root(dep.settings.cache_root, purpose="measure the pins of") as r:
+            res.bytes = measure_pins(r.fd, pins).bytes
+    except KvpError as exc:
+        res.warnings.append(str(exc))

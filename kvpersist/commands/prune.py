@@ -39,8 +39,18 @@ def format_result(res: PruneResult, plan: RetentionPlan) -> str:
     if skipped:
         lines.append(f"skipped {skipped:,} files: {res.skipped_changed} changed since planned, "
                      f"{res.skipped_vanished} already gone, {res.skipped_used} used since planned")
+    if res.kept_pinned:
+        lines.append(f"kept {res.kept_pinned:,} warm-set pinned files (kvp-admin warmup): only "
+                     "--namespace deletes them")
+    if res.deleted_pinned:
+        lines.append(f"{'would delete' if res.dry_run else 'deleted'} "
+                     f"{res.deleted_pinned:,} warm-set pinned files too (the namespace was "
+                     "named); the next kvp-admin warmup reads them from disk again only once "
+                     "vLLM has recomputed them")
     for ns in res.manifests_removed:
         lines.append(f"removed the manifest of {ns} (no files left)")
+    for ns in res.pins_removed:
+        lines.append(f"removed the warm-set pins of {ns} (no files left)")
     for n in plan.notes:
         lines.append(f"note: {n}")
     for e in res.errors[:20]:
@@ -91,8 +101,8 @@ def prune(root: str | None, configs: tuple[str, ...], namespaces: tuple[str, ...
 
     Only files whose names parse as LMCache chunk or temp files of a selected namespace are
     touched; foreign files, symlinks and manifests of namespaces with files left are never
-    deleted. A file that changed after it was planned is skipped. Exit 1 if a file could not
-    be deleted.
+    deleted. Warm-set pins (kvp-admin warmup) are deleted only by --namespace. A file that
+    changed after it was planned is skipped. Exit 1 if a file could not be deleted.
     """
     shared: dict[str, Any] = {}
     if tier != "local":

@@ -17,6 +17,14 @@ from kvpersist.commands.common import (
 from kvpersist.config.values import format_size
 
 
+def _pins(p: dict[str, Any] | None) -> str:
+    """``files (size)`` of a namespace's warm-set pins, with the missing ones; '-' if none."""
+    if not p:
+        return "-"
+    missing = f", {p['missing']:,} missing" if p["missing"] else ""
+    return f"{p['files']:,} ({format_size(p['bytes'])}{missing})"
+
+
 def format_report(doc: dict[str, Any]) -> str:
     """The human table: largest first, human sizes, share of budget, status marks."""
     budget = doc["limit_bytes"]
@@ -35,13 +43,14 @@ def format_report(doc: dict[str, Any]) -> str:
             man.get("kv_cache_dtype") or "-",
             f"{r['files']:,}",
             format_size(r["bytes"]),
+            _pins(r.get("warm_pins")),
             f"{100 * r['share_of_budget']:.1f}%" if r["share_of_budget"] is not None else "-",
             (r["last_use"] or "-")[:16].replace("T", " "),
         ])
     out = [f"L2 cache root {doc['root']}"]
     if rows:
         out.append(table(rows, ["NAMESPACE", "STATUS", "MODEL", "TP", "DTYPE", "FILES",
-                                "SIZE", "BUDGET", "LAST USE"]))
+                                "SIZE", "WARM PINS", "BUDGET", "LAST USE"]))
     else:
         out.append("no chunk files")
     t, f, s = doc["temp"], doc["foreign"], doc["symlinks"]
@@ -68,6 +77,9 @@ def format_report(doc: dict[str, Any]) -> str:
                    "chunks)")
     if doc["manifests_without_files"]:
         out.append("manifests without files: " + ", ".join(doc["manifests_without_files"]))
+    if any(r.get("warm_pins") for r in doc["namespaces"]):
+        out.append("warm pins: the warm set's files (kvp-admin warmup); prune --to-budget and "
+                   "--stale never delete them")
     if not doc["active"]:
         out.append("no active deployment on this root (give --config to mark one)")
     else:

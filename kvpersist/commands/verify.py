@@ -40,6 +40,9 @@ def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
     else:
         click.echo(f"{res.root}: {res.files} chunk files, {res.authenticated} authenticated, "
                    f"{len(res.findings)} finding(s) in {res.seconds:.1f} s")
+        if res.pinned:
+            click.echo(f"warm-set pinned files checked first: {res.pinned}, "
+                       f"{res.pinned_findings} finding(s)")
         if res.findings:
             rows = [[f.kind, f.size, f.path.rsplit('/', 1)[-1][:72], f.detail]
                     for f in res.findings]

@@ -39,11 +39,13 @@ def warmup(config: str, wait_s: float, as_json: bool) -> None:
         click.echo(f"namespace {res.namespace}: warm set {res.warm_file} "
                    f"({len(res.entries)} entries{cached})")
         for e in res.entries:
-            click.echo(f"  line {e.line}: {e.tokens} tokens, {e.chunks} chunk(s), "
-                       f"{e.found_keys}/{e.total_keys} keys found")
-        click.echo(f"{res.state}: {res.found_chunks}/{res.requested_chunks} chunks found "
-                   f"({res.requested_chunks - res.found_chunks} not on disk yet), "
-                   f"{res.bytes:,} bytes, {res.seconds:.1f} s; "
+            found = (f"{e.found_keys}/{e.total_keys} keys found" if e.total_keys else
+                     "nothing to load (under one chunk)" if not e.chunks else "not loaded")
+            click.echo(f"  line {e.line}: {e.tokens} tokens, {e.chunks} chunk(s), {found}")
+        missing = res.requested_chunks - res.found_chunks
+        why = f" ({missing} not on disk yet)" if res.state == "done" and missing else ""
+        click.echo(f"{res.state}: {res.found_chunks}/{res.requested_chunks} chunks found{why}, "
+                   f"{res.bytes:,} bytes of pinned files on disk, {res.seconds:.1f} s; "
                    f"{res.pinned_files} file(s) pinned")
         if res.error:
             click.echo(f"error: {res.error}", err=True)

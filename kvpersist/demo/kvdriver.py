@@ -15,7 +15,7 @@ storage code are stock). lmcache and torch are imported lazily.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +64,29 @@ class KVDriver:
         digests = self._client.compute_checksums(req, 0, req.num_full_tokens) or []
         self._client.end_session(req)
         return list(digests)
+
+    def store_tokens(self, token_ids: Sequence[int]) -> int:
+        """Store the complete chunks of an arbitrary token sequence (e.g. a warm set's ids, as
+        vLLM's workers would after computing its prefill) on every rank; return the chunks
+        stored. Raises ValueError for fewer tokens than one chunk or more than the simulated
+        KV cache holds, RuntimeError if a rank's store failed."""
+        import dataclasses
+
+        base = self._request(0, "store")
+        block = base.num_full_tokens // base.num_blocks
+        full = len(token_ids) // base.chunk_size * base.chunk_size
+        if not full:
+            raise ValueError("fewer tokens than one chunk")
+        if full // block > self._client._num_blocks:
+            raise ValueError("more tokens than the simulated KV cache holds")
+        req = dataclasses.replace(base, token_ids=tuple(token_ids), num_full_tokens=full,
+                                  total_chunks=full // base.chunk_size, block_offset=0,
+                                  num_blocks=full // block)
+        result = self._client.store(req, 0, full)
+        if result is None or not result.succeeded:
+            raise RuntimeError(f"store of {len(token_ids)} tokens failed: {result}")
+        self._client.end_session(req)
+        return int(req.total_chunks)
 
     def lookup(self, seq: int) -> Lookup:
         """Look sequence ``seq`` up (L1, then L2 on disk, prefetching into L1)."""

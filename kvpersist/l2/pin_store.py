@@ -96,12 +96,25 @@ def read_pins(root: str | os.PathLike[str]) -> tuple[dict[str, PinSet], list[str
 
 def _read(dfd: int, name: str, namespace: str) -> tuple[PinSet | None, str]:
     try:
+        doc = _load(dfd, name)
+    except _Unreadable as exc:
+        return None, str(exc)
+    return parse_pin_document(doc, namespace)
+
+
+class _Unreadable(Exception):
+    pass
+
+
+def _load(dfd: int, name: str) -> Any:
+    """The JSON document in ``name`` (never through a symlink); raises _Unreadable."""
+    try:
         fd = os.open(name, FILE_FLAGS, dir_fd=dfd)
     except OSError as exc:
-        return None, str(exc.strerror or exc)
+        raise _Unreadable(str(exc.strerror or exc)) from None
     try:
         if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
-            return None, "not a regular file"
+            raise _Unreadable("not a regular file")
         chunks = []
         size = 0
         while size <= MAX_BYTES:
@@ -111,16 +124,36 @@ def _read(dfd: int, name: str, namespace: str) -> tuple[PinSet | None, str]:
             chunks.append(block)
             size += len(block)
     except OSError as exc:
-        return None, str(exc.strerror or exc)
+        raise _Unreadable(str(exc.strerror or exc)) from None
     finally:
         os.close(fd)
     if size > MAX_BYTES:
-        return None, "too big"
+        raise _Unreadable("too big")
     try:
-        doc = json.loads(b"".join(chunks))
+        return json.loads(b"".join(chunks))
     except ValueError:
-        return None, "not JSON"
-    return parse_pin_document(doc, namespace)
+        raise _Unreadable("not JSON") from None
+
+
+def read_pin_document(root: str | os.PathLike[str], namespace: str) -> dict[str, Any] | None:
+    """The pin manifest of ``namespace`` as a document, if it is a valid one (else None)."""
+    try:
+        with open_root(root, purpose="read the pins of") as r:
+            try:
+                dfd = open_rel(r.fd, f"{META_DIR}/{PINS_DIR}")
+            except OSError:
+                return None
+            try:
+                doc = _load(dfd, pins_name(namespace))
+            except _Unreadable:
+                return None
+            finally:
+                os.close(dfd)
+    except KvpError:
+        return None
+    if not isinstance(doc, dict) or parse_pin_document(doc, namespace)[0] is None:
+        return None
+    return doc
 
 
 def remove_pins(root: str | os.PathLike[str], namespace: str) -> bool:

@@ -43,6 +43,7 @@ from kvpersist.l2.layout import (
     parse_chunk_name,
 )
 from kvpersist.l2.manifests import default_manifest_dirs, remove_manifest
+from kvpersist.l2.pin_store import remove_pins
 from kvpersist.l2.retention import Selection
 from kvpersist.l2.tree import RootDir, Shard, chunk_dirs, meta_dir, open_root
 from kvpersist.system.forked import run_parts
@@ -69,6 +70,11 @@ class PruneResult:
     skipped_changed: int = 0
     skipped_vanished: int = 0
     skipped_used: int = 0
+    #: warm-set pins a selection would have taken but may not (all but --namespace)
+    kept_pinned: int = 0
+    #: warm-set pins deleted because their namespace was named (--namespace)
+    deleted_pinned: int = 0
+    pins_removed: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     manifests_removed: list[str] = field(default_factory=list)
     per_selection: list[dict[str, Any]] = field(default_factory=list)
@@ -88,7 +94,10 @@ class PruneResult:
                 "changed": self.skipped_changed,
                 "vanished": self.skipped_vanished,
                 "used_since_planned": self.skipped_used,
+                "pinned": self.kept_pinned,
             },
+            "deleted_pinned": self.deleted_pinned,
+            "pins_removed": self.pins_removed,
             "selections": self.per_selection,
             "manifests_removed": self.manifests_removed,
             "errors": self.errors,
@@ -175,6 +184,11 @@ def _remove_manifests(root: RootDir, selections: Sequence[Selection], active: fr
             continue
         if _prefix_has_files(root.fd, ns):
             continue
+        try:
+            if remove_pins(root.path, ns) and ns not in res.pins_removed:
+                res.pins_removed.append(ns)
+        except (OSError, KvpError) as exc:
+            res.errors.append(f"{META_DIR}/pins/{ns}.json: {exc}")
         for mdir in dict.fromkeys(manifest_dirs):
             try:
                 if remove_manifest(mdir, ns) and ns not in res.manifests_removed:
@@ -189,6 +203,8 @@ class _PartResult:
 
     done: list[list[int]]  # per selection: [files, bytes]
     changed: int = 0
+    kept_pinned: int = 0
+    deleted_pinned: int = 0
     vanished: int = 0
     used: int = 0
     errors: list[str] = field(default_factory=list)
@@ -199,7 +215,7 @@ class _PartResult:
 
 def _stream_part(root: str, selections: Sequence[Selection], part: int, parts: int,
                  dry_run: bool, list_paths: bool, progress: Callable[[int], None] | None,
-                 started_ns: int) -> _PartResult:
+                 started_ns: int, keep: frozenset[str] = frozenset()) -> _PartResult:
     """One worker of :func:`prune_stream`: its share of the root's entries (by name hash) and
     of the shard directories (by directory). The root is listed once (the walker finds the
     shard directories in the same listing)."""
@@ -270,6 +286,10 @@ def _stream_part(root: str, selections: Sequence[Selection], part: int, parts: i
                 if use >= started_ns:
                     out.used += 1
                 continue
+            pinned = name in keep
+            if pinned and not selections[hit].named:
+                out.kept_pinned += 1  # a warm-set pin: only --namespace deletes it
+                continue
             if st.st_ctime_ns > started_ns:
                 out.changed += 1  # written, truncated or re-linked in place since then
                 continue
@@ -284,6 +304,8 @@ def _stream_part(root: str, selections: Sequence[Selection], part: int, parts: i
                     continue
             done[hit][0] += 1
             done[hit][1] += st.st_size
+            if pinned:
+                out.deleted_pinned += 1
             if paths is not None:
                 paths.append(f"{rel}/{name}" if rel else name)
             count += 1
@@ -325,8 +347,13 @@ def prune_stream(
     workers: int | None = None,
     lock: bool = True,
     manifest_dirs: Sequence[str] = (),
+    keep: frozenset[str] = frozenset(),
 ) -> PruneResult:
     """Plan and delete in one pass (what ``kvp-admin prune`` runs; see the module docstring).
+
+    ``keep``: the file names of the root's warm-set pins; only a selection named on the
+    command line deletes one (and, after an ``--apply`` that leaves its namespace without
+    files, its pin manifest is removed too).
 
     After an ``--apply``, the manifest of a namespace pruned whole is removed from the root's
     default manifest directories and from ``manifest_dirs`` (those of its deployments).
@@ -347,7 +374,7 @@ def prune_stream(
             parts: list[_PartResult] = []
             if sels:
                 n = _stream_workers(r.path, workers)
-                parts = _run_parts(r.path, sels, n, dry_run, list_paths, progress)
+                parts = _run_parts(r.path, sels, n, dry_run, list_paths, progress, keep)
             done = [[0, 0] for _ in sels]
             for p in parts:
                 for d, x in zip(done, p.done, strict=True):
@@ -356,6 +383,8 @@ def prune_stream(
                 res.skipped_changed += p.changed
                 res.skipped_vanished += p.vanished
                 res.skipped_used += p.used
+                res.kept_pinned += p.kept_pinned
+                res.deleted_pinned += p.deleted_pinned
                 res.errors.extend(p.errors)
                 if res.deleted_paths is not None and p.paths is not None:
                     res.deleted_paths.extend(p.paths)
@@ -382,11 +411,12 @@ def prune_stream(
 
 
 def _run_parts(root: str, selections: tuple[Selection, ...], n: int, dry_run: bool,
-               list_paths: bool, progress: Callable[[int], None] | None) -> list[_PartResult]:
+               list_paths: bool, progress: Callable[[int], None] | None,
+               keep: frozenset[str] = frozenset()) -> list[_PartResult]:
     # "since the prune began" (for all workers alike). File timestamps come from the kernel's
     # coarse clock, never ahead of this one: a file changed before now never counts as changed
     started_ns = time.time_ns()
     return run_parts(
         n, lambda part, prog: _stream_part(root, selections, part, n, dry_run, list_paths, prog,
-                                           started_ns),
+                                           started_ns, keep),
         progress, "prune")

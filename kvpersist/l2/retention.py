@@ -16,6 +16,11 @@ Order for a byte target (``plan_retention``):
 
 Prefixes that are not kvpersist namespaces (``test-model``, ``--a--b``) are never chosen for a
 byte target: they are removed only when named explicitly.
+
+A namespace's warm-set pins (:mod:`kvpersist.l2.pins`) are never chosen: the caller passes
+each prefix's usage less its pinned files (:func:`kvpersist.l2.pins.without_pins`), and the
+executor skips pinned files for every selection but one named on the command line
+(``Selection.named``).
 """
 
 from __future__ import annotations
@@ -78,6 +83,9 @@ class Selection:
     files: int
     bytes: int
     reason: str
+    #: named on the command line (``--namespace``): the only selection that may delete a
+    #: namespace's warm-set pins (kvpersist.l2.pins); every other one leaves them
+    named: bool = False
 
     def matches(self, prefix: str | None, last_use_ns: int) -> bool:
         """True if a file of ``prefix`` (None for temp) last used at ``last_use_ns`` is in."""
@@ -94,6 +102,7 @@ class Selection:
             "files": self.files,
             "bytes": self.bytes,
             "reason": self.reason,
+            "named": self.named,
         }
 
 
@@ -279,9 +288,11 @@ def plan_explicit(
         if u is None or not u.files:
             # kept as an empty selection: the executor may still remove an orphan manifest
             notes.append(f"{ns}: no files")
-            sels[ns] = Selection(cat, ns, None, 0, 0, f"named on the command line ({cat})")
+            sels[ns] = Selection(cat, ns, None, 0, 0, f"named on the command line ({cat})",
+                                 named=True)
             continue
-        sels[ns] = Selection(cat, ns, None, u.files, u.bytes, f"named on the command line ({cat})")
+        sels[ns] = Selection(cat, ns, None, u.files, u.bytes, f"named on the command line ({cat})",
+                             named=True)
     for p, u in sorted(prefixes.items(), key=lambda pu: (pu[1].last_use_ns, pu[0])):
         cat = category(p, active_set)
         if p in sels or not u.files:
@@ -318,7 +329,8 @@ def select_named(
                 f"{ns} is the namespace of an active deployment; refusing without --force"
             )
         cat = category(ns, active_set)
-        sels.append(Selection(cat, ns, None, 0, 0, f"named on the command line ({cat})"))
+        sels.append(Selection(cat, ns, None, 0, 0, f"named on the command line ({cat})",
+                              named=True))
     if temp_older_than_s is not None:
         sels.append(Selection(
             TEMP, None, now_ns - int(temp_older_than_s * 1e9), 0, 0,

@@ -88,6 +88,10 @@ class VerifyResult:
     unchecked: int = 0
     #: files outside the window read to learn a namespace's frame length
     reference_reads: int = 0
+    #: warm-set pinned files among the chunk files checked (they are checked first)
+    pinned: int = 0
+    #: findings about warm-set pinned files
+    pinned_findings: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -229,7 +233,8 @@ def verify_root(root: str | os.PathLike[str], namespace: str, *, serde: str = "a
                 temp_age: float = 600.0, rate_mb_s: float | None = 200.0,
                 all_namespaces: bool = False, since_ns: int | None = None,
                 deadline_s: float | None = None,
-                progress: Callable[[int, int], None] | None = None) -> VerifyResult:
+                progress: Callable[[int, int], None] | None = None,
+                first: frozenset[str] = frozenset()) -> VerifyResult:
     """Check the chunk files under ``root``; quarantine findings when ``apply``.
 
     ``key`` is the master key (aesgcm); files of ``namespace`` (all prefixes when
@@ -239,7 +244,9 @@ def verify_root(root: str | os.PathLike[str], namespace: str, *, serde: str = "a
     never touched). Files that cannot be read are listed in ``skipped``. With ``since_ns``
     only chunk files whose mtime is at or after it are checked (sizes are still compared with
     every file of the namespace), and no temp file is a finding; ``deadline_s`` stops reading
-    after that many seconds (``unchecked`` counts the rest). Raises UsageError if
+    after that many seconds (``unchecked`` counts the rest). Files named in ``first`` (the
+    warm-set pins, what every session needs first) are checked before all others, so a
+    deadline never leaves them unchecked while others were read. Raises UsageError if
     ``root`` does not exist or is not a directory, KvpError if it cannot be opened or, with
     ``apply``, the quarantine directory cannot be made safely.
     """
@@ -248,7 +255,7 @@ def verify_root(root: str | os.PathLike[str], namespace: str, *, serde: str = "a
         res = VerifyResult(os.fspath(root), namespace, serde, apply, since_ns=since_ns)
         targets = _check(r, res, key=key, aes_bits=aes_bits, temp_age=temp_age,
                          rate_mb_s=rate_mb_s, all_namespaces=all_namespaces, progress=progress,
-                         deadline=None if deadline_s is None else t0 + deadline_s)
+                         deadline=None if deadline_s is None else t0 + deadline_s, first=first)
         if apply:
             _quarantine(r, res, targets)
     res.seconds = time.monotonic() - t0
@@ -258,7 +265,7 @@ def verify_root(root: str | os.PathLike[str], namespace: str, *, serde: str = "a
 def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
            temp_age: float, rate_mb_s: float | None, all_namespaces: bool,
            progress: Callable[[int, int], None] | None,
-           deadline: float | None = None) -> list[_Seen]:
+           deadline: float | None = None, first: frozenset[str] = frozenset()) -> list[_Seen]:
     """Fill ``res.findings``; return, for each finding, the file it is about."""
     namespace, serde, since = res.namespace, res.serde, res.since_ns
     targets: list[_Seen] = []
@@ -278,6 +285,8 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
     def finding(seen: _Seen, kind: str, detail: str) -> None:
         res.findings.append(Finding(shown(seen.rel, seen.name), kind, detail, seen.size))
         targets.append(seen)
+        if seen.name in first:
+            res.pinned_findings += 1
 
     with chunk_dirs(r.fd, on_error=note) as dirs:
         for d in dirs:
@@ -308,6 +317,10 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
                     chunks.append((seen, parsed))
             except OSError as exc:  # the listing itself failed
                 note(d.rel or ".", exc)
+    if first:
+        # the warm set first (a stable sort keeps the walk's order otherwise)
+        chunks.sort(key=lambda sp: sp[0].name not in first)
+        res.pinned = sum(1 for seen, _ in chunks if seen.name in first)
     usual = expected_sizes(sizes)
     keys: dict[str, bytes] = {}
     known_plain: dict[tuple[str, int], int] = {}

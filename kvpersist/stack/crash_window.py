@@ -146,6 +146,8 @@ def check(loc: Location, window: CrashWindow, *, rate_mb_s: float | None = DEFAU
     Raises KvpError if the key or the cache root cannot be read, or the quarantine cannot be
     made safely."""
     from kvpersist.l2 import keys
+    from kvpersist.l2.pin_store import read_pins
+    from kvpersist.l2.pins import all_names
     from kvpersist.l2.verify import verify_root
 
     res = CrashCheck(window.unclean, window.reason, window.since_ns, loc.serde)
@@ -159,9 +161,11 @@ def check(loc: Location, window: CrashWindow, *, rate_mb_s: float | None = DEFAU
         key = keys.read_key(loc.serde_key_file, service_uids(loc.service_user))
     else:
         res.warnings.append(SERDE_NONE_WARNING)
+    pins, _ = read_pins(loc.cache_root)
+    # the warm set first: within the time bound, what every session needs is read first
     v = verify_root(loc.cache_root, loc.namespace, serde=loc.serde, key=key, apply=True,
                     rate_mb_s=rate_mb_s or None, since_ns=window.since_ns,
-                    deadline_s=deadline_s)
+                    deadline_s=deadline_s, first=all_names(pins.values()))
     res.ran = True
     res.files, res.authenticated, res.bytes_read = v.files, v.authenticated, v.bytes_read
     res.reference_reads, res.unchecked = v.reference_reads, v.unchecked

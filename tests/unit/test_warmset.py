@@ -1,0 +1,206 @@
+"""The warm set (KVP_WARMUP_FILE): parsing, the token-id cache document, and what
+``kvp-admin warmup`` does before it needs vLLM or a server (bad input: exit 2, nothing
+written; no warm set: exit 0)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpersist.config.warmset import (
+    parse_tokens_document,
+    parse_warm_set,
+    tokens_document,
+)
+from kvpersist.errors import ConfigError
+
+from ..conftest import REPO, clean_env, free_port
+from .test_cli_startup import HEAVY, WRAPPER, matching
+
+GOOD = (
+    '{"messages": [{"role": "system", "content": "You are terse."}, '
+    '{"role": "user", "content": "Hi"}], "add_generation_prompt": false}\n'
+    "\n"
+    '{"prompt": "A shared document."}\n'
+    '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+    '"function": {"name": "f", "parameters": {}}}]}\n'
+)
+
+
+def test_a_good_warm_set_keeps_its_lines_and_digest() -> None:
+    data = GOOD.encode()
+    ws = parse_warm_set(data, "/w.jsonl")
+    assert [(e.line, e.kind) for e in ws.entries] == [(1, "messages"), (3, "prompt"),
+                                                      (4, "messages")]
+    assert ws.sha256 == hashlib.sha256(data).hexdigest()
+    assert ws.entries[0].body["add_generation_prompt"] is False
+
+
+BAD_LINES = [
+    ("not json", "not JSON"),
+    ('["a list"]', "must be a JSON object"),
+    ('{"prompt": "x", "messages": []}', "exactly one of"),
+    ("{}", "exactly one of"),
+    ('{"prompt": ""}', "non-empty string"),
+    ('{"prompt": "x", "model": "m"}', "unknown key"),
+    ('{"messages": []}', "non-empty list"),
+    ('{"messages": [{"role": "wizard", "content": "x"}]}', "role must be one of"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "content must be"),
+    ('{"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}}', "'tools'"),
+    ('{"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "yes"}',
+     "true or false"),
+    ('{"messages": [{"role": "user", "content": "x"}], "temperature": 0}', "unknown key"),
+]
+
+
+@pytest.mark.parametrize(("line", "why"), BAD_LINES)
+def test_each_bad_line_is_named(line: str, why: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_warm_set((GOOD + line + "\n").encode(), "/w.jsonl")
+    (problem,) = err.value.problems
+    assert problem.where == "/w.jsonl:5" and why in problem.message
+
+
+def test_every_bad_line_is_reported_at_once() -> None:
+    text = "nope\n" + GOOD + "{}\n\n[1]\n"
+    with pytest.raises(ConfigError) as err:
+        parse_warm_set(text.encode(), "/w.jsonl")
+    assert [p.where for p in err.value.problems] == ["/w.jsonl:1", "/w.jsonl:6", "/w.jsonl:8"]
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    (b"", "holds no entry"),
+    (b"\n \n", "holds no entry"),
+    (b'{"prompt": "\xff"}\n', "not UTF-8"),
+])
+def test_files_that_are_not_warm_sets(data: bytes, why: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_warm_set(data, "/w.jsonl")
+    assert why in str(err.value)
+
+
+def test_the_token_cache_is_used_only_for_its_own_keys() -> None:
+    doc = tokens_document("kvp-" + "a" * 32, "1" * 64, "2" * 64, [[1, 2, 3], []], [1, 3])
+    doc = json.loads(json.dumps(doc))
+    assert parse_tokens_document(doc, "kvp-" + "a" * 32, "1" * 64, "2" * 64) == [[1, 2, 3], []]
+    for args in (("kvp-" + "b" * 32, "1" * 64, "2" * 64), ("kvp-" + "a" * 32, "3" * 64, "2" * 64),
+                 ("kvp-" + "a" * 32, "1" * 64, "4" * 64)):
+        assert parse_tokens_document(doc, *args) is None
+    doc["entries"][0]["token_ids"] = [1, -2]
+    assert parse_tokens_document(doc, "kvp-" + "a" * 32, "1" * 64, "2" * 64) is None
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def run_warmup(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    base = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"),
+                KVP_LMCACHE_PORT=str(free_port()), KVP_LMCACHE_HTTP_PORT=str(free_port()),
+                KVP_VLLM_PORT=str(free_port()), KVP_MODEL_PATH=str(tmp_path / "model"))
+    return subprocess.run([sys.executable, "-m", "kvpersist.cli", "warmup", "cpu-demo",
+                           "--wait", "1", *([] if "json" not in env else ["--json"])],
+                          capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**base, **{k: v for k, v in env.items() if k != "json"}})
+
+
+def written(tmp_path: Path) -> list[str]:
+    return sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")
+                  if p.is_file() and p.name != "warm.jsonl")
+
+
+def test_bad_lines_exit_2_with_line_numbers_and_nothing_written(tmp_path: Path) -> None:
+    (tmp_path / "cache").mkdir()
+    wf = tmp_path / "warm.jsonl"
+    wf.write_text(GOOD + "{}\n" + '{"prompt": 1}\n')
+    r = run_warmup(tmp_path, KVP_WARMUP_FILE=str(wf))
+    assert r.returncode == 2, r.stderr
+    assert f"{wf}:5" in r.stderr and f"{wf}:6" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert written(tmp_path) == []
+
+
+def test_a_missing_warm_file_is_bad_input(tmp_path: Path) -> None:
+    r = run_warmup(tmp_path, KVP_WARMUP_FILE=str(tmp_path / "nope.jsonl"))
+    assert r.returncode == 2 and "cannot be read" in r.stderr
+    assert written(tmp_path) == []
+
+
+def test_a_relative_warm_file_is_a_config_error(tmp_path: Path) -> None:
+    r = run_warmup(tmp_path, KVP_WARMUP_FILE="warm.jsonl")
+    assert r.returncode == 2 and "KVP_WARMUP_FILE" in r.stderr and "absolute" in r.stderr
+
+
+def test_no_warm_set_is_not_an_error(tmp_path: Path) -> None:
+    r = run_warmup(tmp_path, json="1")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["state"] == "none" and out["warm_set"] is False
+    (state,) = tmp_path.rglob("warmup.json")
+    doc = json.loads(state.read_text())
+    assert doc["state"] == "done" and doc["warm_set"] is False and doc["error"] is None
+    assert set(doc) >= {"state", "namespace", "started", "finished", "requested_chunks",
+                        "found_chunks", "bytes", "seconds", "error"}
+    assert state.stat().st_mode & 0o777 == 0o600
+    r = run_warmup(tmp_path)
+    assert r.returncode == 0 and "no warm set" in r.stdout
+
+
+def test_an_unpinned_namespace_has_nothing_to_warm(tmp_path: Path) -> None:
+    wf = tmp_path / "warm.jsonl"
+    wf.write_text(GOOD)
+    ident = tmp_path / "cfg" / "identity.env"
+    ident.parent.mkdir()
+    text = (REPO / "configs" / "cpu-demo" / "identity.env").read_text()
+    ident.write_text(text.replace("KVP_MODEL_REVISION=", "# KVP_MODEL_REVISION=") +
+                     "KVP_ALLOW_UNPINNED=true\n")
+    base = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"),
+                KVP_WARMUP_FILE=str(wf), KVP_MODEL_PATH=str(tmp_path / "model"))
+    r = subprocess.run([sys.executable, "-m", "kvpersist.cli", "warmup", str(ident)],
+                       capture_output=True, text=True, cwd=REPO, timeout=120, env=base)
+    assert r.returncode == 2 and "unpinned" in r.stderr, r.stderr
+    assert written(tmp_path) == ["cfg/identity.env"]
+
+
+def test_a_server_that_does_not_answer_fails_the_warm_up_with_exit_1(tmp_path: Path) -> None:
+    """With the token ids cached and the pins recorded, a warm-up needs neither vLLM nor
+    LMCache: this runs without them, against a port nobody listens on."""
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.config.warmset import file_digest, tokens_cache_name
+    from kvpersist.l2.layout import ChunkName
+    from kvpersist.l2.pin_store import write_pins
+    from kvpersist.l2.pins import pin_document
+    from kvpersist.system.files import atomic_write_json
+
+    (tmp_path / "cache").mkdir()
+    wf = tmp_path / "warm.jsonl"
+    wf.write_text('{"prompt": "x"}\n')
+    env = {"KVP_CACHE_ROOT": str(tmp_path / "cache"), "KVP_WARMUP_FILE": str(wf),
+           "KVP_LMCACHE_HTTP_PORT": str(free_port()), "KVP_MODEL_PATH": str(tmp_path / "m")}
+    dep = load_deployment("cpu-demo", environ=env)
+    assert dep.identity is not None
+    sha = file_digest(wf.read_bytes())
+    atomic_write_json(Path(dep.settings.state_dir) / "warmup" / tokens_cache_name(
+        dep.namespace, sha), tokens_document(dep.namespace, sha,
+                                             dep.identity.chat_template_sha256,
+                                             [list(range(300))], [1]))
+    write_pins(tmp_path / "cache", pin_document(
+        dep.namespace, sha, [ChunkName(dep.namespace, 0x01000100, 0, "ab" * 32).filename()],
+        world_size=1, chunk_size=256, hash_algorithm="blake3", shard_dirs=False, chunks=1,
+        created_ns=1))
+    r = subprocess.run([sys.executable, "-c", WRAPPER, "warmup", "cpu-demo", "--wait", "2",
+                        "--json"], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**clean_env(), **env})
+    data = json.loads(r.stdout.split("\nMODULES=")[-1])
+    assert data["code"] == 1, r.stderr
+    assert matching(data["modules"], HEAVY) == []
+    out = json.loads(r.stdout.split("\nMODULES=")[0])
+    assert out["tokens_cached"] and out["pins"]["reused"]
+    assert out["state"] == "failed" and "does not answer" in out["error"]
+    assert (out["requested_chunks"], out["found_chunks"]) == (1, 0)
+    state = json.loads((Path(dep.settings.state_dir) / "warmup.json").read_text())
+    assert state["state"] == "failed" and state["error"] == out["error"]
