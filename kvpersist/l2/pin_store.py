@@ -102,7 +102,7 @@ def _read(dfd: int, name: str, namespace: str) -> tuple[PinSet | None, str]:
     return parse_pin_document(doc, namespace)
 
 
-class _Unreadable(Exception):
+class _Unreadable(KvpError):
     pass
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvpersist.config.chat_template import template_sha256
 from kvpersist.config.warmset import WarmEntry
-from kvpersist.errors import ConfigError, Problem
+from kvpersist.errors import ConfigError, KvpError, Problem
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ async def _tokenize(argv: list[str], entries: Sequence[WarmEntry],
     return Tokenized(out, digest)
 
 
-class _Refused(Exception):
+class _Refused(KvpError):
     pass
 
 
