@@ -42,14 +42,15 @@ COMMANDS: dict[str, Entry] = {
     "prune": Entry("kvpersist.commands.prune:prune",
                    "Delete L2 cache files explicitly: dry run unless --apply."),
     "launch": Entry("kvpersist.commands.lifecycle:launch",
-                    "Preflight CONFIG, start its lmcache server (and vLLM), wait until healthy."),
+                    "Preflight CONFIG, start its lmcache server (and vLLM), warm up, report "
+                    "ready."),
     "stop": Entry("kvpersist.commands.lifecycle:stop",
                   "Stop CONFIG's vLLM, then its cache server."),
     "status": Entry("kvpersist.commands.lifecycle:status",
                     "Show whether CONFIG's cache server and vLLM run (pid files checked, not "
                     "trusted)."),
     "health": Entry("kvpersist.commands.health:health",
-                    "Check CONFIG's cache server, cache root and vLLM."),
+                    "Check CONFIG's cache server, cache root, vLLM and its warm-up."),
     "metrics": Entry("kvpersist.commands.metrics:metrics",
                      "Prometheus metrics of cache roots and deployments: bytes per namespace, "
                      "budget, free space, temp and quarantined files, health, last verify and "

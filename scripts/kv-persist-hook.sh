@@ -18,12 +18,19 @@
 #   then rewrites the array with exactly the persistence arguments (`kvpersist/deploy/hook.py`):
 #   the model argument becomes the namespace (linked to the weights in the deployment's
 #   model-link directory, which becomes the working directory), --served-model-name keeps
-#   the public name, --kv-transfer-config points at the cache server.
+#   the public name, --kv-transfer-config points at the cache server. Last, it starts the
+#   readiness step in the background (`kvp-admin launch CONFIG --warmup-only`, detached: it
+#   outlives the recipe's `exec`): once the recipe's vLLM serves the namespace (it has
+#   registered with the cache server), the warm set is loaded into L1 (bounded by
+#   KVP_WARMUP_WAIT), as `kvp-admin launch` does; `kvp-admin health` says warming (exit 3)
+#   meanwhile and healthy after. A warm-up that fails leaves vLLM serving, cold (degraded).
 #
 # It never sources identity.env: everything comes from `kvp-admin render CONFIG --json`.
 # Environment: KV_PERSIST (1 to enable), KVP_CONFIG (required then), KVP_ADMIN (default:
 # kvp-admin on PATH), KVP_PYTHON (a Python with kvpersist; default: the one next to
-# kvp-admin), KVP_HOOK_TIMEOUT (seconds to wait for the server, default 60).
+# kvp-admin), KVP_HOOK_TIMEOUT (seconds to wait for the server, default 60), KVP_WARMUP (0:
+# no warm-up step), KVP_READY_DEADLINE (seconds for vLLM's start and the warm-up together,
+# default 1800).
 
 kvp_persist_apply() {
   local __name=$1
@@ -95,4 +102,15 @@ print(link["dir"]); print(link["name"]); print(link["target"])' "$render_file")
   cd "$link_dir" || return 1
   __cmd=("${__new[@]}")
   echo "kv-persist-hook: persistence on (namespace $link_name, working directory $link_dir)" >&2
+  if [ "${KVP_WARMUP:-1}" != "0" ]; then
+    # a double fork: the step is nobody's child once the recipe execs vLLM; a relative
+    # config path is made absolute (the working directory changed above)
+    local cfg_abs
+    cfg_abs=$(realpath -e -- "$OLDPWD/$KVP_CONFIG" 2>/dev/null) || cfg_abs=$KVP_CONFIG
+    case $KVP_CONFIG in /*) cfg_abs=$KVP_CONFIG ;; esac
+    ( "$admin" launch "$cfg_abs" --warmup-only --deadline "${KVP_READY_DEADLINE:-1800}" \
+        </dev/null >/dev/null 2>&1 & )
+    echo "kv-persist-hook: the warm-up follows once vLLM serves (kvp-admin health says" \
+         "warming until it is done)" >&2
+  fi
 }

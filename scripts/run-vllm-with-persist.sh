@@ -12,14 +12,22 @@
 # Arguments come from `kvp-admin render CONFIG --json`; identity.env is never sourced. Before
 # anything runs, `kvp-admin identity check CONFIG` must find no mismatch. EXTRA VLLM ARGS are
 # KV-neutral flags only, checked with the extra arguments by vLLM's own parser.
+# Readiness: right before the exec it starts, in the background, `kvp-admin launch CONFIG
+# --warmup-only`: once vLLM serves the namespace, the warm set is loaded into L1, as
+# `kvp-admin launch` does (`kvp-admin health` says warming meanwhile). The systemd unit sets
+# KVP_WARMUP=0: its ExecStartPost runs that step, so that the unit turns active after it.
 # Environment: KVP_ADMIN (default kvp-admin), KVP_PYTHON (a Python with vLLM; default the
-# one next to kvp-admin), KVP_VLLM_PID_FILE (write the pid, which exec keeps).
+# one next to kvp-admin), KVP_VLLM_PID_FILE (write the pid, which exec keeps), KVP_WARMUP (0:
+# no warm-up step here), KVP_READY_DEADLINE (seconds for vLLM's start and the warm-up,
+# default 1800).
 set -euo pipefail
 if [ $# -lt 1 ]; then
   echo "usage: $0 CONFIG [EXTRA VLLM ARGS...]" >&2
   exit 2
 fi
 config=$1; shift
+# the working directory changes below: a relative config path is made absolute
+if [ -e "$config" ] && [ "${config#/}" = "$config" ]; then config=$(realpath -- "$config"); fi
 admin=${KVP_ADMIN:-kvp-admin}
 admin_path=$(command -v "$admin") || { echo "$0: $admin not found (set KVP_ADMIN)" >&2; exit 2; }
 py=${KVP_PYTHON:-$(dirname "$admin_path")/python}
@@ -52,9 +60,16 @@ if isinstance(v, list):
 else:
     sys.stdout.write(str(v))' "$1" <<<"$render"
 }
+ready_step() {  # the warm-up once vLLM serves; a double fork, so nobody has to reap it
+  if [ "${KVP_WARMUP:-1}" != "0" ]; then
+    ( "$admin" launch "$config" --warmup-only --deadline "${KVP_READY_DEADLINE:-1800}" \
+        </dev/null >/dev/null 2>&1 & )
+  fi
+}
 mapfile -d '' container < <(field container_argv)
 if [ ${#container[@]} -gt 0 ] && [ "${KVP_DEVICE:-}" != "cpu" ] && command -v docker >/dev/null; then
   echo "run-vllm-with-persist: exec ${container[*]:0:5} ..." >&2
+  ready_step
   exec "${container[@]}" "$@"
 fi
 mapfile -d '' vllm_args < <(field vllm_argv)
@@ -73,4 +88,5 @@ if ! "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 fi
 echo "run-vllm-with-persist: vLLM for namespace $link_name in $link_dir" >&2
+ready_step
 exec "$py" -m vllm.entrypoints.openai.api_server "${vllm_args[@]}" "$@"

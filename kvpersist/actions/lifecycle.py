@@ -14,6 +14,7 @@ from kvpersist.errors import Problem
 from kvpersist.stack import launch as lc
 from kvpersist.stack.launch import Progress, quiet
 from kvpersist.stack.locate import Location, locate
+from kvpersist.stack.readiness import WarmupRun
 from kvpersist.system.procs import PidState
 
 if TYPE_CHECKING:
@@ -86,6 +87,8 @@ class LaunchOutcome:
             "vllm": None,
             "crash_window": (self.result.crash.to_dict() if self.result.crash is not None
                              else None),
+            "warmup": (self.result.warmup.to_dict() if self.result.warmup is not None
+                       else None),
         }
         if len(started) > 1:
             v = started[1]
@@ -99,15 +102,50 @@ class LaunchOutcome:
 def launch(config: str, *, with_vllm: bool = True, server_timeout: float = 60.0,
            vllm_timeout: float = 300.0, allow_unpinned: bool = False,
            progress: Progress = quiet, crash_rate_mb_s: float | None = 200.0,
-           crash_seconds: float | None = 60.0) -> LaunchOutcome:
-    """Size, render, preflight, check the crash window after an unclean stop, and start the
-    deployment (see :func:`lc.launch`)."""
+           crash_seconds: float | None = 60.0, warmup: bool = True,
+           warmup_wait: float | None = None) -> LaunchOutcome:
+    """Size, render, preflight, check the crash window after an unclean stop, start the
+    deployment and warm it up (see :func:`lc.launch`)."""
     p = lc.prepare_launch(config, allow_unpinned=allow_unpinned)
     progress(f"launching {p.dep.name} (namespace {p.dep.namespace})")
     result = lc.launch(p, with_vllm=with_vllm, server_timeout=server_timeout,
                        vllm_timeout=vllm_timeout, progress=progress,
-                       crash_rate_mb_s=crash_rate_mb_s, crash_seconds=crash_seconds)
+                       crash_rate_mb_s=crash_rate_mb_s, crash_seconds=crash_seconds,
+                       warmup=warmup, warmup_wait=warmup_wait)
     return LaunchOutcome(p.dep.name, p.dep.namespace, p.plan, result)
+
+
+@dataclass(frozen=True)
+class WarmupOnlyOutcome:
+    """``launch --warmup-only``: the readiness step of a vLLM started by someone else."""
+
+    config: str
+    namespace: str
+    warmup: WarmupRun
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "namespace": self.namespace,
+                "warmup": self.warmup.to_dict()}
+
+
+def warmup_only(config: str, *, deadline_s: float = 1800.0,
+                environ: dict[str, str] | None = None,
+                progress: Progress = quiet) -> WarmupOnlyOutcome:
+    """For the vLLM unit's ``ExecStartPost`` and the ``KV_PERSIST=1`` hook: wait until the
+    deployment's vLLM serves its namespace, then run the warm-up, within ``deadline_s`` (see
+    :func:`kvpersist.stack.readiness.warmup_after_vllm`). Never scans or sizes; raises only
+    ConfigError for a config that does not load."""
+    import os
+
+    from kvpersist.stack.readiness import log_to, warmup_after_vllm
+
+    dep, loc = load_located(config)
+    logged = log_to(loc.warmup_log, progress)
+    run = warmup_after_vllm(loc, config, warm_file=dep.settings.warmup_file,
+                            env=dict(os.environ if environ is None else environ),
+                            deadline_s=deadline_s, progress=logged)
+    logged(lc.warmup_summary(run))
+    return WarmupOnlyOutcome(dep.name, dep.namespace, run)
 
 
 @dataclass(frozen=True)

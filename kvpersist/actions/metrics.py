@@ -40,7 +40,7 @@ from kvpersist.l2.shared_store import StoreMeasurement
 from kvpersist.stack.health import COMPONENTS, EXIT, HealthReport, component_status
 
 PREFIX = "kvpersist_"
-_HEALTH_VALUE = {"ok": 0, "degraded": 1, "down": 2}
+_HEALTH_VALUE = {"ok": 0, "degraded": 1, "down": 2, "warming": 3}
 INFO_LABELS = ("model_id", "model_revision", "kv_cache_dtype", "tensor_parallel_size",
                "served_model_name", "config")
 
@@ -252,13 +252,13 @@ def health_families(exp: Exposition, rep: HealthReport, now_s: float,
     """The per-deployment health series (pure); ``store``: the (store, adapter) of the
     deployment's shared tier, None without one."""
     lab = {"config": rep.config, "namespace": rep.namespace}
-    exp.gauge("deployment_health", "0 healthy, 1 degraded, 2 down (the exit code of "
-              "kvp-admin health).", lab, EXIT[rep.status])
+    exp.gauge("deployment_health", "0 healthy, 1 degraded, 2 down, 3 warming (the exit code "
+              "of kvp-admin health).", lab, EXIT[rep.status])
     comps = component_status(rep.checks)
     for comp in COMPONENTS:
         st = comps.get(comp)
-        exp.gauge("component_health", "Per component: 0 ok, 1 degraded, 2 down (absent when "
-                  "not checked).", {**lab, "component": comp},
+        exp.gauge("component_health", "Per component: 0 ok, 1 degraded, 2 down, 3 warming "
+                  "(absent when not checked).", {**lab, "component": comp},
                   _HEALTH_VALUE.get(st or ""))
     exp.gauge("cache_server_up", "1 when the deployment's cache server answers /healthcheck.",
               lab, 1 if rep.facts.server_healthcheck else 0)

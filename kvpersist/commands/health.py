@@ -1,4 +1,4 @@
-"""``kvp-admin health``: probe a deployment; exit 0 healthy, 1 degraded, 2 down."""
+"""``kvp-admin health``: probe a deployment; exit 0 healthy, 1 degraded, 2 down, 3 warming."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ from kvpersist.commands.common import config_argument, echo_json, json_option, t
               help="Timeout of each probe, seconds.")
 @click.option("--no-vllm", is_flag=True, help="Check only the cache server and cache root.")
 def health(config: str, as_json: bool, wait: float, timeout: float, no_vllm: bool) -> None:
-    """Check CONFIG's cache server, cache root and vLLM. Exit 0 healthy, 1 degraded, 2 down."""
+    """Check CONFIG's cache server, cache root, vLLM and its warm-up.
+
+    Exit 0 healthy, 1 degraded (serving), 2 down, 3 warming (serving, the warm-up still
+    loading the warm set; --wait waits through it)."""
     from kvpersist.actions import lifecycle
 
     report = lifecycle.health(config, timeout=timeout, expect_vllm=not no_vllm, wait=wait)

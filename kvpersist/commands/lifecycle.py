@@ -33,13 +33,48 @@ def _progress(msg: str) -> None:
 @click.option("--check", is_flag=True,
               help="Preflight only (identity, budget, cache root, ports, weights); start "
                    "nothing. Exit 0 if a launch could proceed, 2 listing every problem.")
+@click.option("--no-warmup", is_flag=True,
+              help="Report ready as soon as vLLM serves, without the warm-up.")
+@click.option("--warmup-wait", type=float, default=None, metavar="SECONDS",
+              help="Bound of the warm-up (kvp-admin warmup --wait) [default: KVP_WARMUP_WAIT, "
+                   "120 s]; a warm-up past it is a warning, never a failed launch.")
+@click.option("--warmup-only", is_flag=True,
+              help="Start nothing: wait until the deployment's vLLM (started by a unit or a "
+                   "recipe) serves the namespace, then warm up, all within --deadline; for "
+                   "the vLLM unit's ExecStartPost and the KV_PERSIST=1 hook. Exit 0 even "
+                   "when the warm-up fails.")
+@click.option("--deadline", type=float, default=1800.0, show_default=True,
+              metavar="SECONDS",
+              help="With --warmup-only: seconds for the wait and the warm-up together (the "
+                   "warm-up gets KVP_WARMUP_WAIT or what is left).")
 @json_option
 def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_timeout: float,
            allow_unpinned: bool, crash_rate: float, crash_seconds: float, check: bool,
+           no_warmup: bool, warmup_wait: float | None, warmup_only: bool, deadline: float,
            as_json: bool) -> None:
-    """Preflight CONFIG, start its lmcache server (and vLLM), wait until healthy."""
+    """Preflight CONFIG, start its lmcache server (and vLLM), warm up, report ready.
+
+    After vLLM serves, the warm-up (kvp-admin warmup) loads the warm set into L1 before the
+    launch returns; one that fails or times out is a warning: vLLM keeps serving, cold."""
     from kvpersist.actions import lifecycle
-    from kvpersist.errors import ConfigError
+    from kvpersist.errors import ConfigError, UsageError
+
+    if warmup_wait is not None and warmup_wait <= 0:
+        raise UsageError("--warmup-wait must be > 0 seconds")
+    if warmup_only:
+        if check or foreground or no_warmup or warmup_wait is not None:
+            raise UsageError("--warmup-only cannot be combined with --check, --foreground, "
+                             "--no-warmup or --warmup-wait (it takes KVP_WARMUP_WAIT)")
+        if deadline <= 0:
+            raise UsageError("--deadline must be > 0 seconds")
+        ready = lifecycle.warmup_only(config, deadline_s=deadline, progress=_progress)
+        if as_json:
+            echo_json(ready.to_dict())
+        else:
+            from kvpersist.stack.launch import warmup_summary
+
+            click.echo(f"{ready.config}: {warmup_summary(ready.warmup)}")
+        return
 
     if check:
         res = lifecycle.check_launch(config, with_vllm=not (no_vllm or foreground),
@@ -60,7 +95,8 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
     out = lifecycle.launch(config, with_vllm=not no_vllm, server_timeout=timeout,
                            vllm_timeout=vllm_timeout, allow_unpinned=allow_unpinned,
                            progress=_progress, crash_rate_mb_s=crash_rate or None,
-                           crash_seconds=crash_seconds)
+                           crash_seconds=crash_seconds, warmup=not no_warmup,
+                           warmup_wait=warmup_wait)
     info = out.to_dict()
     if as_json:
         echo_json(info)
@@ -75,6 +111,10 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
     click.echo(f"manifest        {plan.manifest_file}")
     if out.result.crash is not None:
         click.echo(f"crash window    {out.result.crash.summary().split(': ', 1)[1]}")
+    if out.result.warmup is not None:
+        from kvpersist.stack.launch import warmup_summary
+
+        click.echo(f"warm-up         {warmup_summary(out.result.warmup)}")
 
 
 @click.command("stop")

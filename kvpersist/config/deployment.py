@@ -32,6 +32,7 @@ from kvpersist.config.values import (
     is_loopback,
     is_scoped,
     parse_decimal,
+    parse_duration,
     parse_size_or_percent,
     parse_uint,
     path_problem,
@@ -267,6 +268,9 @@ class DeploymentSettings:
     #: the warm set (JSONL: the prompts every session starts with, docs/warm-restart.md);
     #: empty: none. Not in the namespace: it selects what to warm, not what is computed
     warmup_file: str = ""
+    #: seconds the launch's warm-up may take (its ``--wait``) before the deployment is
+    #: reported ready anyway (cold, degraded in health); kvpersist.stack.readiness
+    warmup_wait: float = 120.0
 
 
 #: env key -> (field, kind, default-or-None-if-required). Defaults starting with "generic."
@@ -309,6 +313,7 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_SHARED_TIER": ("shared_tier", "sharedtier?", ""),
     "KVP_SHARED_TIER_SECRET_FILE": ("shared_tier_secret_file", "abspath?", ""),
     "KVP_WARMUP_FILE": ("warmup_file", "abspath?", ""),
+    "KVP_WARMUP_WAIT": ("warmup_wait", "duration", "120"),
 }
 
 def parse_peers(value: str) -> tuple[tuple[str, ...], str]:
@@ -389,6 +394,12 @@ def _convert(kind: str, raw: str) -> tuple[Any, str]:
         if f is None:
             return None, f"must be a number, got {value!r}"
         return (f, "") if f > 0 else (None, "must be > 0")
+    if kind == "duration":
+        try:
+            seconds = parse_duration(value)
+        except ValueError as exc:
+            return None, str(exc)
+        return (seconds, "") if seconds > 0 else (None, "must be > 0")
     if kind == "peers":
         peers, message = parse_peers(value)
         return (None, message) if message else (peers, "")
@@ -509,6 +520,7 @@ _DEPLOY_FIX = {
     "and password=... lines",
     "KVP_WARMUP_FILE": "empty (no warm set) or an absolute path to a JSONL file of "
     '{"messages": [...]} or {"prompt": "..."} lines (docs/warm-restart.md)',
+    "KVP_WARMUP_WAIT": "seconds (or 90s, 5m) the launch's warm-up may take, e.g. 120",
 }
 
 

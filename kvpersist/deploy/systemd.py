@@ -178,6 +178,9 @@ def validate_unit_settings(settings: UnitSettings) -> list[str]:
     ):
         if getattr(settings, name) <= 0:
             errors.append(f"At '{name}': must be a positive number of seconds")
+    if 0 < settings.vllm_start_timeout_sec < 120:
+        errors.append("At 'vllm_start_timeout_sec': must be at least 120 s (vLLM's start and "
+                      "the warm-up, which gets the start timeout less 30 s)")
     return errors
 
 

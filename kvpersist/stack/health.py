@@ -4,11 +4,15 @@
 (the budget comes from the record the last launch wrote), so it never hangs, whatever the size
 of the root — and ``verdict`` (pure) turns them into ``healthy`` (exit 0), ``degraded`` (1: still
 serving, e.g. budget exhausted so no longer caching, or the cache server down while vLLM
-serves without it) or ``down`` (2: not serving).
+serves without it, or the warm-up failed), ``down`` (2: not serving) or ``warming`` (3:
+serving, while the warm-up loads the warm set into L1; see :mod:`kvpersist.stack.readiness`).
+Down outranks warming, warming outranks degraded: a load balancer that routes only on exit 0
+never sends traffic to a deployment that is still warming.
 
 JSON schema ``kvpersist.health/1``: ``{schema, config, namespace, status, exit_code,
-checks: [{name, status, detail}], lmcache: {...}, vllm: {...}, cache_root: {...}}`` where a
-check's status is ``ok``, ``degraded``, ``down`` or ``skipped``.
+checks: [{name, status, detail}], lmcache: {...}, vllm: {...}, cache_root: {...},
+warmup: {...}}`` where a check's status is ``ok``, ``degraded``, ``down``, ``warming`` or
+``skipped``.
 """
 
 from __future__ import annotations
@@ -25,13 +29,16 @@ from kvpersist.config.values import is_loopback
 from kvpersist.errors import KvpError
 from kvpersist.l2.budget import resolve_size
 from kvpersist.stack.locate import Location
+from kvpersist.stack.readiness import WarmupFacts, judge
 from kvpersist.stack.render import serde_warnings
 from kvpersist.system import procs
 from kvpersist.system.files import fs_info
 
 SCHEMA = "kvpersist.health/1"
-EXIT = {"healthy": 0, "degraded": 1, "down": 2}
-_RANK = {"ok": 0, "skipped": 0, "degraded": 1, "down": 2}
+EXIT = {"healthy": 0, "degraded": 1, "down": 2, "warming": 3}
+#: how bad a check status is: the overall status is the worst check's
+_RANK: dict[str, float] = {"ok": 0, "skipped": 0, "degraded": 1, "warming": 1.5, "down": 2}
+_STATUS_OF_RANK = {0: "healthy", 1: "degraded", 1.5: "warming", 2: "down"}
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,8 @@ class Facts:
     serde: str = "aesgcm"
     #: the shared tier (None: the deployment has none): endpoint, adapter and the probe
     shared_tier: dict[str, Any] | None = None
+    #: the warm-up's record, pid file and the server's start (None: not checked, --no-vllm)
+    warmup: WarmupFacts | None = None
     errors: list[str] = field(default_factory=list)
 
 
@@ -176,6 +185,9 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
             vst = lc.vllm_state(plan)
             if vst.running and vst.pid:
                 f.vllm_kv_checked, f.vllm_kv_port = True, _kv_port_of(vst.pid)
+        from kvpersist.stack.readiness import gather
+
+        f.warmup = gather(plan, pid)
     return f
 
 
@@ -416,13 +428,17 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
                                 "no persistence"))
     if f.shared_tier is not None:
         checks += shared_checks(f.shared_tier)
+    # ---- warm-up (only where vLLM is checked: it warms for vLLM's registered layout)
+    if f.warmup is not None:
+        judged = judge(f.warmup, f.namespace)
+        if judged is not None:
+            checks.append(Check("warmup", *judged))
     worst = max((_RANK[c.status] for c in checks), default=0)
-    status = {0: "healthy", 1: "degraded", 2: "down"}[worst]
-    return status, checks
+    return _STATUS_OF_RANK[worst], checks
 
 
 #: The components of a deployment, each a group of checks (``kvpersist_component_health``).
-COMPONENTS = ("cache_server", "cache_root", "vllm", "wiring", "shared_tier")
+COMPONENTS = ("cache_server", "cache_root", "vllm", "wiring", "shared_tier", "warmup")
 
 
 def component_of(check: str) -> str:
@@ -438,13 +454,16 @@ def component_of(check: str) -> str:
         return "vllm"
     if check.startswith("shared_tier."):
         return "shared_tier"
+    if check == "warmup" or check.startswith("warmup."):
+        return "warmup"
     return "wiring"
 
 
 def component_status(checks: tuple[Check, ...] | list[Check]) -> dict[str, str]:
-    """Each component's worst check status (pure): ``ok``, ``degraded``, ``down``, or
-    ``skipped`` when all its checks were skipped; a component without checks is absent."""
-    order = {"skipped": -1, **_RANK}
+    """Each component's worst check status (pure): ``ok``, ``degraded``, ``down``,
+    ``warming`` (the ``warmup`` component while it runs), or ``skipped`` when all its checks
+    were skipped; a component without checks is absent."""
+    order: dict[str, float] = {**_RANK, "skipped": -1}
     worst: dict[str, str] = {}
     for c in checks:
         comp = component_of(c.name)
@@ -488,14 +507,25 @@ class HealthReport:
                            "avail_bytes": f.fs_avail_bytes,
                            "reserve_bytes": f.reserve_bytes, "budget": f.budget},
             "shared_tier": f.shared_tier,
+            "warmup": _warmup_dict(f.warmup, loc),
             "errors": f.errors,
         }
+
+
+def _warmup_dict(w: WarmupFacts | None, loc: Location) -> dict[str, Any] | None:
+    """The warm-up part of ``health --json`` (None when not checked)."""
+    if w is None:
+        return None
+    return {"record": w.record, "state_file": loc.warmup_state_file,
+            "pid_file": loc.warmup_pid_file, "pid_state": w.pid_state, "pid": w.pid,
+            "wait_s": w.wait_s}
 
 
 def health_report(dep: Deployment, loc: Location, *, timeout: float = 3.0,
                   expect_vllm: bool = True, wait: float = 0.0,
                   interval: float = 2.0) -> HealthReport:
-    """Probe (again until healthy or ``wait`` seconds pass) and return the verdict."""
+    """Probe (again until healthy or ``wait`` seconds pass: a deployment that is warming is
+    waited for) and return the verdict."""
     deadline = time.monotonic() + max(0.0, wait)
     while True:
         facts = probe_all(dep, loc, timeout=timeout, expect_vllm=expect_vllm)

@@ -5,7 +5,9 @@ Control flow: :func:`prepare_launch` (load, size once, render, plan) → :func:`
 never sizes again) → the crash-window check (:mod:`kvpersist.stack.crash_window`: after an
 unclean stop, verify and quarantine what was written since the last launch, before the server
 starts) → :func:`start_server` / :func:`start_vllm` (processes, pid files, waiting
-for health) → :func:`stop_deployment` (a stop after which the server exited on SIGTERM is
+for health) → the warm-up (:mod:`kvpersist.stack.readiness`: after vLLM serves, before the
+launch reports ready; a failed one is a warning, never a failed launch) →
+:func:`stop_deployment` (a stop after which the server exited on SIGTERM is
 recorded as clean). Stopping and inspecting need only a
 :class:`~kvpersist.stack.locate.Location` (pure, no scan): they work whatever the budget says.
 The use cases in :mod:`kvpersist.actions.lifecycle` call these; the click commands only parse
@@ -30,6 +32,7 @@ from kvpersist.l2.inventory import Sizing
 from kvpersist.stack import crash_window
 from kvpersist.stack.crash_window import CrashCheck
 from kvpersist.stack.locate import Location, locate, vllm_mode
+from kvpersist.stack.readiness import NO_WARM_SET, WarmupRun, run_warmup
 from kvpersist.stack.render import Rendered, serde_warnings
 from kvpersist.stack.weights import WeightsCheck, check_weights, manifest_with_weights
 from kvpersist.system import procs
@@ -578,6 +581,8 @@ class LaunchResult:
     notes: tuple[str, ...]
     started: tuple[Started, ...]
     crash: CrashCheck | None = None
+    #: the warm-up after vLLM (None: not run, --no-vllm or --no-warmup)
+    warmup: WarmupRun | None = None
 
 
 def check_crash_window(plan: Location, srv: procs.PidState, *, how: str,
@@ -609,6 +614,10 @@ class Prepared:
     sizing: Sizing
     rendered: Rendered
     plan: LaunchPlan
+    #: the config argument as given and the environment it was loaded with (the warm-up
+    #: child loads the same deployment from them)
+    config: str = ""
+    environ: Mapping[str, str] = field(default_factory=dict)
 
 
 def prepare_launch(config: str, *, environ: Mapping[str, str] | None = None,
@@ -625,20 +634,23 @@ def prepare_launch(config: str, *, environ: Mapping[str, str] | None = None,
     sizing = size_deployment(dep, environ=env)
     rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=sizing.l1_size_gb,
                       l2_capacity_gb=sizing.l2_capacity_gb, lmcache_bin=lmcache_bin())
-    return Prepared(dep, sizing, rendered, plan_launch(dep, rendered, env))
+    return Prepared(dep, sizing, rendered, plan_launch(dep, rendered, env), config, env)
 
 
 def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float = 60.0,
            vllm_timeout: float = 300.0, progress: Progress = quiet,
            crash_rate_mb_s: float | None = crash_window.DEFAULT_RATE_MB_S,
-           crash_seconds: float | None = crash_window.DEFAULT_SECONDS) -> LaunchResult:
+           crash_seconds: float | None = crash_window.DEFAULT_SECONDS,
+           warmup: bool = True, warmup_wait: float | None = None) -> LaunchResult:
     """Preflight, prepare state, check the crash window after an unclean stop (bounded by
     ``crash_rate_mb_s`` and ``crash_seconds``), start the cache server, then (``with_vllm``)
-    vLLM.
+    vLLM, then (``warmup``) the warm-up, bounded by ``warmup_wait`` seconds (default
+    KVP_WARMUP_WAIT): the launch returns, ready, after it.
 
     Raises ConfigError listing every preflight problem (exit 2), CheckFailed if already
     running (exit 1), KvpError if a process fails to come up (after stopping it). If vLLM
-    fails, the cache server started here is left running (it is healthy) and reported.
+    fails, the cache server started here is left running (it is healthy) and reported. A
+    warm-up that fails or times out raises nothing: the result says so, vLLM serves cold.
     """
     dep, rendered, plan, sizing = (prepared.dep, prepared.rendered, prepared.plan,
                                    prepared.sizing)
@@ -667,7 +679,25 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
                                deadline_s=crash_seconds, progress=progress)
     started = [start_server(plan, timeout=server_timeout, progress=progress)]
     progress(f"lmcache server healthy in {started[0].seconds:.1f} s (pid {started[0].pid})")
+    warm: WarmupRun | None = None
     if with_vllm:
         started.append(start_vllm(plan, timeout=vllm_timeout, progress=progress))
-        progress(f"vLLM ready in {started[1].seconds:.1f} s (pid {started[1].pid})")
-    return LaunchResult(plan, tuple(notes), tuple(started), crash)
+        progress(f"vLLM serves in {started[1].seconds:.1f} s (pid {started[1].pid})")
+        if warmup and not dep.settings.warmup_file:
+            warm = NO_WARM_SET
+        elif warmup:
+            warm = run_warmup(plan, prepared.config or dep.name,
+                              env=prepared.environ or os.environ, wait_s=warmup_wait,
+                              progress=progress)
+            progress(warmup_summary(warm))
+    return LaunchResult(plan, tuple(notes), tuple(started), crash, warm)
+
+
+def warmup_summary(warm: WarmupRun) -> str:
+    """One line on the warm-up for the launch's progress output (pure)."""
+    if warm.state == "failed":
+        return (f"WARNING: warm-up failed after {warm.seconds:.1f} s ({warm.detail}); vLLM "
+                "serves, cold; health says degraded until a warm-up succeeds")
+    if warm.state == "skipped":
+        return f"warm-up skipped: {warm.detail}"
+    return f"{warm.detail} ({warm.seconds:.1f} s); ready"

@@ -17,6 +17,10 @@ Files of a deployment (``S`` = ``KVP_STATE_DIR``, default ``<cache root>/.kvpers
 * ``S/budget.json``: the budget plan of the last launch (health reads it; it never scans)
 * ``S/weights-digests.json``: the sha256 of each weights file, keyed by its stat (see
   :mod:`kvpersist.stack.weights`), so a launch costs one ``stat`` per file
+* ``S/warmup.json``: the last warm-up's state (written by ``kvp-admin warmup``: warming,
+  done or failed), ``S/pids/<name>.warmup.pid``: the pid of the warm-up a launch started (kept
+  after it ends, so that health can tell a warm-up that died from one still running),
+  ``S/logs/warmup.log``: its output
 * ``S/models/<namespace>`` → the weights: vLLM runs in ``S/models`` with
   ``--model <namespace>``, so LMCache's model name (and every file name) is the namespace.
 """
@@ -31,6 +35,7 @@ from kvpersist.config.values import url_host
 from kvpersist.l2.layout import MANIFESTS_DIR, PID_FILE
 
 PIDS_DIR = "pids"
+WARMUP_STATE = "warmup.json"
 BUDGET_RECORD = "budget.json"
 WEIGHTS_CACHE = "weights-digests.json"
 
@@ -67,6 +72,12 @@ class Location:
     service_user: str
     #: component -> (host, port) as configured
     listen: dict[str, tuple[str, int]]
+    #: the warm-up's state file (kvp-admin warmup), pid file and log
+    warmup_state_file: str
+    warmup_pid_file: str
+    warmup_log: str
+    #: KVP_WARMUP_WAIT, seconds
+    warmup_wait: float
 
 
 def vllm_mode(dep: Deployment) -> str:
@@ -109,4 +120,8 @@ def locate(dep: Deployment) -> Location:
         listen={"lmcache": (s.lmcache_host, s.lmcache_port),
                 "lmcache_http": (s.lmcache_http_host, s.lmcache_http_port),
                 "vllm": (s.vllm_host, s.vllm_port)},
+        warmup_state_file=os.path.join(state, WARMUP_STATE),
+        warmup_pid_file=os.path.join(state, PIDS_DIR, f"{dep.name}.warmup.pid"),
+        warmup_log=os.path.join(s.log_dir, "warmup.log"),
+        warmup_wait=s.warmup_wait,
     )

@@ -154,18 +154,28 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def start_background(argv: Sequence[str], *, log_path: str | os.PathLike[str],
                      env: Mapping[str, str] | None = None, cwd: str | None = None,
-                     umask: int = 0o077) -> subprocess.Popen[bytes]:
+                     umask: int = 0o077,
+                     as_ids: tuple[int, int] | None = None) -> subprocess.Popen[bytes]:
     """Start ``argv`` detached (own session/process group), stdout+stderr appended to
     ``log_path`` (created 0600), stdin from /dev/null, with ``umask``. Returns the Popen.
+    ``as_ids`` (root only): run it as that (uid, gid), without supplementary groups, the log
+    file then belonging to that user.
 
     Raises OSError if the program cannot be started.
     """
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
+        if as_ids is None:
+            return subprocess.Popen(
+                list(argv), stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+                env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
+                umask=umask, close_fds=True,
+            )
+        os.fchown(fd, *as_ids)
         return subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
             env=dict(env) if env is not None else None, cwd=cwd, start_new_session=True,
-            umask=umask, close_fds=True,
+            umask=umask, close_fds=True, user=as_ids[0], group=as_ids[1], extra_groups=[],
         )
     finally:
         os.close(fd)

@@ -101,6 +101,25 @@ def test_vllm_unit_is_ordered_but_not_bound():
                 and "kvp-lmcache" in ln]
 
 
+def test_vllm_unit_is_active_only_after_the_warmup():
+    """ExecStartPost waits for vLLM and warms up within the start timeout less 30 s; "-": a
+    failed warm-up never fails the unit. The health unit counts warming (3) as a completed
+    check, like degraded (1); only down (2) fails it."""
+    units = sr.render_units(sr.UnitSettings(kvp_admin="/k/kvp-admin", config_dir="/cfg",
+                                            vllm_start_timeout_sec=900))
+    settings = [ln for ln in units["kvp-vllm@.service"].splitlines()
+                if ln and not ln.startswith("#")]
+    post = [ln for ln in settings if ln.startswith("ExecStartPost=")]
+    assert post == ["ExecStartPost=-/k/kvp-admin launch /cfg/%i/identity.env --warmup-only "
+                    "--deadline 870"]
+    assert "TimeoutStartSec=900" in settings
+    health = [ln for ln in units["kvp-health@.service"].splitlines()
+              if ln.startswith("SuccessExitStatus=")]
+    assert health == ["SuccessExitStatus=1 3"]
+    with pytest.raises(sr.UnitRenderError, match="'vllm_start_timeout_sec'"):
+        sr.render_units(sr.UnitSettings(vllm_start_timeout_sec=60))
+
+
 def test_dropins_per_instance():
     gpu = sr.InstanceSettings(name="m-1", cache_root="/nvme/m-1", vllm=True, gpu_devices=True,
                               allow_networks=("10.1.0.0/16",))

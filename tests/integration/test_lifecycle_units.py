@@ -7,6 +7,7 @@ import json
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -269,7 +270,8 @@ exec {real} "$@"
     model = plain_dir(tmp_path / "weights")  # the demo model's config and template
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
     env.update(KVP_CACHE_ROOT=str(tmp_path / "cache"), KVP_MODEL_PATH=str(model),
-               KVP_ADMIN=str(admin), KVP_PYTHON=str(fake), PYTHONPATH=str(REPO))
+               KVP_ADMIN=str(admin), KVP_PYTHON=str(fake), PYTHONPATH=str(REPO),
+               KVP_WARMUP="0")  # the readiness step: the next test
     subprocess.run(["bash", str(REPO / "scripts" / "run-vllm-with-persist.sh"), "cpu-demo",
                     "--extra"], env=env, check=True, cwd=tmp_path, capture_output=True)
     got = out.read_bytes().split(b"\0")[:-1]
@@ -282,3 +284,49 @@ exec {real} "$@"
                     "--extra"]
     link = Path(cwd) / rendered["namespace"]
     assert link.is_symlink() and link.resolve() == model.resolve()
+
+
+def test_run_vllm_with_persist_script_starts_the_readiness_step(tmp_path: Path) -> None:
+    """Right before the exec the script starts `kvp-admin launch CONFIG --warmup-only`
+    detached (its output in the warm-up log): here vLLM never comes (the exec'd "python"
+    exits at once), so within its 1 s deadline the step gives up without a warm-up. With
+    KVP_WARMUP=0 (the systemd unit, whose ExecStartPost runs the step) it starts nothing."""
+    import sys
+
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.stack.locate import locate
+
+    real = sys.executable
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/bash
+if [ "$1" = "-m" ]; then exit 0; fi
+exec {real} "$@"
+""")
+    fake.chmod(0o755)
+    admin = tmp_path / "kvp-admin"
+    admin.write_text(f"#!/bin/bash\nexec {real} -m kvpersist.cli \"$@\"\n")
+    admin.chmod(0o755)
+    model = plain_dir(tmp_path / "weights")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
+    env.update(KVP_CACHE_ROOT=str(tmp_path / "cache"), KVP_MODEL_PATH=str(model),
+               KVP_ADMIN=str(admin), KVP_PYTHON=str(fake), PYTHONPATH=str(REPO),
+               KVP_VLLM_PORT=str(procs.free_port()), KVP_READY_DEADLINE="1",
+               KVP_WARMUP_FILE=str(tmp_path / "warm.jsonl"))
+    (tmp_path / "warm.jsonl").write_text('{"prompt": "You are a helpful assistant."}\n')
+    log = Path(locate(load_deployment("cpu-demo", env, allow_unpinned=True)).warmup_log)
+    log.parent.mkdir(parents=True, mode=0o700)
+    for warmup, expect_step in (("0", False), ("1", True)):
+        run_env = dict(env, KVP_WARMUP=warmup)
+        subprocess.run(["bash", str(REPO / "scripts" / "run-vllm-with-persist.sh"),
+                        "cpu-demo"], env=run_env, check=True, cwd=tmp_path,
+                       capture_output=True, timeout=120)
+        deadline = time.monotonic() + (60 if expect_step else 5)
+        while time.monotonic() < deadline and "no warm-up" not in _text(log):
+            time.sleep(0.2)
+        assert ("vLLM did not serve the namespace within 1 s: no warm-up" in _text(log)) \
+            == expect_step, _text(log)
+    assert "waiting for vLLM" in _text(log)
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""

@@ -1,0 +1,245 @@
+"""Readiness: the warm-up's verdict in health (pure, table-driven), its place in the overall
+status and the metrics, and the small I/O that gathers its facts (a real pid file naming a
+real process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpersist.actions.metrics import Exposition, health_families
+from kvpersist.stack import health, readiness
+from kvpersist.stack.readiness import WarmupFacts, epoch_of, judge
+from kvpersist.system import procs
+
+NS = "kvp-" + "a" * 32
+OTHER = "kvp-" + "b" * 32
+NOW = 1_800_000_000.0
+SERVER_STARTED = NOW - 600
+
+
+def record(state: str, *, ns: str = NS, started: Any = NOW - 30, **kw: Any) -> dict[str, Any]:
+    rec = {"state": state, "namespace": ns, "started": started, "finished": None,
+           "requested_chunks": 12, "found_chunks": 0, "bytes": 0, "seconds": None,
+           "error": None}
+    rec.update(kw)
+    return rec
+
+
+def facts(rec: dict[str, Any] | None, **kw: Any) -> WarmupFacts:
+    base: dict[str, Any] = {"record": rec, "server_started": SERVER_STARTED, "wait_s": 120.0,
+                            "now": NOW}
+    base.update(kw)
+    return WarmupFacts(**base)
+
+
+@pytest.mark.parametrize(("rec", "kw", "status", "says"), [
+    # no record at all: no check (a deployment without a warm set, or never warmed)
+    (None, {}, None, ""),
+    (record("done", found_chunks=12, bytes=12 << 22, seconds=1.5), {}, "ok", "12/12 chunks"),
+    # an empty L2: 0 found is a completed warm-up, not a fault
+    (record("done", found_chunks=0, seconds=0.4), {}, "ok", "0/12 chunks found"),
+    (record("failed", error="503 past --wait"), {}, "degraded", "503 past --wait"),
+    # warming while its process runs, however long
+    (record("warming", started=NOW - 500), {"pid_state": "running", "pid": 42}, "warming",
+     "pid 42"),
+    # its process is gone without a result: killed or crashed
+    (record("warming"), {"pid_state": "stale", "pid": 42,
+                         "pid_reason": "process 42 is not running"}, "degraded",
+     "ended without a result"),
+    # a warm-up run by hand (no pid file): warming within KVP_WARMUP_WAIT + grace...
+    (record("warming", started=NOW - 100), {}, "warming", "100 s"),
+    # ...and stuck after it
+    (record("warming", started=NOW - 300), {}, "degraded", "no process known"),
+    (record("warming", started="not a time"), {}, "degraded", "unknown time"),
+    # another namespace's record is ignored
+    (record("failed", ns=OTHER), {}, "skipped", "ignored"),
+    (record("warming", ns=OTHER), {"pid_state": "running"}, "skipped", "ignored"),
+    # a record from before the cache server started: that L1 is gone
+    (record("done", started=SERVER_STARTED - 60), {}, "skipped", "before the cache server"),
+    (record("failed", started=SERVER_STARTED - 60), {}, "skipped", "before the cache server"),
+    (record("done", started=SERVER_STARTED - 60), {"server_started": None}, "ok", "warm"),
+    (record("paused"), {}, "degraded", "unknown state"),
+    # the command ran without a warm set (KVP_WARMUP_FILE empty): nothing to judge
+    (record("done", warm_set=False, requested_chunks=0), {}, "skipped", "no warm set"),
+    (None, {"error": "warmup.json: Expecting value"}, "degraded", "unreadable"),
+])
+def test_judge(rec: dict[str, Any] | None, kw: dict[str, Any], status: str | None,
+               says: str) -> None:
+    got = judge(facts(rec, **kw), NS)
+    if status is None:
+        assert got is None
+        return
+    assert got is not None
+    assert got[0] == status, got
+    assert says in got[1], got
+
+
+@pytest.mark.parametrize(("value", "want"), [
+    (NOW, NOW), (int(NOW), NOW), (int(NOW * 1e9), NOW),
+    ("2027-01-15T08:00:00+00:00", 1800000000.0), ("2027-01-15T08:00:00Z", 1800000000.0),
+    ("2027-01-15T08:00:00", 1800000000.0), ("2027-01-15 09:00:00+01:00", 1800000000.0),
+    (None, None), ("", None), ("yesterday", None), (True, None), ([1], None),
+])
+def test_epoch_of(value: Any, want: float | None) -> None:
+    assert epoch_of(value) == want
+
+
+def _facts(**kw: object) -> health.Facts:
+    """A healthy deployment (every probe fine), changed by ``kw``."""
+    f = health.Facts(server_healthcheck=True, run_script_code=404, root_exists=True,
+                     root_mode=0o700, root_writable=True, fs_avail_bytes=10 << 30,
+                     reserve_bytes=1 << 30, vllm_health=True, served_model_name="m",
+                     namespace=NS, lmcache_port=5555,
+                     server_status={"storage_manager": {"l2_adapters": [
+                         {"type": "DynamicNixlStoreL2Adapter", "is_healthy": True,
+                          "event_loop_alive": True, "stored_object_count": 3}]}},
+                     budget={"on_disk_bytes": 1, "own_bytes": 1, "limit_bytes": 10,
+                             "l2_max_capacity_bytes": 10, "within_budget": True})
+    f.vllm_models = [{"id": "m", "root": NS}]
+    for k, v in kw.items():
+        setattr(f, k, v)
+    return f
+
+
+WARMING = facts(record("warming"), pid_state="running", pid=42)
+DONE = facts(record("done", found_chunks=12))
+FAILED = facts(record("failed", error="timed out"))
+
+
+@pytest.mark.parametrize(("change", "status", "code"), [
+    ({"warmup": WARMING}, "warming", 3),
+    ({"warmup": DONE}, "healthy", 0),
+    ({"warmup": FAILED}, "degraded", 1),
+    ({"warmup": facts(None)}, "healthy", 0),
+    ({"warmup": facts(record("failed", ns=OTHER))}, "healthy", 0),
+    # warming outranks degraded (a load balancer routing on exit 0 waits for it)...
+    ({"warmup": WARMING, "fs_avail_bytes": 1}, "warming", 3),
+    # ...down outranks warming (not serving at all)
+    ({"warmup": WARMING, "vllm_health": False}, "down", 2),
+    # the cache server is down: a warm-up that failed for it leaves the deployment degraded
+    ({"warmup": FAILED, "server_healthcheck": False}, "degraded", 1),
+])
+def test_verdict_with_the_warmup(change: dict[str, object], status: str, code: int) -> None:
+    got, checks = health.verdict(_facts(**change))
+    assert got == status, checks
+    assert health.EXIT[got] == code
+    comps = health.component_status(checks)
+    w = change["warmup"]
+    assert isinstance(w, WarmupFacts)
+    judged = judge(w, NS)
+    assert comps.get("warmup") == (judged[0] if judged else None)
+
+
+def test_health_json_and_metrics_show_warming(tmp_path: Path) -> None:
+    f = _facts(warmup=WARMING)
+    status, checks = health.verdict(f)
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.stack.locate import locate
+
+    dep = load_deployment("cpu-demo", {"KVP_CACHE_ROOT": str(tmp_path / "c")},
+                          allow_unpinned=True)
+    rep = health.HealthReport("cpu-demo", NS, status, tuple(checks), f, locate(dep))
+    doc = rep.to_dict()
+    assert doc["status"] == "warming" and doc["exit_code"] == 3
+    assert doc["components"]["warmup"] == "warming"
+    assert doc["warmup"]["pid_state"] == "running"
+    assert doc["warmup"]["record"]["state"] == "warming"
+    assert doc["warmup"]["state_file"] == str(tmp_path / ".kvpersist" / "c" / "warmup.json")
+    exp = Exposition()
+    health_families(exp, rep, NOW)
+    samples = {(s.name, s.labels.get("component", "")): s.value
+               for fam in exp.families.values() for s in fam.samples}
+    assert samples[("kvpersist_deployment_health", "")] == 3
+    assert samples[("kvpersist_component_health", "warmup")] == 3
+    assert ("kvpersist_component_health", "warmup") in samples
+    failed = _facts(warmup=FAILED)
+    st, ch = health.verdict(failed)
+    exp = Exposition()
+    health_families(exp, health.HealthReport("cpu-demo", NS, st, tuple(ch), failed,
+                                             locate(dep)), NOW)
+    samples = {(s.name, s.labels.get("component", "")): s.value
+               for fam in exp.families.values() for s in fam.samples}
+    assert samples[("kvpersist_deployment_health", "")] == 1
+    assert samples[("kvpersist_component_health", "warmup")] == 1
+
+
+def test_gather_reads_the_record_and_checks_the_pid_file(tmp_path: Path) -> None:
+    """The pid file names a live process carrying the warm-up's markers: running; once it
+    has exited: stale (so a "warming" record it left is judged a dead warm-up)."""
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.stack.locate import locate
+
+    dep = load_deployment("cpu-demo", {"KVP_CACHE_ROOT": str(tmp_path / "c"),
+                                       "KVP_WARMUP_WAIT": "45s"}, allow_unpinned=True)
+    loc = locate(dep)
+    assert loc.warmup_wait == 45.0
+    Path(loc.warmup_pid_file).parent.mkdir(parents=True)
+    empty = readiness.gather(loc, None)
+    assert (empty.record, empty.error, empty.pid_state, empty.wait_s) == (None, "", "absent",
+                                                                          45.0)
+    assert judge(empty, dep.namespace) is None
+    Path(loc.warmup_state_file).write_text(json.dumps(record("warming", ns=dep.namespace,
+                                                             started=time.time())))
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                             "kvpersist.cli", "warmup"])
+    try:
+        procs.write_pid_file(loc.warmup_pid_file, proc.pid)
+        got = readiness.gather(loc, proc.pid)
+        assert got.pid_state == "running" and got.pid == proc.pid
+        assert got.record is not None and got.record["state"] == "warming"
+        assert got.server_started is not None and abs(got.server_started - time.time()) < 60
+        judged = judge(got, dep.namespace)
+        assert judged is not None and judged[0] == "warming", judged
+    finally:
+        proc.kill()
+        proc.wait()
+    got = readiness.gather(loc, None)
+    assert got.pid_state == "stale"
+    judged = judge(got, dep.namespace)
+    assert judged is not None and judged[0] == "degraded"
+    Path(loc.warmup_state_file).write_text("{not json")
+    assert readiness.gather(loc, None).error
+
+
+def test_warmup_argv_is_the_contract() -> None:
+    assert readiness.warmup_argv("cpu-demo", 120.0, python="/py") == [
+        "/py", "-m", "kvpersist.cli", "warmup", "cpu-demo", "--wait", "120", "--json"]
+    assert readiness.warmup_argv("/etc/x/identity.env", 2.5, python="/py")[5:7] == [
+        "--wait", "2.5"]
+
+
+def test_a_bad_warmup_wait_is_a_config_error() -> None:
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.errors import ConfigError
+
+    for bad in ("0", "soon", "-5"):
+        with pytest.raises(ConfigError, match="KVP_WARMUP_WAIT"):
+            load_deployment("cpu-demo", {"KVP_CACHE_ROOT": "/tmp/x", "KVP_WARMUP_WAIT": bad},
+                            allow_unpinned=True)
+
+
+def test_root_runs_the_warmup_as_the_service_user(tmp_path: Path) -> None:
+    """Root (the vLLM unit) runs the warm-up as KVP_SERVICE_USER, so that the record, pid
+    file and log belong to the user whose health check reads them; anyone else runs it as
+    themselves."""
+    import os
+    import pwd
+
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.stack.locate import locate
+
+    env = {"KVP_CACHE_ROOT": str(tmp_path / "c")}
+    assert readiness.service_ids(locate(load_deployment("cpu-demo", env,
+                                                        allow_unpinned=True))) is None
+    user = pwd.getpwuid(65534).pw_name if os.geteuid() == 0 else pwd.getpwuid(os.getuid())[0]
+    loc = locate(load_deployment("cpu-demo", {**env, "KVP_SERVICE_USER": user},
+                                 allow_unpinned=True))
+    want = (65534, pwd.getpwuid(65534).pw_gid) if os.geteuid() == 0 else None
+    assert readiness.service_ids(loc) == want
