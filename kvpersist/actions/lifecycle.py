@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvpersist.config.deployment import Deployment
 from kvpersist.errors import Problem
+from kvpersist.stack import fleet
 from kvpersist.stack import launch as lc
+from kvpersist.stack.fleet import RecordOutcome
 from kvpersist.stack.launch import Progress, quiet
 from kvpersist.stack.locate import Location, locate
 from kvpersist.stack.readiness import WarmupRun
@@ -89,6 +91,8 @@ class LaunchOutcome:
                              else None),
             "warmup": (self.result.warmup.to_dict() if self.result.warmup is not None
                        else None),
+            "fleet_record": (self.result.fleet_record.to_dict()
+                             if self.result.fleet_record is not None else None),
         }
         if len(started) > 1:
             v = started[1]
@@ -153,17 +157,24 @@ class StopOutcome:
     config: str
     namespace: str
     stopped: tuple[lc.Stopped, ...]
+    #: this host's fleet record (None: no shared tier)
+    fleet_record: RecordOutcome | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config, "namespace": self.namespace,
-                "stopped": [asdict(s) for s in self.stopped]}
+                "stopped": [asdict(s) for s in self.stopped],
+                "fleet_record": (self.fleet_record.to_dict() if self.fleet_record is not None
+                                 else None)}
 
 
 def stop(config: str, *, timeout: float = 30.0, vllm: bool = True) -> StopOutcome:
-    """Stop vLLM (unless ``vllm`` is False), then the cache server. Never scans or sizes."""
+    """Stop vLLM (unless ``vllm`` is False), then the cache server, then delete this host's
+    fleet record on the shared tier (the host no longer serves the namespace; a record that
+    cannot be deleted lapses after its TTL). Never scans or sizes."""
     dep, loc = load_located(config)
-    return StopOutcome(dep.name, dep.namespace,
-                       tuple(lc.stop_deployment(loc, timeout=timeout, vllm=vllm)))
+    stopped = tuple(lc.stop_deployment(loc, timeout=timeout, vllm=vllm))
+    record = fleet.delete(dep) if dep.settings.shared_tier else None
+    return StopOutcome(dep.name, dep.namespace, stopped, record)
 
 
 @dataclass(frozen=True)
@@ -177,6 +188,8 @@ class StopPostOutcome:
     exit_code: str
     exit_status: str
     record: str
+    #: what became of this host's fleet record ('' : untouched)
+    fleet_record: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -192,11 +205,14 @@ def systemd_stop_post(config: str, environ: dict[str, str]) -> StopPostOutcome:
 
     dep, loc = load_located(config)
     clean = systemd_stop_was_clean(environ)
+    record = ""
     if clean:
         crash_window.record_clean_stop(loc, None, "systemd")
+        if dep.settings.shared_tier:
+            record = fleet.delete(dep).note()
     return StopPostOutcome(dep.name, clean, environ.get("SERVICE_RESULT", ""),
                            environ.get("EXIT_CODE", ""), environ.get("EXIT_STATUS", ""),
-                           crash_window.clean_stop_record(loc))
+                           crash_window.clean_stop_record(loc), record)
 
 
 @dataclass(frozen=True)
@@ -239,9 +255,11 @@ def status(config: str) -> StatusOutcome:
 
 
 def health(config: str, *, timeout: float = 3.0, expect_vllm: bool = True,
-           wait: float = 0.0) -> HealthReport:
-    """Probe the deployment (see :mod:`kvpersist.stack.health`); never scans the root."""
+           wait: float = 0.0, refresh_record: bool = False) -> HealthReport:
+    """Probe the deployment (see :mod:`kvpersist.stack.health`); never scans the root.
+    ``refresh_record``: refresh this host's fleet record while the cache server answers."""
     from kvpersist.stack.health import health_report
 
     dep, loc = load_located(config)
-    return health_report(dep, loc, timeout=timeout, expect_vllm=expect_vllm, wait=wait)
+    return health_report(dep, loc, timeout=timeout, expect_vllm=expect_vllm, wait=wait,
+                         refresh_record=refresh_record)

@@ -1,12 +1,14 @@
 """Use cases on the shared tier: ``report --tier shared`` and ``prune --tier shared``.
 
 The deployments (``--config``, default: every config under configs/ with a shared tier) name
-the tier, its credentials and the active namespaces; they must agree on one tier. The same
-rules as on disk: a dry run unless ``apply``, an active namespace only with ``force``.
+the tier, its credentials and the namespaces active here; the fleet records on the store
+(:mod:`kvpersist.l2.fleet`) name the namespaces other hosts serve. The same rules as on disk:
+a dry run unless ``apply``, an active namespace (here or on any host) only with ``force``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,8 +16,17 @@ from typing import Any
 from kvpersist.config.deployment import Deployment, shared_tier_of
 from kvpersist.config.shared_tier import SharedTier
 from kvpersist.errors import UsageError
+from kvpersist.l2.fleet import (
+    ALL_PATTERN,
+    FleetRecord,
+    by_namespace,
+    describe_hosts,
+    host_rows,
+    match_pattern,
+)
 from kvpersist.l2.shared_keys import namespace_problem
 from kvpersist.l2.shared_store import SharedStore, connect, prune_namespace, usage
+from kvpersist.stack import fleet
 
 REPORT_SCHEMA = "kvpersist.shared-report/1"
 PRUNE_SCHEMA = "kvpersist.shared-prune/1"
@@ -67,21 +78,47 @@ def shared_context(configs: Sequence[str]) -> SharedContext:
 
 
 def report_shared(configs: Sequence[str]) -> dict[str, Any]:
-    """Per-namespace keys and bytes on the shared tier, and its budget as read back.
-    Raises KvpError when the store cannot be reached."""
+    """Per-namespace keys and bytes on the shared tier, the hosts whose fleet records name
+    each namespace, and the store's budget as read back. A namespace is ``active`` when a
+    config here uses it or any host has a live record of it. Raises KvpError when the store
+    cannot be reached."""
     ctx = shared_context(configs)
     store = ctx.connect()
     try:
         budget = store.budget()
         found = usage(store)
+        records, problems = fleet.read(store, ALL_PATTERN)
     finally:
         store.close()
-    rows = [{"namespace": ns, "keys": n, "bytes": b, "active": ns in ctx.active}
-            for ns, (n, b) in sorted(found.namespaces.items(), key=lambda kv: -kv[1][1])]
+    now = time.time()
+    hosts = by_namespace(records)
+    sizes = {ns: found.namespaces.get(ns, [0, 0]) for ns in {*found.namespaces, *hosts}}
+    rows = [{"namespace": ns, "keys": n, "bytes": b,
+             "active": ns in ctx.active or ns in hosts,
+             "configured": ns in ctx.active, "hosts": host_rows(hosts.get(ns, []), now)}
+            for ns, (n, b) in sorted(sizes.items(), key=lambda kv: (-kv[1][1], kv[0]))]
     return {"schema": REPORT_SCHEMA, "tier": ctx.tier.to_dict(), "store": budget.to_dict(),
             "namespaces": rows, "chunk_keys": sum(r["keys"] for r in rows),
             "chunk_bytes": sum(r["bytes"] for r in rows), "other_keys": found.other_keys,
+            "fleet_records": found.fleet_records, "fleet_record_problems": problems,
             "active": sorted(ctx.active)}
+
+
+def active_reasons(namespaces: Sequence[str], configured: frozenset[str],
+                   users: dict[str, list[FleetRecord]], now: float) -> list[str]:
+    """Why each of ``namespaces`` is active (pure): a deployment configured here uses it,
+    or a host has a live fleet record of it (named, with the age of its record)."""
+    out = []
+    for ns in namespaces:
+        why = []
+        if ns in configured:
+            why.append("a deployment configured here uses it")
+        if users.get(ns):
+            why.append(f"{len(users[ns])} host(s) serve it: "
+                       f"{describe_hosts(users[ns], now)}")
+        if why:
+            out.append(f"{ns} is active ({'; '.join(why)})")
+    return out
 
 
 def prune_shared(configs: Sequence[str], namespaces: Sequence[str], *, apply: bool,
@@ -96,14 +133,17 @@ def prune_shared(configs: Sequence[str], namespaces: Sequence[str], *, apply: bo
         if problem:
             raise UsageError(f"--namespace: {problem}")
     ctx = shared_context(configs)
-    active = [ns for ns in namespaces if ns in ctx.active]
-    if active and not force:
-        raise UsageError(f"{', '.join(active)} is active (a configured deployment uses it); "
-                         "add --force to delete its keys on the shared tier anyway")
     store = ctx.connect()
     try:
+        wanted = list(dict.fromkeys(namespaces))
+        users = {ns: fleet.read(store, match_pattern(ns))[0] for ns in wanted}
+        if not force:
+            refused = active_reasons(wanted, ctx.active, users, time.time())
+            if refused:
+                raise UsageError("; ".join(refused) + ". Add --force to delete the keys on "
+                                 "the shared tier anyway")
         results = [prune_namespace(store, ns, apply=apply, progress=progress)
-                   for ns in dict.fromkeys(namespaces)]
+                   for ns in wanted]
     finally:
         store.close()
     return {"schema": PRUNE_SCHEMA, "tier": ctx.tier.to_dict(), "dry_run": not apply,

@@ -19,10 +19,14 @@ def health(config: str, as_json: bool, wait: float, timeout: float, no_vllm: boo
     """Check CONFIG's cache server, cache root, vLLM and its warm-up.
 
     Exit 0 healthy, 1 degraded (serving), 2 down, 3 warming (serving, the warm-up still
-    loading the warm set; --wait waits through it)."""
+    loading the warm set; --wait waits through it).
+
+    With a shared tier, while the cache server answers, this also refreshes this host's
+    fleet record on the store (docs/fleet.md, "Fleet records")."""
     from kvpersist.actions import lifecycle
 
-    report = lifecycle.health(config, timeout=timeout, expect_vllm=not no_vllm, wait=wait)
+    report = lifecycle.health(config, timeout=timeout, expect_vllm=not no_vllm, wait=wait,
+                              refresh_record=True)
     if as_json:
         echo_json(report.to_dict())
     else:

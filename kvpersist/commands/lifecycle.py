@@ -142,6 +142,8 @@ def stop(config: str, timeout: float, no_vllm: bool, systemd_stop_post: bool,
             click.echo(f"{post.config}: {verdict} (SERVICE_RESULT={post.service_result or '-'}"
                        f" EXIT_CODE={post.exit_code or '-'} "
                        f"EXIT_STATUS={post.exit_status or '-'})")
+            if post.fleet_record:
+                click.echo(post.fleet_record)
         return
 
     out = lifecycle.stop(config, timeout=timeout, vllm=not no_vllm)
@@ -152,6 +154,8 @@ def stop(config: str, timeout: float, no_vllm: bool, systemd_stop_post: bool,
         pid = f"pid {r.pid}" if r.pid else "-"
         extra = f" ({r.detail})" if r.detail else ""
         click.echo(f"{r.what:15} {pid:12} {r.how}{extra}")
+    if out.fleet_record is not None:
+        click.echo(out.fleet_record.note(), err=not out.fleet_record.ok)
 
 
 @click.command("status")

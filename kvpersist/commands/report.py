@@ -91,17 +91,26 @@ def format_report(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def format_hosts(hosts: list[dict[str, Any]]) -> str:
+    """``host-a-1a2b3c4d (12 s), ...``: the hosts whose fleet records name a namespace."""
+    from kvpersist.l2.fleet import format_age
+
+    return ", ".join(f"{h['host_id']} ({format_age(h['age_s'])})" for h in hosts) or "-"
+
+
 def format_shared(doc: dict[str, Any]) -> str:
     """The shared tier's table: namespaces by size, then the store's budget."""
     rows = [[r["namespace"], "active" if r["active"] else "-", f"{r['keys']:,}",
-             format_size(r["bytes"])] for r in doc["namespaces"]]
+             format_size(r["bytes"]), format_hosts(r["hosts"])] for r in doc["namespaces"]]
     tier, store = doc["tier"], doc["store"]
     out = [f"shared tier {tier['endpoint']} ({'cluster' if tier['cluster'] else 'standalone'}"
            f", adapter {tier['adapter']})"]
-    out.append(table(rows, ["NAMESPACE", "STATUS", "KEYS", "SIZE"]) if rows
+    out.append(table(rows, ["NAMESPACE", "STATUS", "KEYS", "SIZE", "HOSTS"]) if rows
                else "no chunk keys")
     out.append(f"chunks    {doc['chunk_keys']:,} keys, {format_size(doc['chunk_bytes'])}; "
-               f"{doc['other_keys']:,} other keys (never touched)")
+               f"{doc['fleet_records']:,} fleet records; {doc['other_keys']:,} other keys "
+               "(never touched)")
+    out += [f"warning: fleet record skipped: {p}" for p in doc["fleet_record_problems"]]
     limit = format_size(store["maxmemory_bytes"]) if store["maxmemory_bytes"] else "unlimited"
     out.append(f"store     {format_size(store['used_memory_bytes'])} used of {limit} on "
                f"{store['nodes']} node(s), maxmemory-policy "

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvpersist.config.shared_tier import SharedSecret, SharedTier
 from kvpersist.errors import CheckFailed, KvpError
+from kvpersist.l2.fleet import is_record_key
 from kvpersist.l2.shared_keys import (
     StoreBudget,
     lock_key,
@@ -32,7 +33,7 @@ from kvpersist.l2.shared_keys import (
 SCAN_COUNT = 500
 
 
-def _errors() -> tuple[type[Exception], ...]:
+def store_errors() -> tuple[type[Exception], ...]:
     """What redis-py raises for a store that cannot serve (the cluster client's own
     exception type does not derive from RedisError)."""
     import redis
@@ -139,7 +140,7 @@ def connect(tier: SharedTier, secret: SharedSecret, timeout: float = 3.0) -> Sha
         return store
     except redis.AuthenticationError as exc:
         raise KvpError(f"shared tier {tier.endpoint}: authentication failed ({exc})") from exc
-    except _errors() as exc:
+    except store_errors() as exc:
         raise KvpError(f"shared tier {tier.endpoint}: {exc}") from exc
 
 
@@ -177,7 +178,7 @@ def probe(tier: SharedTier, secret: SharedSecret, timeout: float = 2.0) -> Store
 
 
 def _close(store: SharedStore) -> None:
-    with contextlib.suppress(*_errors()):
+    with contextlib.suppress(*store_errors()):
         store.close()
 
 
@@ -190,7 +191,7 @@ def _probe_open(tier: SharedTier, secret: SharedSecret,
         store = SharedStore(tier, secret, timeout)
     except redis.AuthenticationError as exc:
         return StoreProbe(True, False, error=f"authentication failed: {exc}"), None
-    except _errors() as exc:
+    except store_errors() as exc:
         return StoreProbe(False, False, error=str(exc)), None
     try:
         worst = 0.0
@@ -206,7 +207,7 @@ def _probe_open(tier: SharedTier, secret: SharedSecret,
     except redis.ResponseError as exc:
         auth = any(w in str(exc) for w in ("WRONGPASS", "NOAUTH", "NOPERM"))
         found = StoreProbe(True, not auth, error=str(exc))
-    except _errors() as exc:
+    except store_errors() as exc:
         found = StoreProbe(False, False, error=str(exc))
     _close(store)
     return found, None
@@ -238,7 +239,7 @@ def measure(tier: SharedTier, secret: SharedSecret, timeout: float = 3.0) -> Sto
         t0 = time.perf_counter()
         counted = usage(store)
         return StoreMeasurement(found, counted, time.perf_counter() - t0)
-    except _errors() as exc:
+    except store_errors() as exc:
         return StoreMeasurement(found, error=f"scan failed: {exc}")
     finally:
         _close(store)
@@ -253,6 +254,8 @@ class SharedUsage:
 
     namespaces: dict[str, list[int]] = field(default_factory=dict)  # ns -> [keys, bytes]
     other_keys: int = 0
+    #: kvpersist's fleet records (kvpersist.l2.fleet), counted apart from the other keys
+    fleet_records: int = 0
 
     def add(self, ns: str, size: int) -> None:
         entry = self.namespaces.setdefault(ns, [0, 0])
@@ -273,7 +276,9 @@ def usage(store: SharedStore, pattern: str = "*") -> SharedUsage:
     for node, keys in store.scan(pattern):
         chunk = [(k, namespace_of(k)) for k in keys]
         mine = [(k, ns) for k, ns in chunk if ns]
-        out.other_keys += len(chunk) - len(mine)
+        records = sum(1 for k in keys if is_record_key(k))
+        out.fleet_records += records
+        out.other_keys += len(chunk) - len(mine) - records
         for (_, ns), size in zip(mine, _sizes(node, [k for k, _ in mine]), strict=True):
             out.add(str(ns), size)
     return out
@@ -336,3 +341,28 @@ def prune_namespace(store: SharedStore, ns: str, *, apply: bool,
     finally:
         store.client.eval(_RELEASE, 1, key, holder)
     return res
+
+
+# --------------------------------------------------------------------------- fleet records
+
+
+def write_record(store: SharedStore, key: str, value: str, ttl_s: int) -> None:
+    """``SET key value EX ttl_s`` (a refresh replaces the value and restarts the TTL)."""
+    store.client.set(key, value, ex=ttl_s)
+
+
+def delete_record(store: SharedStore, key: str) -> bool:
+    """Delete one record; True if it existed."""
+    return bool(store.client.delete(key))
+
+
+def read_records(store: SharedStore, pattern: str) -> list[tuple[str, bytes | None]]:
+    """(key, value) of every key matching ``pattern`` on every primary (SCAN, then one
+    pipelined GET per page; a key that expired in between has the value None)."""
+    out: list[tuple[str, bytes | None]] = []
+    for node, keys in store.scan(pattern):
+        pipe = node.pipeline(transaction=False)
+        for k in keys:
+            pipe.get(k)
+        out += list(zip(keys, pipe.execute(), strict=True))
+    return out

@@ -259,8 +259,12 @@ def probe_shared(dep: Deployment, timeout: float) -> dict[str, Any] | None:
         return {**out, "reachable": None, "auth_ok": False, "latency_ms": None,
                 "budget": None, "error": str(exc)}
     from kvpersist.l2.shared_store import probe
+    from kvpersist.stack.fleet import fleet_facts
 
-    return {**out, **probe(tier, secret, timeout).to_dict()}
+    out.update(probe(tier, secret, timeout).to_dict())
+    if out.get("reachable") and out.get("auth_ok"):
+        out["fleet"] = fleet_facts(dep, timeout)
+    return out
 
 
 def shared_checks(shared: dict[str, Any]) -> list[Check]:
@@ -287,7 +291,36 @@ def shared_checks(shared: dict[str, Any]) -> list[Check]:
                          f"maxmemory {budget.get('maxmemory_bytes')} B, policy "
                          f"{', '.join(budget.get('eviction_policies') or [])}"
                          + (f"; warning: {'; '.join(warnings)}" if warnings else "")))
+    fleet = shared.get("fleet")
+    if fleet is not None:
+        out.append(fleet_check(fleet))
     return out
+
+
+def fleet_check(fleet: dict[str, Any]) -> Check:
+    """``shared_tier.serde_key`` (pure): this host's serde key against the fleet records of
+    the other hosts serving the namespace. A different key (or serde) is *degraded*: each
+    side's chunks fail authentication on the other, i.e. miss (never wrong output)."""
+    if fleet.get("error"):
+        return Check("shared_tier.serde_key", "skipped",
+                     f"fleet records not compared: {fleet['error']}")
+    conflicts = fleet.get("conflicts") or []
+    if conflicts:
+        names = ", ".join(c["host_id"] for c in conflicts)
+        theirs = {c["serde"] for c in conflicts}
+        what = "serde key" if theirs == {fleet.get("serde")} else (
+            f"serde ({fleet.get('serde')} here, {', '.join(sorted(theirs))} there)")
+        return Check("shared_tier.serde_key", "degraded",
+                     f"{what} differs from host {names}: chunks stored by {names} miss here "
+                     "and vice versa; give every host of the tier the same key "
+                     "(serde_key_b64 in the Ansible role)")
+    others = fleet.get("others") or []
+    if not others:
+        return Check("shared_tier.serde_key", "ok",
+                     "no other host has a fleet record of this namespace")
+    return Check("shared_tier.serde_key", "ok",
+                 f"same serde key as {len(others)} other host(s): "
+                 + ", ".join(o["host_id"] for o in others))
 
 
 def verdict(f: Facts) -> tuple[str, list[Check]]:
@@ -433,8 +466,13 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
         judged = judge(f.warmup, f.namespace)
         if judged is not None:
             checks.append(Check("warmup", *judged))
+    return overall(checks), checks
+
+
+def overall(checks: list[Check]) -> str:
+    """``healthy``, ``degraded``, ``warming`` or ``down``: the worst check (pure)."""
     worst = max((_RANK[c.status] for c in checks), default=0)
-    return _STATUS_OF_RANK[worst], checks
+    return _STATUS_OF_RANK[worst]
 
 
 #: The components of a deployment, each a group of checks (``kvpersist_component_health``).
@@ -482,6 +520,8 @@ class HealthReport:
     checks: tuple[Check, ...]
     facts: Facts
     loc: Location
+    #: this host's fleet record as refreshed by this run (None: not refreshed)
+    fleet_record: dict[str, Any] | None = None
 
     @property
     def exit_code(self) -> int:
@@ -508,6 +548,7 @@ class HealthReport:
                            "reserve_bytes": f.reserve_bytes, "budget": f.budget},
             "shared_tier": f.shared_tier,
             "warmup": _warmup_dict(f.warmup, loc),
+            "fleet_record": self.fleet_record,
             "errors": f.errors,
         }
 
@@ -523,9 +564,13 @@ def _warmup_dict(w: WarmupFacts | None, loc: Location) -> dict[str, Any] | None:
 
 def health_report(dep: Deployment, loc: Location, *, timeout: float = 3.0,
                   expect_vllm: bool = True, wait: float = 0.0,
-                  interval: float = 2.0) -> HealthReport:
+                  interval: float = 2.0, refresh_record: bool = False) -> HealthReport:
     """Probe (again until healthy or ``wait`` seconds pass: a deployment that is warming is
-    waited for) and return the verdict."""
+    waited for) and return the verdict.
+
+    ``refresh_record``: with a shared tier, when this deployment's cache server answers,
+    write this host's fleet record again (its TTL restarts; :mod:`kvpersist.stack.fleet`);
+    a failure adds a *degraded* ``shared_tier.fleet_record`` check, never more."""
     deadline = time.monotonic() + max(0.0, wait)
     while True:
         facts = probe_all(dep, loc, timeout=timeout, expect_vllm=expect_vllm)
@@ -533,8 +578,18 @@ def health_report(dep: Deployment, loc: Location, *, timeout: float = 3.0,
         if status == "healthy" or time.monotonic() >= deadline:
             break
         time.sleep(interval)
-    return HealthReport(dep.name, dep.namespace, status, tuple(checks), facts, loc)
+    record: dict[str, Any] | None = None
+    serving = any(c.name == "lmcache.healthcheck" and c.status == "ok" for c in checks)
+    if refresh_record and dep.settings.shared_tier and serving:
+        from kvpersist.stack import fleet
+
+        outcome = fleet.write(dep, timeout=min(timeout, fleet.TIMEOUT_S))
+        record = outcome.to_dict()
+        checks.append(Check("shared_tier.fleet_record", "ok" if outcome.ok else "degraded",
+                            outcome.note().removeprefix("WARNING: ")))
+        status = overall(checks)
+    return HealthReport(dep.name, dep.namespace, status, tuple(checks), facts, loc, record)
 
 
 __all__ = ["COMPONENTS", "Check", "Facts", "component_of", "component_status", "HealthReport",
-           "health_report", "probe_all", "verdict", "SCHEMA"]
+           "health_report", "overall", "probe_all", "verdict", "SCHEMA"]

@@ -31,6 +31,7 @@ from kvpersist.errors import CheckFailed, ConfigError, KvpError, Problem
 from kvpersist.l2.inventory import Sizing
 from kvpersist.stack import crash_window
 from kvpersist.stack.crash_window import CrashCheck
+from kvpersist.stack.fleet import RecordOutcome
 from kvpersist.stack.locate import Location, locate, vllm_mode
 from kvpersist.stack.readiness import NO_WARM_SET, WarmupRun, run_warmup
 from kvpersist.stack.render import Rendered, serde_warnings
@@ -493,7 +494,8 @@ def start_vllm(plan: LaunchPlan, *, timeout: float = 300.0,
 def launch_foreground(dep: Deployment, rendered: Rendered, plan: LaunchPlan, sizing: Sizing,
                       *, progress: Progress = quiet) -> None:
     """The launch sequence for systemd: refuse if running, preflight (no vLLM), prepare the
-    state, write the pid file with this pid and exec the cache server in this process.
+    state, write this host's fleet record on the shared tier (a failure is a warning), write
+    the pid file with this pid and exec the cache server in this process.
 
     Raises CheckFailed if a server already runs, ConfigError listing every preflight
     problem; on success it does not return. After an unclean stop the crash window is checked
@@ -509,6 +511,10 @@ def launch_foreground(dep: Deployment, rendered: Rendered, plan: LaunchPlan, siz
     for n in prepare_state(plan, rendered, sizing, progress=progress, weights=pre.weights):
         progress(n)
     check_crash_window(plan, srv, how="foreground", progress=progress)
+    if dep.settings.shared_tier:
+        from kvpersist.stack import fleet
+
+        progress(fleet.write(dep).note())
     progress(f"exec lmcache server for {plan.namespace} (pid file {plan.server_pid_file})")
     procs.write_pid_file(plan.server_pid_file, os.getpid())
     procs.exec_foreground(plan.server_argv, env=plan.server_env, cwd=plan.state_dir)
@@ -583,6 +589,8 @@ class LaunchResult:
     crash: CrashCheck | None = None
     #: the warm-up after vLLM (None: not run, --no-vllm or --no-warmup)
     warmup: WarmupRun | None = None
+    #: this host's fleet record on the shared tier (None: no shared tier)
+    fleet_record: RecordOutcome | None = None
 
 
 def check_crash_window(plan: Location, srv: procs.PidState, *, how: str,
@@ -643,7 +651,8 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
            crash_seconds: float | None = crash_window.DEFAULT_SECONDS,
            warmup: bool = True, warmup_wait: float | None = None) -> LaunchResult:
     """Preflight, prepare state, check the crash window after an unclean stop (bounded by
-    ``crash_rate_mb_s`` and ``crash_seconds``), start the cache server, then (``with_vllm``)
+    ``crash_rate_mb_s`` and ``crash_seconds``), start the cache server, write this host's
+    fleet record on the shared tier (a failure is a warning note), then (``with_vllm``)
     vLLM, then (``warmup``) the warm-up, bounded by ``warmup_wait`` seconds (default
     KVP_WARMUP_WAIT): the launch returns, ready, after it.
 
@@ -679,6 +688,14 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
                                deadline_s=crash_seconds, progress=progress)
     started = [start_server(plan, timeout=server_timeout, progress=progress)]
     progress(f"lmcache server healthy in {started[0].seconds:.1f} s (pid {started[0].pid})")
+    record = None
+    if dep.settings.shared_tier:
+        # never fails the launch: a store that does not answer is a warning
+        from kvpersist.stack import fleet
+
+        record = fleet.write(dep)
+        progress(record.note())
+        notes.append(record.note())
     warm: WarmupRun | None = None
     if with_vllm:
         started.append(start_vllm(plan, timeout=vllm_timeout, progress=progress))
@@ -690,7 +707,7 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
                               env=prepared.environ or os.environ, wait_s=warmup_wait,
                               progress=progress)
             progress(warmup_summary(warm))
-    return LaunchResult(plan, tuple(notes), tuple(started), crash, warm)
+    return LaunchResult(plan, tuple(notes), tuple(started), crash, warm, record)
 
 
 def warmup_summary(warm: WarmupRun) -> str:

@@ -1,0 +1,197 @@
+"""A deployment's fleet record on its shared tier (I/O; the rules are in
+:mod:`kvpersist.l2.fleet`).
+
+``launch`` (and ``launch --foreground``, systemd) writes the record, ``health`` refreshes it
+while the cache server answers, ``stop`` deletes it. None of these ever fails because of the
+record: an unreachable store, refused credentials or an unreadable key give a
+:class:`RecordOutcome` that says so (a warning), and the deployment serves as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.errors import KvpError
+from kvpersist.l2.fleet import (
+    RECORD_TTL_S,
+    FleetRecord,
+    decode_record,
+    host_id,
+    key_conflicts,
+    match_pattern,
+    serde_fingerprint,
+)
+
+#: short: a launch, stop or health run never waits long for a store that does not answer
+TIMEOUT_S = 2.0
+MACHINE_ID_FILE = "/etc/machine-id"
+
+
+def machine_id(path: str = MACHINE_ID_FILE) -> str:
+    """This machine's id (systemd's ``/etc/machine-id``), or '' where there is none."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read(64).strip()
+    except OSError:
+        return ""
+
+
+def own_record(dep: Deployment, now: float | None = None) -> FleetRecord:
+    """This host's record of ``dep`` (nothing is written). Raises KvpError when the serde
+    key cannot be read (e.g. not yet created, or another user's)."""
+    from kvpersist import __version__
+    from kvpersist.l2 import keys
+    from kvpersist.system.files import service_uids
+
+    s = dep.settings
+    fingerprint = ""
+    if s.serde == "aesgcm":
+        fingerprint = serde_fingerprint(keys.read_key(s.serde_key_file,
+                                                      service_uids(s.service_user)))
+    hostname = socket.gethostname()
+    return FleetRecord(namespace=dep.namespace, host=hostname,
+                       host_id=host_id(hostname, machine_id(), s.state_dir),
+                       deployment=dep.name, version=__version__, serde=s.serde,
+                       serde_key_fingerprint=fingerprint,
+                       updated_at=time.time() if now is None else now, ttl_s=RECORD_TTL_S)
+
+
+@dataclass(frozen=True)
+class RecordOutcome:
+    """What happened to this host's record: ``written``, ``deleted``, ``absent`` (nothing to
+    delete), ``failed`` (``detail`` says why) or ``skipped`` (no shared tier)."""
+
+    action: str
+    key: str = ""
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.action != "failed"
+
+    def note(self) -> str:
+        """One line for launch/stop output (a failure starts with ``WARNING:``)."""
+        if self.action == "failed":
+            return f"WARNING: fleet record {self.key or '-'} not updated: {self.detail}"
+        return f"fleet record {self.key}: {self.action}" + (
+            f" ({self.detail})" if self.detail else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _connect(dep: Deployment, timeout: float) -> Any:
+    """A connection to ``dep``'s store. Raises KvpError (no shared tier, secret file, store
+    unreachable, credentials refused)."""
+    from kvpersist.l2.shared_store import connect
+    from kvpersist.stack.lmcache_exec import read_secret_file
+    from kvpersist.system.files import service_uids
+
+    tier = shared_tier_of(dep.settings)
+    if tier is None:
+        raise KvpError(f"{dep.name} has no shared tier")
+    secret = read_secret_file(dep.settings.shared_tier_secret_file,
+                              also=service_uids(dep.settings.service_user))
+    return connect(tier, secret, timeout)
+
+
+def write(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
+    """Write (or refresh) this host's record of ``dep`` with its TTL. Never raises."""
+    from kvpersist.l2.shared_store import store_errors, write_record
+
+    if not dep.settings.shared_tier:
+        return RecordOutcome("skipped")
+    key = ""
+    try:
+        rec = own_record(dep)
+        key = rec.key
+        store = _connect(dep, timeout)
+    except KvpError as exc:
+        return RecordOutcome("failed", key, f"{exc}; the deployment serves without it, "
+                             "`kvp-admin health` writes it once the store answers")
+    try:
+        write_record(store, key, rec.encode(), rec.ttl_s)
+        return RecordOutcome("written", key, f"TTL {rec.ttl_s} s")
+    except store_errors() as exc:
+        return RecordOutcome("failed", key, f"the store refused it: {exc}")
+    finally:
+        with contextlib.suppress(*store_errors()):
+            store.close()
+
+
+def delete(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
+    """Delete this host's record of ``dep`` (a host that stopped serving). Never raises;
+    a record left behind lapses after its TTL."""
+    from kvpersist.l2.fleet import record_key
+    from kvpersist.l2.shared_store import delete_record, store_errors
+
+    if not dep.settings.shared_tier:
+        return RecordOutcome("skipped")
+    key = record_key(dep.namespace, host_id(socket.gethostname(), machine_id(),
+                                            dep.settings.state_dir))
+    try:
+        store = _connect(dep, timeout)
+    except KvpError as exc:
+        return RecordOutcome("failed", key, f"{exc}; it lapses after its TTL")
+    try:
+        gone = delete_record(store, key)
+        return RecordOutcome("deleted" if gone else "absent", key)
+    except store_errors() as exc:
+        return RecordOutcome("failed", key, f"{exc}; it lapses after its TTL")
+    finally:
+        with contextlib.suppress(*store_errors()):
+            store.close()
+
+
+def read(store: Any, pattern: str) -> tuple[list[FleetRecord], list[str]]:
+    """The valid records matching ``pattern`` and why the others were skipped. Raises what
+    the store raises (see :func:`kvpersist.l2.shared_store.store_errors`)."""
+    from kvpersist.l2.shared_store import read_records
+
+    records: list[FleetRecord] = []
+    problems: list[str] = []
+    for key, raw in read_records(store, pattern):
+        rec, why = decode_record(key, raw)
+        if rec is not None:
+            records.append(rec)
+        elif raw is not None:  # expired between SCAN and GET: not a problem
+            problems.append(why)
+    return records, problems
+
+
+def fleet_facts(dep: Deployment, timeout: float = TIMEOUT_S) -> dict[str, Any]:
+    """For ``health``: this host's record (computed, not written) against the live records
+    of the namespace. Never raises; ``error`` says what could not be read."""
+    from kvpersist.l2.fleet import host_rows
+    from kvpersist.l2.shared_store import store_errors
+
+    out: dict[str, Any] = {"host_id": "", "record_key": "", "serde": dep.settings.serde,
+                           "serde_key_fingerprint": "", "others": [], "conflicts": [],
+                           "problems": [], "error": ""}
+    try:
+        own = own_record(dep)
+    except KvpError as exc:
+        return {**out, "error": f"own serde key unreadable: {exc}"}
+    out.update(host_id=own.host_id, record_key=own.key,
+               serde_key_fingerprint=own.serde_key_fingerprint)
+    try:
+        store = _connect(dep, timeout)
+    except KvpError as exc:
+        return {**out, "error": str(exc)}
+    try:
+        records, problems = read(store, match_pattern(dep.namespace))
+    except store_errors() as exc:
+        return {**out, "error": str(exc)}
+    finally:
+        with contextlib.suppress(*store_errors()):
+            store.close()
+    now = time.time()
+    others = sorted((r for r in records if r.host_id != own.host_id), key=lambda r: r.host_id)
+    out.update(others=host_rows(others, now),
+               conflicts=host_rows(key_conflicts(own, others), now), problems=problems)
+    return out

@@ -1,0 +1,182 @@
+"""Fleet records on the shared tier with real parts: one Debian redis-server (ACL user and
+password) for the module, and stock ``lmcache server`` processes started by
+``kvp-admin launch`` with their own cache roots and state dirs, standing in for hosts.
+
+Records: launch writes one per host, health compares the serde keys and refreshes it, stop
+deletes it, prune treats a namespace another host serves as active, report names the hosts,
+and a launch with the store down still succeeds (with a warning).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpersist.l2.fleet import RECORD_TTL_S, FleetRecord, host_id, serde_fingerprint
+
+from ..conftest import free_port
+from ..fullstack._stack import Stack
+from ._redis import Redis, start_redis
+from .test_shared_tier import host, share_key
+
+pytestmark = pytest.mark.integration
+
+OTHER_NS = "kvp-" + "c" * 32
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Redis]:
+    r = start_redis(tmp_path_factory.mktemp("fleet") / "store")
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def health(s: Stack) -> tuple[int, dict[str, Any]]:
+    r = s.kvp("health", s.config, "--no-vllm", "--json")
+    return r.returncode, json.loads(r.stdout)
+
+
+def check(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in doc["checks"] if c["name"] == name)
+
+
+def launched_id(out: dict[str, Any]) -> str:
+    """The host id of a launch's fleet record (``kvpersist-fleet:<ns>:<host id>``)."""
+    rec = out["fleet_record"]
+    assert rec["action"] == "written", out
+    return str(rec["key"]).rsplit(":", 1)[1]
+
+
+def test_records_compare_keys_guard_prune_and_go_at_stop(tmp_path: Path, store: Redis) -> None:
+    a, b, c = (host(tmp_path, n, store) for n in "abc")
+    try:
+        ns = a.render()["namespace"]
+        out_a = a.launch("--no-vllm")
+        id_a = launched_id(out_a)
+        share_key(a, b)  # the fleet's one key (the role distributes it)
+        id_b = launched_id(b.launch("--no-vllm"))
+        assert id_a != id_b  # one host each (own state dir)
+        records = store.scan_keys("kvpersist-fleet:*")
+        assert records == sorted(f"kvpersist-fleet:{ns}:{i}" for i in (id_a, id_b))
+        assert store.scan_keys(f"{ns}@*") == []  # never a chunk key
+        doc = json.loads(store.nodes[0].cli("get", records[0]))
+        assert doc["namespace"] == ns and doc["deployment"] == a.config
+        ttl = int(store.nodes[0].cli("ttl", records[0]))
+        assert RECORD_TTL_S - 60 < ttl <= RECORD_TTL_S
+        key_a = (a.state_dir / "keys" / "l2-master.key").read_bytes()
+        assert {json.loads(store.nodes[0].cli("get", k))["serde_key_fingerprint"]
+                for k in records} == {serde_fingerprint(key_a)}
+        assert key_a.hex() not in store.nodes[0].cli("get", records[0])
+
+        # the same key on both hosts: healthy, and health refreshed b's record
+        store.nodes[0].cli("expire", f"kvpersist-fleet:{ns}:{id_b}", "30")
+        code, doc = health(b)
+        assert code == 0 and doc["components"]["shared_tier"] == "ok", doc
+        same = check(doc, "shared_tier.serde_key")
+        assert same["status"] == "ok" and id_a in same["detail"], same
+        assert doc["fleet_record"]["action"] == "written"
+        assert int(store.nodes[0].cli("ttl", f"kvpersist-fleet:{ns}:{id_b}")) > 60
+
+        # host c has its own key: degraded on c and on a, naming the other host(s)
+        id_c = launched_id(c.launch("--no-vllm"))
+        code, doc = health(c)
+        assert code == 1 and doc["components"]["shared_tier"] == "degraded", doc
+        assert doc["components"]["cache_server"] == "ok"
+        differs = check(doc, "shared_tier.serde_key")
+        assert differs["status"] == "degraded", differs
+        ab = ", ".join(sorted((id_a, id_b)))
+        assert differs["detail"].startswith(f"serde key differs from host {ab}: chunks "
+                                            f"stored by {ab} miss here and vice versa")
+        assert {h["host_id"] for h in doc["shared_tier"]["fleet"]["conflicts"]} == {id_a, id_b}
+        code, doc = health(a)
+        assert code == 1 and check(doc, "shared_tier.serde_key")["detail"].startswith(
+            f"serde key differs from host {id_c}:"), doc
+        text = a.kvp("health", a.config, "--no-vllm")
+        assert text.returncode == 1 and f"differs from host {id_c}" in text.stdout
+
+        # a clean stop deletes c's record; the fleet agrees again
+        stopped = c.stop()
+        assert stopped["fleet_record"]["action"] == "deleted", stopped
+        assert f"kvpersist-fleet:{ns}:{id_c}" not in store.scan_keys("kvpersist-fleet:*")
+        assert health(a)[0] == 0
+
+        # a namespace only another host serves: prune refuses it, names the host and age
+        other = FleetRecord(namespace=OTHER_NS, host="gpu-9",
+                            host_id=host_id("gpu-9", "x", "/var/lib/kvpersist/other"),
+                            deployment="other-model", version="0.2.0", serde="aesgcm",
+                            serde_key_fingerprint=serde_fingerprint(b"k" * 32),
+                            updated_at=time.time() - 90)
+        store.nodes[0].cli("set", other.key, other.encode(), "ex", "600")
+        for i in range(3):
+            store.nodes[0].cli("set", f"{OTHER_NS}@01000100@0@a{i}", "x" * 100)
+        refused = a.kvp("prune", "--tier", "shared", "--config", a.config,
+                        "--namespace", OTHER_NS, "--apply")
+        assert refused.returncode == 2, refused.stderr
+        assert OTHER_NS in refused.stderr and other.host_id in refused.stderr
+        age = re.search(rf"{other.host_id} \(deployment other-model, refreshed (\d+) s ago",
+                        refused.stderr)
+        assert age and 90 <= int(age.group(1)) < 200, refused.stderr
+        assert "--force" in refused.stderr
+        assert len(store.scan_keys(f"{OTHER_NS}@*")) == 3  # nothing deleted
+        also_all = a.kvp("prune", "--tier", "all", "--config", a.config,
+                         "--namespace", OTHER_NS, "--apply")
+        assert also_all.returncode == 2 and other.host_id in also_all.stderr
+
+        # report names the hosts per namespace (JSON and text)
+        rep = a.kvp_json("report", "--tier", "shared", "--config", a.config)
+        rows = {r["namespace"]: r for r in rep["namespaces"]}
+        assert {h["host_id"] for h in rows[ns]["hosts"]} == {id_a, id_b}
+        assert rows[ns]["configured"] and rows[ns]["active"]
+        assert [h["host_id"] for h in rows[OTHER_NS]["hosts"]] == [other.host_id]
+        assert rows[OTHER_NS]["active"] and not rows[OTHER_NS]["configured"]
+        assert rows[OTHER_NS]["keys"] == 3 and rep["fleet_records"] == 3
+        assert rep["other_keys"] == 0
+        shown = a.kvp("report", "--tier", "shared", "--config", a.config)
+        assert shown.returncode == 0 and "HOSTS" in shown.stdout
+        line = next(x for x in shown.stdout.splitlines() if x.startswith(OTHER_NS))
+        assert other.host_id in line and "active" in line
+
+        forced = a.kvp_json("prune", "--tier", "shared", "--config", a.config,
+                            "--namespace", OTHER_NS, "--apply", "--force")
+        assert forced["deleted_keys"] == 3 and store.scan_keys(f"{OTHER_NS}@*") == []
+        assert other.key in store.scan_keys("kvpersist-fleet:*")  # records are not chunks
+
+        a.stop()
+        b.stop()
+        assert store.scan_keys(f"kvpersist-fleet:{ns}:*") == []
+    finally:
+        for s in (a, b, c):
+            s.cleanup()
+
+
+def test_launch_with_the_store_down_succeeds_with_a_warning(tmp_path: Path,
+                                                           store: Redis) -> None:
+    d = tmp_path / "d"
+    d.mkdir(mode=0o700)
+    secret = store.write_secret(d / "shared.secret")
+    s = Stack(d, KVP_SHARED_TIER=f"valkey://127.0.0.1:{free_port()}",  # nobody listens
+              KVP_SHARED_TIER_SECRET_FILE=str(secret))
+    try:
+        r = s.kvp("launch", s.config, "--no-vllm", "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["fleet_record"]["action"] == "failed"
+        assert "WARNING: fleet record" in r.stderr and "not updated" in r.stderr
+        assert any(n.startswith("WARNING: fleet record") for n in out["notes"])
+        assert store.password not in r.stderr + r.stdout
+        code, doc = health(s)
+        assert code == 1 and doc["components"]["shared_tier"] == "degraded", doc
+        assert doc["components"]["cache_server"] == "ok"
+        stopped = s.stop()
+        assert stopped["fleet_record"]["action"] == "failed"
+        assert stopped["stopped"][-1]["how"] == "terminated"
+    finally:
+        s.cleanup()
