@@ -11,8 +11,8 @@ never sends traffic to a deployment that is still warming.
 
 JSON schema ``kvpersist.health/1``: ``{schema, config, namespace, status, exit_code,
 checks: [{name, status, detail}], lmcache: {...}, vllm: {...}, cache_root: {...},
-warmup: {...}}`` where a check's status is ``ok``, ``degraded``, ``down``, ``warming`` or
-``skipped``.
+shared_tier: {..., fleet: {...}} | null, warmup: {...}, fleet_record: {...} | null}`` where a
+check's status is ``ok``, ``degraded``, ``down``, ``warming`` or ``skipped``.
 """
 
 from __future__ import annotations
