@@ -198,18 +198,20 @@ class StopPostOutcome:
 def systemd_stop_post(config: str, environ: dict[str, str]) -> StopPostOutcome:
     """For the unit's ``ExecStopPost``: stop nothing; record a clean stop when systemd's
     environment says the server exited by itself with success (see
-    :func:`kvpersist.stack.stops.systemd_stop_was_clean`). Raises KvpError if the record
+    :func:`kvpersist.stack.stops.systemd_stop_was_clean`); delete this host's fleet record
+    when the unit ended without a failure (a ``systemctl stop``, see
+    :func:`kvpersist.stack.stops.systemd_stop_was_deliberate`). Raises KvpError if the record
     cannot be written."""
     from kvpersist.stack import crash_window
-    from kvpersist.stack.stops import systemd_stop_was_clean
+    from kvpersist.stack.stops import systemd_stop_was_clean, systemd_stop_was_deliberate
 
     dep, loc = load_located(config)
     clean = systemd_stop_was_clean(environ)
-    record = ""
     if clean:
         crash_window.record_clean_stop(loc, None, "systemd")
-        if dep.settings.shared_tier:
-            record = fleet.delete(dep).note()
+    record = ""
+    if dep.settings.shared_tier and systemd_stop_was_deliberate(environ):
+        record = fleet.delete(dep).note()
     return StopPostOutcome(dep.name, clean, environ.get("SERVICE_RESULT", ""),
                            environ.get("EXIT_CODE", ""), environ.get("EXIT_STATUS", ""),
                            crash_window.clean_stop_record(loc), record)

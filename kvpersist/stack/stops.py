@@ -111,3 +111,13 @@ def systemd_stop_was_clean(environ: dict[str, str]) -> bool:
     return (environ.get("SERVICE_RESULT") == "success"
             and environ.get("EXIT_CODE") == "exited"
             and environ.get("EXIT_STATUS") == "0")
+
+
+def systemd_stop_was_deliberate(environ: dict[str, str]) -> bool:
+    """Whether systemd's ``ExecStopPost`` environment says the unit ended without a failure
+    (``SERVICE_RESULT=success``): a ``systemctl stop`` whose SIGTERM ended the server counts
+    (systemd treats SIGTERM as a clean signal; stock LMCache 0.5.6 ends by it), a crash, a
+    timeout or a failed exit does not (``Restart=on-failure`` starts it again). Weaker than
+    :func:`systemd_stop_was_clean`: enough to withdraw the host's fleet record, not to skip
+    the crash-window check."""
+    return environ.get("SERVICE_RESULT") == "success"

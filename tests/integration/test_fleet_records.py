@@ -2,15 +2,18 @@
 password) for the module, and stock ``lmcache server`` processes started by
 ``kvp-admin launch`` with their own cache roots and state dirs, standing in for hosts.
 
-Records: launch writes one per host, health compares the serde keys and refreshes it, stop
-deletes it, prune treats a namespace another host serves as active, report names the hosts,
-and a launch with the store down still succeeds (with a warning).
+Records: launch (and ``launch --foreground``, the systemd path) writes one per host, health
+compares the serde keys and refreshes it, stop (and a clean systemd stop) deletes it, prune
+treats a namespace another host serves as active, report names the hosts, and a launch with
+the store down still succeeds (with a warning).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +23,8 @@ import pytest
 
 from kvpersist.l2.fleet import RECORD_TTL_S, FleetRecord, host_id, serde_fingerprint
 
-from ..conftest import free_port
-from ..fullstack._stack import Stack
+from ..conftest import REPO, free_port
+from ..fullstack._stack import KVP_ADMIN, Stack, wait_until
 from ._redis import Redis, start_redis
 from .test_shared_tier import host, share_key
 
@@ -46,6 +49,22 @@ def health(s: Stack) -> tuple[int, dict[str, Any]]:
 
 def check(doc: dict[str, Any], name: str) -> dict[str, Any]:
     return next(c for c in doc["checks"] if c["name"] == name)
+
+
+def systemd_stop_env(returncode: int) -> dict[str, str]:
+    """What systemd hands ``ExecStopPost`` after ``systemctl stop`` ended the main process
+    with ``returncode`` (subprocess's: negative for a signal). SIGTERM, the unit's
+    KillSignal, is a clean signal to systemd: SERVICE_RESULT stays ``success``."""
+    if returncode >= 0:
+        return {"SERVICE_RESULT": "success" if returncode == 0 else "exit-code",
+                "EXIT_CODE": "exited", "EXIT_STATUS": str(returncode)}
+    sig = signal.Signals(-returncode).name.removeprefix("SIG")
+    return {"SERVICE_RESULT": "success" if sig in ("TERM", "INT", "HUP", "PIPE") else "signal",
+            "EXIT_CODE": "killed", "EXIT_STATUS": sig}
+
+
+def serving(s: Stack) -> bool:
+    return bool(s.kvp_json("status", s.config, check=False)["lmcache"]["healthy"])
 
 
 def launched_id(out: dict[str, Any]) -> str:
@@ -85,8 +104,13 @@ def test_records_compare_keys_guard_prune_and_go_at_stop(tmp_path: Path, store: 
         assert doc["fleet_record"]["action"] == "written"
         assert int(store.nodes[0].cli("ttl", f"kvpersist-fleet:{ns}:{id_b}")) > 60
 
-        # host c has its own key: degraded on c and on a, naming the other host(s)
-        id_c = launched_id(c.launch("--no-vllm"))
+        # host c has its own key and runs as under systemd (launch --foreground execs the
+        # server): degraded on c and on a, naming the other host(s)
+        fg = subprocess.Popen([*KVP_ADMIN, "launch", c.config, "--foreground"], env=c.env,
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        assert wait_until(lambda: serving(c), 90)
+        id_c = next(k for k in store.scan_keys(f"kvpersist-fleet:{ns}:*")
+                    if k.rsplit(":", 1)[1] not in (id_a, id_b)).rsplit(":", 1)[1]
         code, doc = health(c)
         assert code == 1 and doc["components"]["shared_tier"] == "degraded", doc
         assert doc["components"]["cache_server"] == "ok"
@@ -102,11 +126,18 @@ def test_records_compare_keys_guard_prune_and_go_at_stop(tmp_path: Path, store: 
         text = a.kvp("health", a.config, "--no-vllm")
         assert text.returncode == 1 and f"differs from host {id_c}" in text.stdout
 
-        # a clean stop deletes c's record; the fleet agrees again
-        stopped = c.stop()
-        assert stopped["fleet_record"]["action"] == "deleted", stopped
+        # systemd stops c (SIGTERM), then ExecStopPost: a clean stop deletes c's record
+        fg.terminate()
+        code = fg.wait(timeout=60)
+        assert b"fleet record kvpersist-fleet:" in (fg.stderr.read() if fg.stderr else b"")
+        post = subprocess.run([*KVP_ADMIN, "stop", c.config, "--systemd-stop-post", "--json"],
+                              env={**c.env, **systemd_stop_env(code)}, cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        done = json.loads(post.stdout)
+        assert done["clean"] == (code == 0)  # LMCache 0.5.6 ends by the SIGTERM here
+        assert "deleted" in done["fleet_record"], (code, done)
         assert f"kvpersist-fleet:{ns}:{id_c}" not in store.scan_keys("kvpersist-fleet:*")
-        assert health(a)[0] == 0
+        assert health(a)[0] == 0  # the fleet agrees again
 
         # a namespace only another host serves: prune refuses it, names the host and age
         other = FleetRecord(namespace=OTHER_NS, host="gpu-9",
@@ -149,8 +180,10 @@ def test_records_compare_keys_guard_prune_and_go_at_stop(tmp_path: Path, store: 
         assert forced["deleted_keys"] == 3 and store.scan_keys(f"{OTHER_NS}@*") == []
         assert other.key in store.scan_keys("kvpersist-fleet:*")  # records are not chunks
 
-        a.stop()
-        b.stop()
+        # kvp-admin stop deletes the host's record
+        for s in (a, b):
+            out = s.stop()
+            assert out["fleet_record"]["action"] == "deleted", out
         assert store.scan_keys(f"kvpersist-fleet:{ns}:*") == []
     finally:
         for s in (a, b, c):

@@ -233,3 +233,20 @@ def test_prune_names_the_hosts_that_make_a_namespace_active() -> None:
     assert both[0].startswith(f"{NS2} is active (a deployment configured here uses it; "
                               "1 host(s) serve it: ")
     assert active_reasons([NS2], frozenset(), users, now=1000.0) == []
+
+
+@pytest.mark.parametrize(("env", "deliberate", "clean"), [
+    ({"SERVICE_RESULT": "success", "EXIT_CODE": "exited", "EXIT_STATUS": "0"}, True, True),
+    # systemctl stop: SIGTERM ended the server (systemd counts SIGTERM as clean)
+    ({"SERVICE_RESULT": "success", "EXIT_CODE": "killed", "EXIT_STATUS": "TERM"}, True, False),
+    ({"SERVICE_RESULT": "signal", "EXIT_CODE": "killed", "EXIT_STATUS": "KILL"}, False, False),
+    ({"SERVICE_RESULT": "exit-code", "EXIT_CODE": "exited", "EXIT_STATUS": "1"}, False, False),
+    ({"SERVICE_RESULT": "timeout"}, False, False),
+    ({}, False, False),
+])
+def test_a_deliberate_systemd_stop_withdraws_the_record(env: dict[str, str], deliberate: bool,
+                                                        clean: bool) -> None:
+    from kvpersist.stack.stops import systemd_stop_was_clean, systemd_stop_was_deliberate
+
+    assert systemd_stop_was_deliberate(env) is deliberate
+    assert systemd_stop_was_clean(env) is clean
