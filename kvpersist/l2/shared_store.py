@@ -33,13 +33,19 @@ from kvpersist.l2.shared_keys import (
 SCAN_COUNT = 500
 
 
-def store_errors() -> tuple[type[Exception], ...]:
+def _errors() -> tuple[type[Exception], ...]:
     """What redis-py raises for a store that cannot serve (the cluster client's own
     exception type does not derive from RedisError)."""
     import redis
     from redis.exceptions import RedisClusterException
 
     return (redis.RedisError, RedisClusterException)
+
+
+def store_errors() -> tuple[type[Exception], ...]:
+    """The exception types a failing store raises (for callers that catch them)."""
+    return _errors()
+
 
 LOCK_TTL_MS = 60_000
 _RELEASE = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
@@ -140,7 +146,7 @@ def connect(tier: SharedTier, secret: SharedSecret, timeout: float = 3.0) -> Sha
         return store
     except redis.AuthenticationError as exc:
         raise KvpError(f"shared tier {tier.endpoint}: authentication failed ({exc})") from exc
-    except store_errors() as exc:
+    except _errors() as exc:
         raise KvpError(f"shared tier {tier.endpoint}: {exc}") from exc
 
 
@@ -178,7 +184,7 @@ def probe(tier: SharedTier, secret: SharedSecret, timeout: float = 2.0) -> Store
 
 
 def _close(store: SharedStore) -> None:
-    with contextlib.suppress(*store_errors()):
+    with contextlib.suppress(*_errors()):
         store.close()
 
 
@@ -191,7 +197,7 @@ def _probe_open(tier: SharedTier, secret: SharedSecret,
         store = SharedStore(tier, secret, timeout)
     except redis.AuthenticationError as exc:
         return StoreProbe(True, False, error=f"authentication failed: {exc}"), None
-    except store_errors() as exc:
+    except _errors() as exc:
         return StoreProbe(False, False, error=str(exc)), None
     try:
         worst = 0.0
@@ -207,7 +213,7 @@ def _probe_open(tier: SharedTier, secret: SharedSecret,
     except redis.ResponseError as exc:
         auth = any(w in str(exc) for w in ("WRONGPASS", "NOAUTH", "NOPERM"))
         found = StoreProbe(True, not auth, error=str(exc))
-    except store_errors() as exc:
+    except _errors() as exc:
         found = StoreProbe(False, False, error=str(exc))
     _close(store)
     return found, None
@@ -239,7 +245,7 @@ def measure(tier: SharedTier, secret: SharedSecret, timeout: float = 3.0) -> Sto
         t0 = time.perf_counter()
         counted = usage(store)
         return StoreMeasurement(found, counted, time.perf_counter() - t0)
-    except store_errors() as exc:
+    except _errors() as exc:
         return StoreMeasurement(found, error=f"scan failed: {exc}")
     finally:
         _close(store)
