@@ -240,7 +240,7 @@ def store_families(exp: Exposition, facts: StoreFacts, now_s: float) -> None:
             exp.gauge("shared_tier_namespace_bytes", "Value bytes of the namespace's chunk keys "
                       "on the shared tier.", lab, size)
         exp.gauge("shared_tier_other_keys", "Keys on the store that are not chunk keys (never "
-                  "touched).", s, usage.other_keys + usage.fleet_records)
+                  "touched).", s, usage.other_keys + usage.fleet_keys)
         exp.gauge("shared_tier_scan_duration_seconds", "How long the scan of the store took.",
                   s, m.scan_seconds if m is not None else None)
     exp.gauge("metrics_timestamp_seconds", "When these series were measured.",

@@ -16,14 +16,7 @@ from typing import Any
 from kvpersist.config.deployment import Deployment, shared_tier_of
 from kvpersist.config.shared_tier import SharedTier
 from kvpersist.errors import UsageError
-from kvpersist.l2.fleet import (
-    ALL_PATTERN,
-    FleetRecord,
-    by_namespace,
-    describe_hosts,
-    host_rows,
-    match_pattern,
-)
+from kvpersist.l2.fleet import FleetRecord, by_namespace, describe_hosts, host_rows
 from kvpersist.l2.shared_keys import namespace_problem
 from kvpersist.l2.shared_store import SharedStore, connect, prune_namespace, usage
 from kvpersist.stack import fleet
@@ -87,7 +80,7 @@ def report_shared(configs: Sequence[str]) -> dict[str, Any]:
     try:
         budget = store.budget()
         found = usage(store)
-        records, problems = fleet.read(store, ALL_PATTERN)
+        records, problems = fleet.read_keys(store, found.record_keys)  # no second scan
     finally:
         store.close()
     now = time.time()
@@ -100,7 +93,8 @@ def report_shared(configs: Sequence[str]) -> dict[str, Any]:
     return {"schema": REPORT_SCHEMA, "tier": ctx.tier.to_dict(), "store": budget.to_dict(),
             "namespaces": rows, "chunk_keys": sum(r["keys"] for r in rows),
             "chunk_bytes": sum(r["bytes"] for r in rows), "other_keys": found.other_keys,
-            "fleet_records": found.fleet_records, "fleet_record_problems": problems,
+            "fleet_records": found.fleet_records, "fleet_keys": found.fleet_keys,
+            "fleet_record_problems": problems,
             "active": sorted(ctx.active)}
 
 
@@ -136,7 +130,7 @@ def prune_shared(configs: Sequence[str], namespaces: Sequence[str], *, apply: bo
     store = ctx.connect()
     try:
         wanted = list(dict.fromkeys(namespaces))
-        users = {ns: fleet.read(store, match_pattern(ns))[0] for ns in wanted}
+        users = {ns: fleet.read_namespace(store, ns)[0] for ns in wanted}
         if not force:
             refused = active_reasons(wanted, ctx.active, users, time.time())
             if refused:

@@ -108,8 +108,8 @@ def format_shared(doc: dict[str, Any]) -> str:
     out.append(table(rows, ["NAMESPACE", "STATUS", "KEYS", "SIZE", "HOSTS"]) if rows
                else "no chunk keys")
     out.append(f"chunks    {doc['chunk_keys']:,} keys, {format_size(doc['chunk_bytes'])}; "
-               f"{doc['fleet_records']:,} fleet records; {doc['other_keys']:,} other keys "
-               "(never touched)")
+               f"{doc['fleet_keys']:,} fleet keys ({doc['fleet_records']:,} host records); "
+               f"{doc['other_keys']:,} other keys (never touched)")
     out += [f"warning: fleet record skipped: {p}" for p in doc["fleet_record_problems"]]
     limit = format_size(store["maxmemory_bytes"]) if store["maxmemory_bytes"] else "unlimited"
     out.append(f"store     {format_size(store['used_memory_bytes'])} used of {limit} on "

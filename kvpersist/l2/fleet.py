@@ -8,7 +8,11 @@ Every host that runs a deployment with a shared tier keeps one small record per
         "namespace", "host", "host_id", "deployment", "version", "serde",
         "serde_key_fingerprint", "updated_at", "ttl_s"}
 
-with a TTL of :data:`RECORD_TTL_S`. ``launch`` writes it, the periodic ``health`` run
+with a TTL of :data:`RECORD_TTL_S`, and the namespace's index, the set
+``kvpersist-fleet:<namespace>`` of the host ids that wrote one (its TTL restarts at every
+write), so that ``health`` and ``prune`` read one namespace's records without scanning the
+store's keyspace (millions of chunk keys); a member whose record lapsed is skipped by
+readers and removed by the next writer. ``launch`` writes it, the periodic ``health`` run
 refreshes it while the cache server answers, a clean ``stop`` deletes it; a host that
 vanishes drops out when its TTL runs out. ``health`` compares the fingerprints of the
 records of one namespace (:func:`key_conflicts`), ``prune`` treats a namespace with any
@@ -95,15 +99,36 @@ def record_key(namespace: str, host: str) -> str:
     return f"{PREFIX}{namespace}:{host}"
 
 
+def index_key(namespace: str) -> str:
+    """``kvpersist-fleet:<namespace>``: the set of host ids with a record of the namespace."""
+    return f"{PREFIX}{namespace}"
+
+
 def match_pattern(namespace: str) -> str:
     """The SCAN MATCH pattern of one namespace's records (``namespace`` has no glob
     characters: it passed :func:`~kvpersist.l2.layout.is_namespace`)."""
     return f"{PREFIX}{namespace}:*"
 
 
-def is_record_key(key: str) -> bool:
-    """True for a fleet record key (whatever its value)."""
+def is_fleet_key(key: str) -> bool:
+    """True for any key of the fleet records (a record or a namespace's index)."""
     return key.startswith(PREFIX)
+
+
+def parse_record_key(key: str) -> tuple[str, str] | None:
+    """(namespace, host id) of a record key; None for anything else (an index, another
+    key)."""
+    if not key.startswith(PREFIX):
+        return None
+    ns, sep, host = key[len(PREFIX):].partition(":")
+    if not sep or not is_namespace(ns) or not _HOST_ID.match(host):
+        return None
+    return ns, host
+
+
+def is_record_key(key: str) -> bool:
+    """True for a record key (``kvpersist-fleet:<namespace>:<host id>``)."""
+    return parse_record_key(key) is not None
 
 
 @dataclass(frozen=True)

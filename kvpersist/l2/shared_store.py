@@ -21,7 +21,7 @@ from typing import Any
 
 from kvpersist.config.shared_tier import SharedSecret, SharedTier
 from kvpersist.errors import CheckFailed, KvpError
-from kvpersist.l2.fleet import is_record_key
+from kvpersist.l2.fleet import index_key, is_fleet_key, is_record_key, record_key
 from kvpersist.l2.shared_keys import (
     StoreBudget,
     lock_key,
@@ -260,8 +260,14 @@ class SharedUsage:
 
     namespaces: dict[str, list[int]] = field(default_factory=dict)  # ns -> [keys, bytes]
     other_keys: int = 0
-    #: kvpersist's fleet records (kvpersist.l2.fleet), counted apart from the other keys
-    fleet_records: int = 0
+    #: kvpersist's fleet records (kvpersist.l2.fleet), apart from the other keys
+    record_keys: list[str] = field(default_factory=list)
+    #: every fleet key: the records and the namespaces' index sets
+    fleet_keys: int = 0
+
+    @property
+    def fleet_records(self) -> int:
+        return len(self.record_keys)
 
     def add(self, ns: str, size: int) -> None:
         entry = self.namespaces.setdefault(ns, [0, 0])
@@ -282,9 +288,10 @@ def usage(store: SharedStore, pattern: str = "*") -> SharedUsage:
     for node, keys in store.scan(pattern):
         chunk = [(k, namespace_of(k)) for k in keys]
         mine = [(k, ns) for k, ns in chunk if ns]
-        records = sum(1 for k in keys if is_record_key(k))
-        out.fleet_records += records
-        out.other_keys += len(chunk) - len(mine) - records
+        fleet = [k for k in keys if is_fleet_key(k)]
+        out.fleet_keys += len(fleet)
+        out.record_keys += [k for k in fleet if is_record_key(k)]
+        out.other_keys += len(chunk) - len(mine) - len(fleet)
         for (_, ns), size in zip(mine, _sizes(node, [k for k, _ in mine]), strict=True):
             out.add(str(ns), size)
     return out
@@ -352,23 +359,45 @@ def prune_namespace(store: SharedStore, ns: str, *, apply: bool,
 # --------------------------------------------------------------------------- fleet records
 
 
-def write_record(store: SharedStore, key: str, value: str, ttl_s: int) -> None:
-    """``SET key value EX ttl_s`` (a refresh replaces the value and restarts the TTL)."""
-    store.client.set(key, value, ex=ttl_s)
+def write_record(store: SharedStore, ns: str, host: str, value: str, ttl_s: int) -> int:
+    """Write (or refresh) one host's record of ``ns`` with its TTL and add the host to the
+    namespace's index (whose TTL restarts: it outlives every record it names); then drop
+    the index members whose records lapsed. Returns how many were dropped."""
+    idx = index_key(ns)
+    pipe = store.client.pipeline(transaction=False)
+    pipe.set(record_key(ns, host), value, ex=ttl_s)
+    pipe.sadd(idx, host)
+    pipe.expire(idx, ttl_s)
+    pipe.execute()
+    gone = [m for m, v in read_index(store, ns) if v is None]
+    if gone:
+        store.client.srem(idx, *gone)
+    return len(gone)
 
 
-def delete_record(store: SharedStore, key: str) -> bool:
-    """Delete one record; True if it existed."""
-    return bool(store.client.delete(key))
+def delete_record(store: SharedStore, ns: str, host: str) -> bool:
+    """Delete one host's record of ``ns`` and its index entry; True if the record existed."""
+    pipe = store.client.pipeline(transaction=False)
+    pipe.delete(record_key(ns, host))
+    pipe.srem(index_key(ns), host)
+    return bool(pipe.execute()[0])
 
 
-def read_records(store: SharedStore, pattern: str) -> list[tuple[str, bytes | None]]:
-    """(key, value) of every key matching ``pattern`` on every primary (SCAN, then one
-    pipelined GET per page; a key that expired in between has the value None)."""
-    out: list[tuple[str, bytes | None]] = []
-    for node, keys in store.scan(pattern):
-        pipe = node.pipeline(transaction=False)
-        for k in keys:
-            pipe.get(k)
-        out += list(zip(keys, pipe.execute(), strict=True))
-    return out
+def read_index(store: SharedStore, ns: str) -> list[tuple[str, bytes | None]]:
+    """(host id, record value) of every member of ``ns``'s index (``SMEMBERS``, then one
+    pipelined GET; a record that lapsed has the value None). No scan."""
+    members = sorted(m.decode("utf-8", "replace") if isinstance(m, bytes) else str(m)
+                     for m in store.client.smembers(index_key(ns)))
+    return [(m, v) for m, (_, v) in zip(members, read_values(
+        store, [record_key(ns, m) for m in members]), strict=True)]
+
+
+def read_values(store: SharedStore, keys: list[str]) -> list[tuple[str, bytes | None]]:
+    """(key, value) of ``keys`` (one pipelined GET; the cluster client routes each key to its
+    node; a key that is gone has the value None)."""
+    if not keys:
+        return []
+    pipe = store.client.pipeline(transaction=False)
+    for k in keys:
+        pipe.get(k)
+    return list(zip(keys, pipe.execute(), strict=True))

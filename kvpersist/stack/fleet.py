@@ -23,7 +23,6 @@ from kvpersist.l2.fleet import (
     decode_record,
     host_id,
     key_conflicts,
-    match_pattern,
     serde_fingerprint,
 )
 
@@ -115,7 +114,7 @@ def write(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
         return RecordOutcome("failed", key, f"{exc}; the deployment serves without it, "
                              "`kvp-admin health` writes it once the store answers")
     try:
-        write_record(store, key, rec.encode(), rec.ttl_s)
+        write_record(store, rec.namespace, rec.host_id, rec.encode(), rec.ttl_s)
         return RecordOutcome("written", key, f"TTL {rec.ttl_s} s")
     except store_errors() as exc:
         return RecordOutcome("failed", key, f"the store refused it: {exc}")
@@ -132,14 +131,14 @@ def delete(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
 
     if not dep.settings.shared_tier:
         return RecordOutcome("skipped")
-    key = record_key(dep.namespace, host_id(socket.gethostname(), machine_id(),
-                                            dep.settings.state_dir))
+    host = host_id(socket.gethostname(), machine_id(), dep.settings.state_dir)
+    key = record_key(dep.namespace, host)
     try:
         store = _connect(dep, timeout)
     except KvpError as exc:
         return RecordOutcome("failed", key, f"{exc}; it lapses after its TTL")
     try:
-        gone = delete_record(store, key)
+        gone = delete_record(store, dep.namespace, host)
         return RecordOutcome("deleted" if gone else "absent", key)
     except store_errors() as exc:
         return RecordOutcome("failed", key, f"{exc}; it lapses after its TTL")
@@ -148,20 +147,35 @@ def delete(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
             store.close()
 
 
-def read(store: Any, pattern: str) -> tuple[list[FleetRecord], list[str]]:
-    """The valid records matching ``pattern`` and why the others were skipped. Raises what
-    the store raises (see :func:`kvpersist.l2.shared_store.store_errors`)."""
-    from kvpersist.l2.shared_store import read_records
-
+def decode_all(found: list[tuple[str, bytes | None]]) -> tuple[list[FleetRecord], list[str]]:
+    """The valid records of (key, value) pairs and why the others were skipped (pure; a
+    value None, i.e. a record that lapsed meanwhile, is no problem)."""
     records: list[FleetRecord] = []
     problems: list[str] = []
-    for key, raw in read_records(store, pattern):
+    for key, raw in found:
         rec, why = decode_record(key, raw)
         if rec is not None:
             records.append(rec)
-        elif raw is not None:  # expired between SCAN and GET: not a problem
+        elif raw is not None:
             problems.append(why)
     return records, problems
+
+
+def read_namespace(store: Any, ns: str) -> tuple[list[FleetRecord], list[str]]:
+    """The live records of ``ns`` through its index (no scan of the keyspace). Raises what
+    the store raises (see :func:`kvpersist.l2.shared_store.store_errors`)."""
+    from kvpersist.l2.fleet import record_key
+    from kvpersist.l2.shared_store import read_index
+
+    return decode_all([(record_key(ns, host), raw) for host, raw in read_index(store, ns)])
+
+
+def read_keys(store: Any, keys: list[str]) -> tuple[list[FleetRecord], list[str]]:
+    """The live records of ``keys`` (record keys a scan found). Raises what the store
+    raises."""
+    from kvpersist.l2.shared_store import read_values
+
+    return decode_all(read_values(store, keys))
 
 
 def fleet_facts(dep: Deployment, timeout: float = TIMEOUT_S) -> dict[str, Any]:
@@ -184,7 +198,7 @@ def fleet_facts(dep: Deployment, timeout: float = TIMEOUT_S) -> dict[str, Any]:
     except KvpError as exc:
         return {**out, "error": str(exc)}
     try:
-        records, problems = read(store, match_pattern(dep.namespace))
+        records, problems = read_namespace(store, dep.namespace)
     except store_errors() as exc:
         return {**out, "error": str(exc)}
     finally:

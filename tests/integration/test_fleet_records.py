@@ -51,6 +51,14 @@ def check(doc: dict[str, Any], name: str) -> dict[str, Any]:
     return next(c for c in doc["checks"] if c["name"] == name)
 
 
+def index(ns: str) -> str:
+    return f"kvpersist-fleet:{ns}"
+
+
+def members(store: Redis, ns: str) -> list[str]:
+    return sorted(store.nodes[0].cli("smembers", index(ns)).split())
+
+
 def systemd_stop_env(returncode: int) -> dict[str, str]:
     """What systemd hands ``ExecStopPost`` after ``systemctl stop`` ended the main process
     with ``returncode`` (subprocess's: negative for a signal). SIGTERM, the unit's
@@ -83,8 +91,10 @@ def test_records_compare_keys_guard_prune_and_go_at_stop(tmp_path: Path, store: 
         share_key(a, b)  # the fleet's one key (the role distributes it)
         id_b = launched_id(b.launch("--no-vllm"))
         assert id_a != id_b  # one host each (own state dir)
-        records = store.scan_keys("kvpersist-fleet:*")
+        records = store.scan_keys(f"kvpersist-fleet:{ns}:*")
         assert records == sorted(f"kvpersist-fleet:{ns}:{i}" for i in (id_a, id_b))
+        assert store.scan_keys("kvpersist-fleet:*") == sorted([*records, index(ns)])
+        assert members(store, ns) == sorted([id_a, id_b])
         assert store.scan_keys(f"{ns}@*") == []  # never a chunk key
         doc = json.loads(store.nodes[0].cli("get", records[0]))
         assert doc["namespace"] == ns and doc["deployment"] == a.config
@@ -97,12 +107,14 @@ def test_records_compare_keys_guard_prune_and_go_at_stop(tmp_path: Path, store: 
 
         # the same key on both hosts: healthy, and health refreshed b's record
         store.nodes[0].cli("expire", f"kvpersist-fleet:{ns}:{id_b}", "30")
+        store.nodes[0].cli("sadd", index(ns), "gone-0a1b2c3d")  # its record lapsed
         code, doc = health(b)
         assert code == 0 and doc["components"]["shared_tier"] == "ok", doc
         same = check(doc, "shared_tier.serde_key")
         assert same["status"] == "ok" and id_a in same["detail"], same
         assert doc["fleet_record"]["action"] == "written"
         assert int(store.nodes[0].cli("ttl", f"kvpersist-fleet:{ns}:{id_b}")) > 60
+        assert members(store, ns) == sorted([id_a, id_b])  # the writer dropped the lapsed one
 
         # host c has its own key and runs as under systemd (launch --foreground execs the
         # server): degraded on c and on a, naming the other host(s)
@@ -137,6 +149,7 @@ def test_records_compare_keys_guard_prune_and_go_at_stop(tmp_path: Path, store: 
         assert done["clean"] == (code == 0)  # LMCache 0.5.6 ends by the SIGTERM here
         assert "deleted" in done["fleet_record"], (code, done)
         assert f"kvpersist-fleet:{ns}:{id_c}" not in store.scan_keys("kvpersist-fleet:*")
+        assert id_c not in members(store, ns)
         assert health(a)[0] == 0  # the fleet agrees again
 
         # a namespace only another host serves: prune refuses it, names the host and age
@@ -145,7 +158,9 @@ def test_records_compare_keys_guard_prune_and_go_at_stop(tmp_path: Path, store: 
                             deployment="other-model", version="0.2.0", serde="aesgcm",
                             serde_key_fingerprint=serde_fingerprint(b"k" * 32),
                             updated_at=time.time() - 90)
+        # as that host wrote it: its record (with a TTL) and its namespace's index
         store.nodes[0].cli("set", other.key, other.encode(), "ex", "600")
+        store.nodes[0].cli("sadd", index(OTHER_NS), other.host_id)
         for i in range(3):
             store.nodes[0].cli("set", f"{OTHER_NS}@01000100@0@a{i}", "x" * 100)
         refused = a.kvp("prune", "--tier", "shared", "--config", a.config,
@@ -169,6 +184,7 @@ def test_records_compare_keys_guard_prune_and_go_at_stop(tmp_path: Path, store: 
         assert [h["host_id"] for h in rows[OTHER_NS]["hosts"]] == [other.host_id]
         assert rows[OTHER_NS]["active"] and not rows[OTHER_NS]["configured"]
         assert rows[OTHER_NS]["keys"] == 3 and rep["fleet_records"] == 3
+        assert rep["fleet_keys"] == 5  # and the two namespaces' indexes
         assert rep["other_keys"] == 0
         shown = a.kvp("report", "--tier", "shared", "--config", a.config)
         assert shown.returncode == 0 and "HOSTS" in shown.stdout
@@ -184,7 +200,7 @@ def test_records_compare_keys_guard_prune_and_go_at_stop(tmp_path: Path, store: 
         for s in (a, b):
             out = s.stop()
             assert out["fleet_record"]["action"] == "deleted", out
-        assert store.scan_keys(f"kvpersist-fleet:{ns}:*") == []
+        assert store.scan_keys(f"kvpersist-fleet:{ns}*") == []  # records and index
     finally:
         for s in (a, b, c):
             s.cleanup()

@@ -23,9 +23,12 @@ from kvpersist.l2.fleet import (
     describe_hosts,
     format_age,
     host_id,
+    index_key,
+    is_fleet_key,
     is_record_key,
     key_conflicts,
     match_pattern,
+    parse_record_key,
     record_key,
     record_ttl,
     serde_fingerprint,
@@ -96,7 +99,13 @@ def test_record_keys_are_never_chunk_keys() -> None:
     r = rec()
     assert r.key == record_key(NS, r.host_id) == f"kvpersist-fleet:{NS}:{r.host_id}"
     assert is_record_key(r.key) and not is_record_key(lock_key(NS))
-    assert namespace_of(r.key) is None  # report and prune skip it
+    assert parse_record_key(r.key) == (NS, r.host_id)
+    assert index_key(NS) == f"kvpersist-fleet:{NS}"
+    assert not is_record_key(index_key(NS)) and is_fleet_key(index_key(NS))
+    for bad in (f"kvpersist-fleet:{NS}:x:y", f"kvpersist-fleet:kvp-zz:{r.host_id}",
+                f"kvpersist-lock:prune:{NS}", f"{NS}@01000100@0@ab"):
+        assert parse_record_key(bad) is None and not is_record_key(bad)
+    assert namespace_of(r.key) is None and namespace_of(index_key(NS)) is None
     for ns in (NS, NS2):
         chunk = f"{ns}@01000100@0@ab"
         assert fnmatchcase(chunk, chunk_pattern(ns))
@@ -104,6 +113,8 @@ def test_record_keys_are_never_chunk_keys() -> None:
         assert fnmatchcase(record_key(ns, r.host_id), match_pattern(ns))
         assert not fnmatchcase(chunk, match_pattern(ns))
         assert not fnmatchcase(chunk, ALL_PATTERN)
+        assert not fnmatchcase(index_key(ns), chunk_pattern(ns))
+        assert not fnmatchcase(index_key(ns), match_pattern(ns))
     assert not fnmatchcase(record_key(NS2, r.host_id), match_pattern(NS))
 
 
