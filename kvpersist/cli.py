@@ -52,9 +52,9 @@ COMMANDS: dict[str, Entry] = {
     "health": Entry("kvpersist.commands.health:health",
                     "Check CONFIG's cache server, cache root, vLLM and its warm-up."),
     "metrics": Entry("kvpersist.commands.metrics:metrics",
-                     "Prometheus metrics of cache roots and deployments: bytes per namespace, "
-                     "budget, free space, temp and quarantined files, health, last verify and "
-                     "prune."),
+                     "Prometheus metrics of cache roots, shared-tier stores and deployments: "
+                     "bytes per namespace, budget, free space, temp and quarantined files, "
+                     "health, last verify and prune, keys and memory of the shared tier."),
     "verify": Entry("kvpersist.commands.verify:verify",
                     "Check CONFIG's cache root: wrong sizes, frames failing authentication "
                     "with the deployment's key, stale temp files."),
