@@ -1,11 +1,15 @@
 """Readiness end to end: real vLLM (CPU build) + real lmcache server + the real
 ``kvp-admin warmup``, through ``kvp-admin launch`` and the units' ``launch --warmup-only``.
 
-One deployment with a warm set (a long chat's messages), in file order:
+One deployment with a warm set (a long chat's messages and a long shared document as a plain
+prompt), in file order:
 
 1. the first launch warms against an empty L2: 0 chunks found, done, health healthy;
-2. the warm set is computed by a chat; with the cache server stopped (SIGSTOP) the warm-up of
-   ``launch --warmup-only`` times out: health degraded (component ``warmup``), vLLM answers;
+2. the warm set is computed by vLLM's own server (the chat, and the document through
+   ``/v1/completions``): the chunk files it stores are exactly the pins the warm-up computed
+   with LMCache's key code from its token ids (so the ids are vLLM's); with the cache server
+   stopped (SIGSTOP) the warm-up of ``launch --warmup-only`` times out: health degraded
+   (component ``warmup``), vLLM answers;
 3. the units' step again: while its warm-up is held up (the cache server SIGSTOPped under it,
    a real slow server), health says ``warming`` (exit 3) and the step has not returned; once
    the server resumes, every chunk is found and health says ``healthy``.
@@ -26,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 from kvpersist.demo.chat import chat_completion, long_chat
 from kvpersist.system import procs
@@ -36,6 +41,8 @@ from ._stack import KVP_ADMIN, Stack, wait_until
 pytestmark = pytest.mark.fullstack
 
 WARM = long_chat(turns=4, words_per_turn=120, seed=29)
+DOCUMENT = ("Shared handbook, chapter one: the namespace separates every deployment's chunk "
+            "files; chapter two: the budget keeps the disk below its limit. " * 12)
 STATE: dict[str, Any] = {}
 
 
@@ -43,7 +50,8 @@ STATE: dict[str, Any] = {}
 def stack(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("ready")
     warm = tmp / "warm.jsonl"
-    warm.write_text(json.dumps({"messages": WARM}) + "\n")
+    warm.write_text(json.dumps({"messages": WARM}) + "\n"
+                    + json.dumps({"prompt": DOCUMENT}) + "\n")
     s = Stack(tmp, model=demo_model, KVP_WARMUP_FILE=str(warm), KVP_WARMUP_WAIT="120")
     try:
         yield s
@@ -81,7 +89,7 @@ def test_first_launch_warms_an_empty_l2_finds_nothing_and_is_healthy(stack: Stac
     STATE["ns"] = info["namespace"]
     warm = info["warmup"]
     assert warm["state"] == "done", warm
-    assert warm["requested_chunks"] >= 2 and warm["found_chunks"] == 0, warm
+    assert warm["requested_chunks"] >= 3 and warm["found_chunks"] == 0, warm
     code, doc = _health(stack)
     assert (code, doc["status"]) == (0, "healthy"), doc["checks"]
     assert doc["components"]["warmup"] == "ok"
@@ -94,9 +102,15 @@ def test_a_warmup_that_times_out_is_degraded_and_vllm_keeps_serving(stack: Stack
     # compute the warm set: vLLM stores its chunks through the cache server onto the NVMe
     cold = chat_completion(stack.vllm_url, "cpu-demo", WARM, max_tokens=24)
     assert cold.completion_tokens and cold.prompt_tokens and cold.prompt_tokens > 256, cold
+    doc = requests.post(f"{stack.vllm_url}/v1/completions", timeout=300, json={
+        "model": "cpu-demo", "prompt": DOCUMENT, "max_tokens": 1, "temperature": 0.0})
+    doc.raise_for_status()
     ns = STATE["ns"]
     assert wait_until(lambda: len(stack.chunk_files(ns + "_")) >= STATE["requested"], 60), \
         [p.name for p in stack.chunk_files()]
+    pins = json.loads((stack.root / ".kvpersist" / "pins" / f"{ns}.json").read_text())
+    assert {p.name for p in stack.chunk_files(ns + "_")} == \
+        {f.rsplit("/", 1)[-1] for f in pins["files"]}
     env = dict(stack.env, KVP_WARMUP_WAIT="3")
     t0 = time.monotonic()
     with _stopped(_server_pid(stack)):
