@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jinja2
 
-from kvpersist.config.deployment import Deployment
+from kvpersist.config.deployment import Deployment, shared_tier_of
 from kvpersist.config.values import is_loopback, is_wildcard
 from kvpersist.errors import EXIT_USAGE, KvpError
 from kvpersist.system.templates import environment
@@ -110,7 +110,9 @@ class InstanceSettings:
     cache server's ``IPAddressAllow=``), and ``bind_addresses``, the non-loopback,
     non-wildcard addresses it binds (``KVP_LMCACHE_HOST``, ``KVP_LMCACHE_HTTP_HOST``,
     ``KVP_VLLM_HOST``): local clients and the health check talk to the server through
-    them, so both units allow them.
+    them, so both units allow them. ``shared_tier_networks``: the addresses or prefixes of
+    the shared KV tier's store nodes (``KVP_SHARED_TIER``): the cache server stores and loads
+    chunks there and the health check probes it, so both units allow them.
     """
 
     name: str
@@ -121,18 +123,59 @@ class InstanceSettings:
     extra_settings: tuple[str, ...] = field(default_factory=tuple)
     remote_peers: tuple[str, ...] = field(default_factory=tuple)
     bind_addresses: tuple[str, ...] = field(default_factory=tuple)
+    shared_tier_networks: tuple[str, ...] = field(default_factory=tuple)
+
+
+def shared_tier_networks_of(dep: Deployment,
+                            given: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The ``IPAddressAllow=`` entries the deployment's shared tier needs: ``given`` (the
+    store's addresses or prefixes) when set, else the node addresses of a standalone
+    ``KVP_SHARED_TIER`` that names IP addresses (but loopback, which the units allow). A
+    cluster (its other nodes are discovered) or a host name (systemd allows addresses, not
+    names) needs ``given``: raises UnitRenderError naming the fix. No shared tier: ``()``."""
+    tier = shared_tier_of(dep.settings)
+    if tier is None:
+        return ()
+    if given:
+        return _unique(given)
+    why = ""
+    if tier.cluster:
+        why = "a cluster's nodes are discovered, not all named in the URL"
+    else:
+        names = [h for h, _ in tier.nodes if not _is_ip(h) and not is_loopback(h)]
+        if names:
+            why = f"{', '.join(names)} is a host name, and IPAddressAllow= takes addresses"
+    if why:
+        raise UnitRenderError(
+            f"At 'shared_tier_networks': the shared tier {tier.endpoint} ({why}): list the "
+            "store nodes' addresses or prefixes (the role's shared_tier.networks), or the "
+            "units' IPAddressDeny=any blocks the cache server and the health check from it")
+    # loopback is allowed anyway (IPAddressAllow=localhost in both units)
+    return _unique(tuple(h for h, _ in tier.nodes if not is_loopback(h)))
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def instance_for(dep: Deployment, *, vllm: bool = False, gpu_devices: bool = False,
                  allow_networks: tuple[str, ...] = (),
-                 extra_settings: tuple[str, ...] = ()) -> InstanceSettings:
+                 extra_settings: tuple[str, ...] = (),
+                 shared_tier_networks: tuple[str, ...] = ()) -> InstanceSettings:
     """The drop-in values of a loaded deployment: its name and cache root, and the network
-    allowance that follows its binds (the Ansible role computes the same from the
-    deployment's ``env``, see ``ansible/roles/kvp/tasks/units.yml``)."""
+    allowance that follows its binds and its shared tier (the Ansible role computes the same
+    from the deployment's ``env`` and ``shared_tier``, see ``ansible/roles/kvp/vars/main.yml``).
+    Raises UnitRenderError when the shared tier's addresses cannot be derived
+    (:func:`shared_tier_networks_of`)."""
     s = dep.settings
     return InstanceSettings(
         name=dep.name, cache_root=s.cache_root, vllm=vllm, gpu_devices=gpu_devices,
         allow_networks=allow_networks, extra_settings=extra_settings,
+        shared_tier_networks=shared_tier_networks_of(dep, shared_tier_networks),
         remote_peers=_unique(s.allow_remote_lmcache + s.allow_remote_lmcache_http),
         bind_addresses=_unique(tuple(h for h in (s.lmcache_host, s.lmcache_http_host,
                                                  s.vllm_host)
@@ -201,7 +244,7 @@ def validate_instance(instance: InstanceSettings) -> list[str]:
     for index, setting in enumerate(instance.extra_settings):
         if not _SETTING.fullmatch(setting):
             errors.append(f"At 'extra_settings[{index}]': {setting!r} must be one Key=value line")
-    for name in ("allow_networks", "remote_peers", "bind_addresses"):
+    for name in ("allow_networks", "remote_peers", "bind_addresses", "shared_tier_networks"):
         for index, network in enumerate(getattr(instance, name)):
             if not _ip_allow_entry(network):
                 errors.append(f"At '{name}[{index}]': {network!r} must be one address/prefix "
@@ -266,7 +309,8 @@ def render_instance_dropins(
         "kvp_instance": {**asdict(instance), "allow_networks": list(instance.allow_networks),
                          "extra_settings": list(instance.extra_settings),
                          "remote_peers": list(instance.remote_peers),
-                         "bind_addresses": list(instance.bind_addresses)},
+                         "bind_addresses": list(instance.bind_addresses),
+                         "shared_tier_networks": list(instance.shared_tier_networks)},
         "ansible_managed": stamp,
     }
     rendered: dict[str, str] = {}

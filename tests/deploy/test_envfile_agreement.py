@@ -10,8 +10,9 @@
   private mount namespace and each key is compared;
 * a shell, should an operator ever source it: ``env -i bash -c 'set -a; . FILE; env -0'``.
 
-The role's drop-in values (``_kvp_remote_peers``, ``_kvp_bind_addresses``) are compared with
-``kvpersist.deploy.systemd.instance_for`` the same way.
+The role's drop-in values (``_kvp_remote_peers``, ``_kvp_bind_addresses``,
+``_kvp_shared_tier_networks``) are compared with ``kvpersist.deploy.systemd.instance_for``
+the same way, and the role refuses a shared tier whose addresses instance_for cannot derive.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import yaml
 from kvpersist.config.deployment import GenericConfig, build_deployment
 from kvpersist.config.envfile import format_env, parse_env
 from kvpersist.config.values import forbidden_char
-from kvpersist.deploy.systemd import instance_for
+from kvpersist.deploy.systemd import UnitRenderError, instance_for
 from kvpersist.errors import ConfigError
 
 from ..unit.test_envfile import HOSTILE_CHARS
@@ -239,3 +240,59 @@ def bash_reads(path: Path) -> dict[str, str]:
 def test_bash_reads_every_accepted_file_as_kvpersist_does(tmp_path: Path) -> None:
     path, values = accepted_file(tmp_path)
     assert bash_reads(path) == values
+
+
+_ROLE_SHARED = r"""
+import json, sys, yaml
+from ansible.parsing.dataloader import DataLoader
+from ansible.template import Templar, trust_as_template
+
+role = "ansible/roles/kvp"
+v = yaml.safe_load(open(f"{role}/vars/main.yml"))
+tasks = yaml.safe_load(open(f"{role}/tasks/validate.yml"))
+checks = next(t for t in tasks if "loop" in t and "kvp_deployments" in t["loop"])
+that = [c for c in checks["ansible.builtin.assert"]["that"] if "shared_tier" in c]
+out = []
+for tier in json.loads(sys.argv[1]):
+    item = {"name": "d", "cache_root": "/nvme/d", "env": {}, "shared_tier": tier}
+    t = Templar(loader=DataLoader(), variables={"item": item})
+    ok = all(t.evaluate_conditional(trust_as_template(c)) for c in that)
+    nets = list(t.template(trust_as_template(v["_kvp_shared_tier_networks"]))) if ok else None
+    out.append([ok, nets])
+print(json.dumps(out))
+"""
+
+SHARED_CASES = [
+    {"url": "valkey://10.0.5.11:6379"},
+    {"url": "redis://10.0.5.12:6380?workers=4&db=2"},
+    {"url": "valkey://10.0.5.13:6379?tls=1"},
+    {"url": "valkey://127.0.0.1:6379"},
+    {"url": "valkey://localhost:6379"},
+    {"url": "valkey://10.0.5.11:6379?cluster=1"},
+    {"url": "valkey://10.0.5.11:6379?cluster=1", "networks": ["10.0.5.0/24"]},
+    {"url": "valkey://redis.internal:6379"},
+    {"url": "valkey://redis.internal:6379", "networks": ["10.0.5.9", "10.0.6.0/24"]},
+]
+
+
+def test_the_roles_shared_tier_networks_are_instance_fors() -> None:
+    """Both units deny every address but localhost: the store's nodes must be allowed. The
+    role derives them as instance_for does, and refuses (validate.yml) exactly the tiers
+    instance_for cannot derive them for: a cluster or a host name without ``networks``."""
+    results = _ansible(_ROLE_SHARED, [{**c, "password": "pw"} for c in SHARED_CASES])
+    assert isinstance(results, list)
+    for case, (accepted, nets) in zip(SHARED_CASES, results, strict=True):
+        values = {**BASE, "KVP_CACHE_ROOT": "/nvme/d", "KVP_SERVED_MODEL_NAME": "m",
+                  "KVP_MODEL_PATH": "/models/m", "KVP_SHARED_TIER": case["url"],
+                  "KVP_SHARED_TIER_SECRET_FILE": "/etc/kvp/d.secret"}
+        dep = build_deployment("d", "d.env", values, {}, GenericConfig())
+        try:
+            inst = instance_for(dep, shared_tier_networks=tuple(case.get("networks", ())))
+        except UnitRenderError as exc:
+            assert not accepted, (case, nets)
+            assert "shared_tier_networks" in str(exc)
+            continue
+        assert accepted, case
+        assert nets == list(inst.shared_tier_networks), case
+    assert [ok for ok, _ in results] == [True, True, True, True, True, False, True, False,
+                                         True]

@@ -175,6 +175,31 @@ def test_dropins_follow_the_deployments_binds():
     assert "\nIPAddressAllow=any\n" in lm_any
 
 
+
+def test_dropins_allow_the_shared_tiers_store_in_both_units():
+    """The units deny every address but localhost: a deployment with a shared tier on
+    another host allows the store's nodes in the cache server's unit (it stores and loads
+    chunks there) and the health check's (it probes the store, refreshes the fleet
+    record); a cluster or a host name needs the addresses given, or rendering fails."""
+    tier = {"KVP_SHARED_TIER_SECRET_FILE": "/etc/kvp/r.secret"}
+    inst = sr.instance_for(_deployment(KVP_SHARED_TIER="valkey://10.0.5.11:6379", **tier))
+    assert inst.shared_tier_networks == ("10.0.5.11",)
+    files = sr.render_instance_dropins(inst)
+    for unit in ("kvp-lmcache@r", "kvp-health@r"):
+        lines = files[f"{unit}.service.d/10-kvpersist.conf"].splitlines()
+        assert [ln for ln in lines if ln.startswith("IPAddress")] == [
+            "IPAddressAllow=10.0.5.11"], unit
+    cluster = _deployment(KVP_SHARED_TIER="valkey://10.0.5.11:6379,10.0.5.12:6379?cluster=1",
+                          **tier)
+    with pytest.raises(sr.UnitRenderError, match="cluster's nodes are discovered"):
+        sr.instance_for(cluster)
+    given = sr.instance_for(cluster, shared_tier_networks=("10.0.5.0/24", "10.0.5.0/24"))
+    assert given.shared_tier_networks == ("10.0.5.0/24",)
+    named = _deployment(KVP_SHARED_TIER="valkey://redis.internal:6379", **tier)
+    with pytest.raises(sr.UnitRenderError, match="redis.internal is a host name"):
+        sr.instance_for(named)
+    assert sr.instance_for(_deployment()).shared_tier_networks == ()
+
 def test_invalid_values_are_all_reported():
     bad = sr.UnitSettings(user="Root!", kvp_admin="bin/kvp-admin", config_dir="/a b",
                           stop_timeout_sec=0)
