@@ -46,6 +46,17 @@ def test_cluster_tls_db_take_valkey(url: str) -> None:
     assert "password" not in js and "username" not in js
 
 
+def test_tls_ca_is_kept_and_never_in_the_adapter_json() -> None:
+    tier, problem = parse_shared_tier("valkey://kv:6380?tls=1&tls_ca=/etc/kvp/store-ca.pem")
+    assert problem == "" and tier is not None
+    assert (tier.adapter, tier.tls, tier.tls_ca) == ("valkey", True, "/etc/kvp/store-ca.pem")
+    assert tier.to_dict()["tls_ca"] == "/etc/kvp/store-ca.pem"
+    # LMCache 0.5.6's valkey adapter has no CA field: the launcher hands it over instead
+    assert "/etc/kvp/store-ca.pem" not in json.dumps(adapter_json(tier, None))
+    plain, _ = parse_shared_tier("valkey://kv:6380?tls=1")
+    assert plain is not None and plain.tls_ca == ""  # the system trust store
+
+
 @pytest.mark.parametrize(("url", "words"), [
     ("http://kv:6379", "valkey://"),
     ("valkey://user:pw@kv:6379", "credentials"),
@@ -62,6 +73,9 @@ def test_cluster_tls_db_take_valkey(url: str) -> None:
     ("valkey://a:1?cluster=1&db=2", "db must be 0"),
     ("valkey://a:1?tls=1&adapter=resp", "adapter=resp"),
     ("valkey://a:1?adapter=s3", "adapter must be"),
+    ("valkey://a:1?tls_ca=/etc/kvp/ca.pem", "tls_ca needs tls=1"),
+    ("valkey://a:1?tls=1&tls_ca=ca.pem", "absolute path"),
+    ("valkey://a:1?tls=1&tls_ca=/etc/../tmp/ca.pem", "absolute path"),
 ])
 def test_bad_urls_say_why(url: str, words: str) -> None:
     tier, problem = parse_shared_tier(url)
