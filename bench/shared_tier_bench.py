@@ -206,6 +206,31 @@ def policy_round(rnd: int, seqs: int, tmp: Path, site: Path) -> list[dict[str, A
     return out
 
 
+SUMMARY_FIELDS = ("first_retrieve_s", "again_retrieve_s", "own_store_both_tiers_s",
+                  "own_retrieve_s", "first_gets", "again_gets", "own_gets", "load1")
+
+
+def summarize(results: list[dict[str, Any]]) -> str:
+    """A markdown table of the policy runs: per variant, the median and (min-max) of every
+    field over the rounds."""
+    import statistics
+
+    head = ["store / prefetch policy", "rounds", *SUMMARY_FIELDS]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for store_p, prefetch_p in POLICY_VARIANTS:
+        runs = [x for x in results if (x.get("store_policy"), x.get("prefetch_policy"))
+                == (store_p, prefetch_p)]
+        if not runs:
+            continue
+        cells = [f"`{store_p}` / `{prefetch_p}`", str(len(runs))]
+        for f in SUMMARY_FIELDS:
+            vals = [float(x[f]) for x in runs]
+            med = statistics.median(vals)
+            cells.append(f"{med:g} ({min(vals):g}-{max(vals):g})")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def ttft(tmp: Path, turns: int) -> dict[str, Any]:
     """Time to first token on the ``bench`` demo model (~186M parameters, vLLM CPU build):
     cold prefill on A, A restarted (from its NVMe), fresh B (from the shared tier)."""
@@ -261,9 +286,13 @@ def main() -> int:
     ap.add_argument("--policies", action="store_true",
                     help="compare the L2 store/prefetch policies on host B instead")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--summary", default="", help="print the table of a --policies JSON")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     results: list[dict[str, Any]] = []
+    if args.summary:
+        print(summarize(json.loads(Path(args.summary).read_text())))
+        return 0
     if args.policies:
         for rnd in range(args.rounds):
             with tempfile.TemporaryDirectory(prefix="kvp-shared-bench-") as tmp:

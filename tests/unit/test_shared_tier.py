@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from kvpersist.config.shared_tier import adapter_json, parse_secret, parse_shared_tier
+from kvpersist.config.shared_tier import (
+    ACL_CLUSTER_RULES,
+    ACL_RULES,
+    adapter_json,
+    parse_secret,
+    parse_shared_tier,
+)
 from kvpersist.errors import ConfigError
 from kvpersist.stack.render import render
 
@@ -144,3 +151,11 @@ def test_store_id_is_the_sorted_endpoint_and_db(url: str, store: str) -> None:
     tier, problem = parse_shared_tier(url)
     assert problem == "" and tier is not None
     assert tier.store_id == store
+
+
+def test_the_documented_acl_is_the_tested_one(repo: Path) -> None:
+    """docs/fleet.md recommends exactly the rules the integration tests give their user."""
+    text = (repo / "docs" / "fleet.md").read_text()
+    assert f"ACL SETUSER kvp-fleet on >PASSWORD {ACL_RULES}\n" in text
+    assert f"`{ACL_CLUSTER_RULES}`" in text
+    assert "+@all" not in ACL_RULES and "~*" not in ACL_RULES.split()
