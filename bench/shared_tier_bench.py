@@ -228,6 +228,25 @@ def summarize(results: list[dict[str, Any]]) -> str:
             med = statistics.median(vals)
             cells.append(f"{med:g} ({min(vals):g}-{max(vals):g})")
         rows.append("| " + " | ".join(cells) + " |")
+    # paired within each round (the same store, the same minutes of load): a variant's time
+    # over the default's
+    timed = ("first_retrieve_s", "again_retrieve_s", "own_store_both_tiers_s",
+             "own_retrieve_s")
+    base = {x["round"]: x for x in results
+            if (x["store_policy"], x["prefetch_policy"]) == POLICY_VARIANTS[0]}
+    rows += ["", "| variant / `default`,`default` in the same round | "
+             + " | ".join(timed) + " |", "|---|" + "---|" * len(timed)]
+    for variant in POLICY_VARIANTS[1:]:
+        runs = [x for x in results if (x["store_policy"], x["prefetch_policy"]) == variant
+                and x["round"] in base]
+        if not runs:
+            continue
+        cells = [f"`{variant[0]}` / `{variant[1]}` ({len(runs)} rounds)"]
+        for f in timed:
+            ratios = [float(x[f]) / float(base[x["round"]][f]) for x in runs]
+            cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-"
+                         f"{max(ratios):.2f})")
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
