@@ -114,7 +114,7 @@ def test_render_adds_the_shared_tier_after_the_nvme() -> None:
     assert second == r.shared_l2_adapter and second["type"] == "resp"
     assert second["serde"] == first["serde"]  # aesgcm on the shared tier too
     assert argv[argv.index("--l2-store-policy") + 1] == "default"
-    assert argv[argv.index("--l2-prefetch-policy") + 1] == "default"
+    assert argv[argv.index("--l2-prefetch-policy") + 1] == "retain"
     shown = r.as_json()["shared_tier"]
     assert shown["endpoint"] == "10.0.0.5:6379" and shown["key_pattern"] == f"{d.namespace}@*"
     assert "redacted" in shown["credentials"]
