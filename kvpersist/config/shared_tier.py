@@ -51,9 +51,12 @@ RESP_ENV_PASSWORD = "LMCACHE_RESP_PASSWORD"  # noqa: S105 - a variable name, not
 #: (``kvpersist-lock:prune:<ns>``); LMCache's resp adapter sends SET GET EXISTS DEL, its
 #: valkey adapter the same and INFO (glide's connection adds PING); kvpersist's report,
 #: prune and health send SCAN STRLEN UNLINK PING INFO, SET NX PX and EVAL of the lock
-#: scripts (which run GET DEL PEXPIRE). AUTH and HELLO need no rule.
+#: scripts (which run GET DEL PEXPIRE); the fleet records (``kvpersist-fleet:<ns>...``,
+#: written by launch and health) SET EX, GET, DEL, and the index set SADD EXPIRE SREM
+#: SMEMBERS. AUTH and HELLO need no rule.
 ACL_RULES = ("resetkeys ~kvp-* ~kvpersist-* resetchannels -@all "
-             "+get +set +exists +del +unlink +strlen +scan +eval +pexpire +info +ping")
+             "+get +set +exists +del +unlink +strlen +scan +eval +pexpire +info +ping "
+             "+sadd +srem +smembers +expire")
 #: What a cluster adds: CLUSTER SLOTS (glide's and redis-py's topology), COMMAND (redis-py's
 #: key routing) and CLIENT SETNAME (glide names its management connections; refused, it only
 #: fills the ACL LOG)

@@ -40,6 +40,8 @@ def test_tls_and_least_privilege_acl(tmp_path: Path) -> None:
         share_key(a, b)
         b.launch("--no-vllm")
         assert r.password.encode() not in proc_as_nobody()
+        # launch wrote B's fleet record and its index entry with the narrowed user
+        assert f"kvpersist-fleet:{ns}" in r.scan_keys("kvpersist-fleet:*")
         with connect(b.rpc, b.http, ns) as d:
             for seq, digests in stored.items():
                 lk, got = d.lookup_and_retrieve(seq)
@@ -65,7 +67,7 @@ def test_tls_and_least_privilege_acl(tmp_path: Path) -> None:
         done = b.kvp_json("prune", "--tier", "shared", "--config", b.config, "--namespace", ns,
                           "--apply", "--force")
         assert done["deleted_keys"] == 8 and r.scan_keys(f"{ns}@*") == []
-        assert r.scan_keys("kvpersist-*") == []  # the lock was released
+        assert r.scan_keys("kvpersist-lock:*") == []  # the lock was released
         # every command the adapters and kvpersist sent was allowed: the ACL log holds only
         # the refused keys of the namespace outside the patterns
         denials = acl_refusals(r)
