@@ -3,7 +3,7 @@ and build the adapter JSON without credentials (pure).
 
 ``KVP_SHARED_TIER`` is empty (no shared tier) or a URL::
 
-    valkey://host:port[,host:port...]?cluster=0&tls=0&db=0&workers=8&adapter=auto
+    valkey://host:port[,host:port...]?cluster=0&tls=0&tls_ca=/path&db=0&workers=8&adapter=auto
 
 (``redis://`` is accepted as a synonym). Query keys, all optional:
 
@@ -12,6 +12,8 @@ key       default  meaning
 ========  =======  ===========================================================
 cluster   0        1: a Redis/Valkey cluster; the nodes are seeds
 tls       0        1: TLS to the store
+tls_ca    (none)   with tls=1: absolute path of the PEM CA file that signed the store's
+                   certificate (default: the system trust store)
 db        0        logical database (standalone only)
 workers   8        LMCache's I/O worker threads for this tier
 adapter   auto     ``resp``, ``valkey`` or ``auto`` (see :func:`choose_adapter`)
@@ -35,11 +37,30 @@ from urllib.parse import parse_qsl, urlsplit
 
 SCHEMES = ("valkey", "redis")
 ADAPTERS = ("auto", "resp", "valkey")
-QUERY_KEYS = ("cluster", "tls", "db", "workers", "adapter")
+QUERY_KEYS = ("cluster", "tls", "tls_ca", "db", "workers", "adapter")
+#: rustls (valkey-glide's TLS, through rustls-native-certs) and OpenSSL read this variable
+#: for their trust store; the launcher sets it in the cache server's own process
+CA_ENV = "SSL_CERT_FILE"
 #: LMCache reads these in the resp adapter's factory when the JSON leaves them empty; the
 #: launcher sets them in its own process (never in a child's exec environment)
 RESP_ENV_USER = "LMCACHE_RESP_USERNAME"
 RESP_ENV_PASSWORD = "LMCACHE_RESP_PASSWORD"  # noqa: S105 - a variable name, not a secret
+#: The least ACL a deployment's user needs (docs/fleet.md, "Secrets"), found by reading the
+#: adapters' code and confirmed by the integration tests (nothing else in the store's ACL
+#: LOG): the key patterns of the chunk keys (``kvp-<ns>@...``) and of the prune lock
+#: (``kvpersist-lock:prune:<ns>``); LMCache's resp adapter sends SET GET EXISTS DEL, its
+#: valkey adapter the same and INFO (glide's connection adds PING); kvpersist's report,
+#: prune and health send SCAN STRLEN UNLINK PING INFO, SET NX PX and EVAL of the lock
+#: scripts (which run GET DEL PEXPIRE); the fleet records (``kvpersist-fleet:<ns>...``,
+#: written by launch and health) SET EX, GET, DEL, and the index set SADD EXPIRE SREM
+#: SMEMBERS. AUTH and HELLO need no rule.
+ACL_RULES = ("resetkeys ~kvp-* ~kvpersist-* resetchannels -@all "
+             "+get +set +exists +del +unlink +strlen +scan +eval +pexpire +info +ping "
+             "+sadd +srem +smembers +expire")
+#: What a cluster adds: CLUSTER SLOTS (glide's and redis-py's topology), COMMAND (redis-py's
+#: key routing) and CLIENT SETNAME (glide names its management connections; refused, it only
+#: fills the ACL LOG)
+ACL_CLUSTER_RULES = "+cluster|slots +command +client|setname"
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,252})\Z")
 
 
@@ -54,6 +75,8 @@ class SharedTier:
     db: int = 0
     workers: int = 8
     adapter: str = "resp"  # the adapter chosen (never "auto")
+    #: the CA file that verifies the store's certificate ('' = the system trust store)
+    tls_ca: str = ""
 
     @property
     def endpoint(self) -> str:
@@ -70,7 +93,7 @@ class SharedTier:
 
     def to_dict(self) -> dict[str, Any]:
         return {"url": self.url, "endpoint": self.endpoint, "cluster": self.cluster,
-                "tls": self.tls, "db": self.db, "workers": self.workers,
+                "tls": self.tls, "tls_ca": self.tls_ca, "db": self.db, "workers": self.workers,
                 "adapter": self.adapter}
 
 
@@ -137,6 +160,12 @@ def parse_shared_tier(value: str) -> tuple[SharedTier | None, str]:
         if raw not in ("0", "1"):
             return None, f"{key} must be 0 or 1, got {raw!r}"
         flags[key] = raw == "1"
+    tls_ca = options.get("tls_ca", "")
+    if "tls_ca" in options:
+        if not flags["tls"]:
+            return None, "tls_ca needs tls=1 (it verifies the store's TLS certificate)"
+        if not tls_ca.startswith("/") or "\x00" in tls_ca or "/../" in f"{tls_ca}/":
+            return None, f"tls_ca must be an absolute path without '..', got {tls_ca!r}"
     db_text, workers_text = options.get("db", "0"), options.get("workers", "8")
     if not db_text.isdigit() or int(db_text) > 15:
         return None, f"db must be an integer 0-15, got {db_text!r}"
@@ -156,7 +185,7 @@ def parse_shared_tier(value: str) -> tuple[SharedTier | None, str]:
         return None, problem
     return SharedTier(url=value, nodes=tuple(nodes), cluster=flags["cluster"],
                       tls=flags["tls"], db=db, workers=int(workers_text),
-                      adapter=adapter), ""
+                      adapter=adapter, tls_ca=tls_ca), ""
 
 
 def adapter_json(tier: SharedTier, serde: dict[str, Any] | None) -> dict[str, Any]:

@@ -47,6 +47,20 @@ def store_errors() -> tuple[type[Exception], ...]:
     return _errors()
 
 
+#: how :func:`describe` starts the error of a certificate the CA does not vouch for
+TLS_UNTRUSTED = "TLS certificate not trusted"
+
+
+def describe(exc: BaseException) -> str:
+    """A store error as the user should read it: a TLS certificate the CA does not vouch for
+    is named as such (redis-py reports it as a connection error)."""
+    text = str(exc)
+    if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+        return (f"{TLS_UNTRUSTED} ({text}); tls_ca= must name the CA that signed "
+                "the store's certificate")
+    return text
+
+
 LOCK_TTL_MS = 60_000
 _RELEASE = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
             "return redis.call('del', KEYS[1]) else return 0 end")
@@ -65,6 +79,8 @@ class SharedStore:
         common: dict[str, Any] = {"username": secret.username, "password": secret.password,
                                   "socket_timeout": timeout, "socket_connect_timeout": timeout,
                                   "ssl": tier.tls}
+        if tier.tls_ca:
+            common["ssl_ca_certs"] = tier.tls_ca
         self.client: Any
         if tier.cluster:
             self.client = RedisCluster(
@@ -147,7 +163,7 @@ def connect(tier: SharedTier, secret: SharedSecret, timeout: float = 3.0) -> Sha
     except redis.AuthenticationError as exc:
         raise KvpError(f"shared tier {tier.endpoint}: authentication failed ({exc})") from exc
     except _errors() as exc:
-        raise KvpError(f"shared tier {tier.endpoint}: {exc}") from exc
+        raise KvpError(f"shared tier {tier.endpoint}: {describe(exc)}") from exc
 
 
 # --------------------------------------------------------------------------- probe (health)
@@ -198,7 +214,7 @@ def _probe_open(tier: SharedTier, secret: SharedSecret,
     except redis.AuthenticationError as exc:
         return StoreProbe(True, False, error=f"authentication failed: {exc}"), None
     except _errors() as exc:
-        return StoreProbe(False, False, error=str(exc)), None
+        return StoreProbe(False, False, error=describe(exc)), None
     try:
         worst = 0.0
         for node in store.nodes():
@@ -214,7 +230,7 @@ def _probe_open(tier: SharedTier, secret: SharedSecret,
         auth = any(w in str(exc) for w in ("WRONGPASS", "NOAUTH", "NOPERM"))
         found = StoreProbe(True, not auth, error=str(exc))
     except _errors() as exc:
-        found = StoreProbe(False, False, error=str(exc))
+        found = StoreProbe(False, False, error=describe(exc))
     _close(store)
     return found, None
 

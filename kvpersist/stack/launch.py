@@ -90,10 +90,12 @@ def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
         vllm_argv = [python or sys.executable, "-m", VLLM_MODULE, *rendered.vllm_argv]
     if s.shared_tier:
         # the shared tier's credentials enter in the server's own process (lmcache_exec)
+        from kvpersist.config.deployment import shared_tier_of
         from kvpersist.stack.lmcache_exec import exec_argv
 
+        tier = shared_tier_of(s)
         server_argv = exec_argv(python or sys.executable, s.shared_tier_secret_file,
-                                server_argv)
+                                server_argv, tls_ca=tier.tls_ca if tier else "")
         # the launcher must be this very kvpersist (the server's cwd is the state dir)
         here = str(Path(__file__).resolve().parents[2])
         server_env["PYTHONPATH"] = os.pathsep.join(
@@ -226,7 +228,8 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
 
 def shared_secret_problems(dep: Deployment, also: tuple[int, ...]) -> list[Problem]:
     """The shared tier's secret file must exist, belong to the service user, be readable by
-    nobody else, and hold a password (its content is never shown)."""
+    nobody else, and hold a password (its content is never shown); its CA file (``tls_ca=``)
+    must be one that only root or the service user can change."""
     s = dep.settings
     if not s.shared_tier:
         return []
@@ -241,6 +244,18 @@ def shared_secret_problems(dep: Deployment, also: tuple[int, ...]) -> list[Probl
     if stat.S_IMODE(st.st_mode) & 0o077:
         out.append(Problem(key, f"{path} is accessible to others (mode "
                            f"{stat.S_IMODE(st.st_mode):04o})", f"chmod 600 {path}"))
+    from kvpersist.config.deployment import shared_tier_of
+    from kvpersist.stack.lmcache_exec import check_ca_file
+
+    tier = shared_tier_of(s)
+    if tier is not None and tier.tls_ca:
+        try:
+            check_ca_file(tier.tls_ca, also=also)
+        except KvpError as exc:
+            out.append(Problem("KVP_SHARED_TIER", str(exc),
+                               "point tls_ca= at the PEM file of the CA that signed the "
+                               "store's certificate, owned by root or the service user, "
+                               "mode 0644 or stricter"))
     if not out and os.access(path, os.R_OK):
         from kvpersist.stack.lmcache_exec import read_secret_file
 
@@ -254,15 +269,23 @@ def shared_secret_problems(dep: Deployment, also: tuple[int, ...]) -> list[Probl
 
 def shared_store_problems(dep: Deployment, secret: Any) -> list[Problem]:
     """Refuse a store that would answer writes with errors instead of evicting (noeviction,
-    volatile-*). An unreachable store is no reason to refuse: the deployment starts degraded
-    and uses the shared tier once it answers."""
+    volatile-*), or whose TLS certificate the configured CA does not vouch for. An
+    unreachable store is no reason to refuse: the deployment starts degraded and uses the
+    shared tier once it answers."""
     from kvpersist.config.deployment import shared_tier_of
-    from kvpersist.l2.shared_store import probe
+    from kvpersist.l2.shared_store import TLS_UNTRUSTED, probe
 
     tier = shared_tier_of(dep.settings)
     if tier is None:
         return []
     found = probe(tier, secret)
+    if found.error.startswith(TLS_UNTRUSTED):
+        # LMCache 0.5.6's valkey adapter connects while the server starts (it probes glide's
+        # buffer GET in its constructor): with a certificate it cannot verify the server
+        # exits ("invalid peer certificate: UnknownIssuer"), so say why before that
+        return [Problem("KVP_SHARED_TIER", f"the store at {tier.endpoint}: {found.error}",
+                        "set tls_ca= to the PEM file of the CA that signed the store's "
+                        "certificate (docs/fleet.md, Configuration)")]
     if found.budget is None:
         return []
     return [Problem("KVP_SHARED_TIER", f"the store at {tier.endpoint}: {p}",

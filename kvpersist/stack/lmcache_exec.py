@@ -17,6 +17,13 @@ The valkey adapter of LMCache 0.5.6 hands ``(username, password)`` positionally 
 ``ServerCredentials(password, username)``, i.e. swapped; :func:`valkey_swaps_credentials`
 recognises that code in the installed LMCache and :func:`inject` compensates, so an ACL user
 authenticates (docs/fleet.md, "Adapters").
+
+With a private CA (``tls_ca=`` in ``KVP_SHARED_TIER``) the launcher is also given
+``--tls-ca FILE``: it checks the file (:func:`check_ca_file`) and sets ``SSL_CERT_FILE`` in
+its own process environment. LMCache 0.5.6's valkey adapter passes only ``use_tls`` to
+valkey-glide (no ``TlsAdvancedConfiguration``), and glide then verifies the server with
+rustls' platform verifier, whose Linux trust store comes from ``rustls-native-certs``: that
+reads ``SSL_CERT_FILE`` when it is set, *instead of* the system store.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import sys
 from collections.abc import Sequence
 
 from kvpersist.config.shared_tier import (
+    CA_ENV,
     RESP_ENV_PASSWORD,
     RESP_ENV_USER,
     SharedSecret,
@@ -42,9 +50,44 @@ _SWAPPED_CALL = "ServerCredentials(self._username, self._password)"
 _WORKER_POOL = "lmcache.v1.storage_backend.valkey.worker_pool"
 
 
-def exec_argv(python: str, secret_file: str, server_argv: Sequence[str]) -> list[str]:
+def exec_argv(python: str, secret_file: str, server_argv: Sequence[str],
+              tls_ca: str = "") -> list[str]:
     """The command line that starts ``server_argv`` through this launcher (pure)."""
-    return [python, "-m", MODULE, "--secret-file", secret_file, "--", *server_argv]
+    ca = ["--tls-ca", tls_ca] if tls_ca else []
+    return [python, "-m", MODULE, "--secret-file", secret_file, *ca, "--", *server_argv]
+
+
+def check_ca_file(path: str, also: tuple[int, ...] = ()) -> None:
+    """Check the shared tier's CA file before anything trusts it: an absolute path, a regular
+    file (no symlink) owned by this user, one of ``also`` (the service user) or root, not
+    writable by group or others, in directories only those users can change
+    (:func:`kvpersist.system.files.trust_problems`), holding a PEM certificate. Whoever can
+    change it can make the cache server trust their own store. Raises KvpError naming every
+    problem (a CA file is not secret: it may be readable by anyone)."""
+    from kvpersist.system.files import trust_problems
+
+    if not os.path.isabs(path):
+        raise KvpError(f"shared tier CA file {path!r} must be an absolute path (tls_ca=)")
+    problems = trust_problems(path, also=(*also, 0))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise KvpError(f"shared tier CA file {path}: {exc.strerror}; check tls_ca= in "
+                       "KVP_SHARED_TIER") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"{path} is not a regular file")
+        if stat.S_IMODE(st.st_mode) & 0o022:
+            problems.append(f"{path} is writable by group or others (mode "
+                            f"{stat.S_IMODE(st.st_mode):04o}); chmod go-w {path}")
+        head = os.read(fd, 1 << 20)
+    finally:
+        os.close(fd)
+    if b"-----BEGIN CERTIFICATE-----" not in head:
+        problems.append(f"{path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
+    if problems:
+        raise KvpError("shared tier CA file (tls_ca=): " + "; ".join(problems))
 
 
 def read_secret_file(path: str, also: tuple[int, ...] = ()) -> SharedSecret:
@@ -131,15 +174,23 @@ def _installed_valkey_swaps() -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``--secret-file FILE -- lmcache server ARGS...``: inject and run LMCache in-process."""
+    """``--secret-file FILE [--tls-ca CA] -- lmcache server ARGS...``: inject and run LMCache
+    in-process."""
     args = list(sys.argv[1:] if argv is None else argv)
+    ca = ""
+    if len(args) >= 4 and args[2] == "--tls-ca":
+        ca = args[3]
+        del args[2:4]
     if len(args) < 4 or args[0] != "--secret-file" or args[2] != "--":
-        print(f"usage: python -m {MODULE} --secret-file FILE -- lmcache server ARGS...",
-              file=sys.stderr)
+        print(f"usage: python -m {MODULE} --secret-file FILE [--tls-ca CA] -- "
+              "lmcache server ARGS...", file=sys.stderr)
         return 2
     try:
         secret = read_secret_file(args[1])
         server, env = inject(args[3:], secret, valkey_swapped=_installed_valkey_swaps())
+        if ca:
+            check_ca_file(ca)
+            env[CA_ENV] = ca
     except KvpError as exc:
         print(f"kvp-admin: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,9 @@
 """Real Redis servers (Debian's ``redis-server``) for the shared-tier tests: standalone or a
 3-primary cluster made by ``redis-cli --cluster create``, each on free loopback ports with its
-own temp directory, an ACL user with a password and the default user disabled.
+own temp directory, an ACL user with a password and the default user disabled. Optionally
+TLS only (plaintext port 0, a throwaway CA and server certificate made by ``openssl``) and a
+second, narrowed ACL user for the deployments (the first keeps every right for the tests' own
+``redis-cli``).
 
 Nothing here is mocked; every instance is stopped by pid.
 """
@@ -21,6 +24,48 @@ from ..conftest import free_port
 REDIS_SERVER = "redis-server"
 REDIS_CLI = "redis-cli"
 ACL_USER = "kvp-fleet"
+#: the deployments' user when a narrowed ACL is under test
+SERVICE_USER = "kvp-svc"
+
+
+@dataclass(frozen=True)
+class Tls:
+    """A throwaway CA and a server certificate it signed (127.0.0.1 and localhost)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def _openssl(*args: str) -> None:
+    r = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise RuntimeError(f"openssl {args[0]}: {r.stderr}")
+
+
+def make_ca(d: Path, name: str = "kvp test CA") -> tuple[Path, Path]:
+    """A self-signed CA certificate and its key under ``d`` (created 0700)."""
+    d.mkdir(parents=True, mode=0o700, exist_ok=True)
+    ca, key = d / "ca.crt", d / "ca.key"
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+             "-out", str(ca), "-days", "2", "-subj", f"/CN={name}",
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    ca.chmod(0o644)
+    return ca, key
+
+
+def make_tls(d: Path) -> Tls:
+    """A CA and a server certificate for 127.0.0.1/localhost signed by it, under ``d``."""
+    ca, ca_key = make_ca(d)
+    key, csr, cert, ext = d / "server.key", d / "server.csr", d / "server.crt", d / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+                   "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+             "-subj", "/CN=127.0.0.1")
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+             "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext))
+    return Tls(ca, cert, key)
 
 
 @dataclass
@@ -32,13 +77,22 @@ class RedisNode:
     #: the cluster bus port (default would be port + 10000, above 65535 for high ports)
     bus_port: int = 0
     extra: tuple[str, ...] = ()
+    tls: Tls | None = None
+    #: the rules of the deployments' own user (SERVICE_USER); '' = they use ACL_USER
+    acl: str = ""
 
     def conf(self, cluster: bool, maxmemory: str, policy: str) -> str:
-        lines = [f"port {self.port}", "bind 127.0.0.1", "protected-mode yes",
+        listen = ([f"port {self.port}"] if self.tls is None else
+                  ["port 0", f"tls-port {self.port}", f"tls-cert-file {self.tls.cert}",
+                   f"tls-key-file {self.tls.key}", f"tls-ca-cert-file {self.tls.ca}",
+                   "tls-auth-clients no"])
+        lines = [*listen, "bind 127.0.0.1", "protected-mode yes",
                  f"dir {self.dir}", 'save ""', "appendonly yes", "appendfsync always",
                  f"maxmemory {maxmemory}", f"maxmemory-policy {policy}",
                  "user default off",
                  f"user {ACL_USER} on >{self.password} ~* &* +@all"]
+        if self.acl:
+            lines.append(f"user {SERVICE_USER} on >{self.password} {self.acl}")
         if cluster:
             lines += ["cluster-enabled yes", f"cluster-config-file {self.dir}/nodes.conf",
                       f"cluster-port {self.bus_port}",
@@ -49,7 +103,8 @@ class RedisNode:
     def cli(self, *args: str, check: bool = True) -> str:
         # the password goes through REDISCLI_AUTH, not argv (this is a test's own client)
         env = {**os.environ, "REDISCLI_AUTH": self.password}
-        r = subprocess.run([REDIS_CLI, "-p", str(self.port), "--user", ACL_USER, *args],
+        tls = ["--tls", "--cacert", str(self.tls.ca)] if self.tls else []
+        r = subprocess.run([REDIS_CLI, "-p", str(self.port), *tls, "--user", ACL_USER, *args],
                            env=env, capture_output=True, text=True, timeout=60)
         if check and r.returncode != 0:
             raise RuntimeError(f"redis-cli {' '.join(args)}: {r.stderr}{r.stdout}")
@@ -68,12 +123,23 @@ class Redis:
     logs: list[Path] = field(default_factory=list)
 
     @property
+    def tls(self) -> Tls | None:
+        return self.nodes[0].tls
+
+    @property
+    def user(self) -> str:
+        """The deployments' ACL user."""
+        return SERVICE_USER if self.nodes[0].acl else ACL_USER
+
+    @property
     def url(self) -> str:
         seeds = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
-        return f"valkey://{seeds}" + ("?cluster=1" if self.cluster else "")
+        options = (["cluster=1"] if self.cluster else []) + (
+            [f"tls=1&tls_ca={self.tls.ca}"] if self.tls else [])
+        return f"valkey://{seeds}" + ("?" + "&".join(options) if options else "")
 
     def secret_text(self) -> str:
-        return f"username={ACL_USER}\npassword={self.password}\n"
+        return f"username={self.user}\npassword={self.password}\n"
 
     def write_secret(self, path: Path) -> Path:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -140,15 +206,19 @@ class Redis:
 
 
 def start_redis(base: Path, *, cluster: bool = False, maxmemory: str = "512mb",
-                policy: str = "allkeys-lru") -> Redis:
-    """Start a standalone server (or a 3-primary cluster) under ``base``."""
+                policy: str = "allkeys-lru", tls: bool = False, acl: str = "") -> Redis:
+    """Start a standalone server (or a 3-primary cluster) under ``base``; ``tls``: TLS only,
+    with a CA made under ``base/tls``; ``acl``: the deployments get their own user with
+    these rules (e.g. ``resetkeys ~kvp-* -@all +get``)."""
     password = secrets.token_urlsafe(24)
     count = 3 if cluster else 1
+    certs = make_tls(base / "tls") if tls else None
     nodes = []
     for i in range(count):
         d = base / f"redis{i}"
         d.mkdir(parents=True, mode=0o700)
-        nodes.append(RedisNode(free_port(), d, password, bus_port=free_port()))
+        nodes.append(RedisNode(free_port(), d, password, bus_port=free_port(), tls=certs,
+                               acl=acl))
     r = Redis(nodes, cluster, password, maxmemory, policy)
     try:
         for n in nodes:

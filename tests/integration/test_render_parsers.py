@@ -169,7 +169,7 @@ def test_lmcache_parser_accepts_the_shared_tier(tmp_path: Path,
                KVP_SHARED_TIER_SECRET_FILE=str(tmp_path / "shared.secret"))
     r = render_json("cpu-demo", env)
     args = lmcache_parser.parse_args(r["lmcache_server_argv"][2:])
-    assert args.l2_store_policy == "default" and args.l2_prefetch_policy == "default"
+    assert args.l2_store_policy == "default" and args.l2_prefetch_policy == "retain"
     storage = parse_args_to_config(args)
     nvme, shared = storage.l2_adapter_config.adapters
     assert type(nvme).__name__ == "DynamicNixlStoreL2AdapterConfig"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from kvpersist.config.shared_tier import ACL_CLUSTER_RULES, ACL_RULES
 from kvpersist.demo.kvdriver import connect
 
 from ..fullstack._stack import Stack, wait_until
@@ -47,7 +48,9 @@ def proc_as_nobody() -> bytes:
     return r.stdout
 
 
-def test_chunks_stored_on_host_a_hit_on_host_b(tmp_path: Path, redis: Redis) -> None:
+def test_chunks_stored_on_host_a_hit_on_host_b(tmp_path: Path) -> None:
+    """Through LMCache's resp adapter, with a user that has exactly the recommended ACL."""
+    redis = start_redis(tmp_path / "store", acl=ACL_RULES)
     a, b = host(tmp_path, "a", redis), host(tmp_path, "b", redis)
     try:
         ns = a.render()["namespace"]
@@ -82,10 +85,18 @@ def test_chunks_stored_on_host_a_hit_on_host_b(tmp_path: Path, redis: Redis) -> 
                      json.dumps(b.render())):
             assert redis.password not in text
         b.stop()
+        assert acl_refusals(redis) == set()  # every command the resp adapter sent
     finally:
         a.cleanup()
         b.cleanup()
+        redis.stop()
 
+
+
+def acl_refusals(r: Redis) -> set[tuple[str, str, str]]:
+    """(reason, object, user) of every refusal in the ACL LOG of every node."""
+    return {(e["reason"], e["object"], e["username"]) for n in r.nodes
+            for e in json.loads(n.cli("--json", "acl", "log", "128") or "[]")}
 
 
 def health(s: Stack) -> tuple[int, dict[str, object]]:
@@ -175,9 +186,11 @@ def test_launch_refuses_a_store_that_would_not_evict(tmp_path: Path) -> None:
 
 def test_cluster_mode_through_the_valkey_adapter(tmp_path: Path) -> None:
     """A 3-primary cluster (redis-cli --cluster create): LMCache's valkey adapter with an ACL
-    user (the launcher compensates 0.5.6's swapped credentials), keys spread over every
-    node, report and prune by SCAN on each primary."""
-    r = start_redis(tmp_path / "store", cluster=True)
+    user (the launcher compensates 0.5.6's swapped credentials) that has exactly the
+    recommended cluster ACL, keys spread over every node, report and prune by SCAN on each
+    primary; no command was refused on any node."""
+    r = start_redis(tmp_path / "store", cluster=True,
+                    acl=f"{ACL_RULES} {ACL_CLUSTER_RULES}")
     a, b = host(tmp_path, "a", r), host(tmp_path, "b", r)
     try:
         shown = a.render()
@@ -207,6 +220,7 @@ def test_cluster_mode_through_the_valkey_adapter(tmp_path: Path) -> None:
         done = b.kvp_json("prune", "--tier", "shared", "--config", b.config, "--namespace", ns,
                           "--apply", "--force")
         assert done["deleted_keys"] == 12 and r.scan_keys(f"{ns}@*") == []
+        assert acl_refusals(r) == set()
     finally:
         a.cleanup()
         b.cleanup()

@@ -11,6 +11,7 @@ import pytest
 from kvpersist.config.shared_tier import SharedSecret
 from kvpersist.errors import KvpError
 from kvpersist.stack.lmcache_exec import (
+    check_ca_file,
     exec_argv,
     inject,
     read_secret_file,
@@ -61,6 +62,37 @@ def test_exec_argv_holds_no_secret() -> None:
     a = exec_argv("/py", "/etc/kvp/s", ["lmcache", "server"])
     assert a == ["/py", "-m", "kvpersist.stack.lmcache_exec", "--secret-file", "/etc/kvp/s",
                  "--", "lmcache", "server"]
+
+
+def test_exec_argv_names_the_ca_file() -> None:
+    a = exec_argv("/py", "/etc/kvp/s", ["lmcache", "server"], tls_ca="/etc/kvp/ca.pem")
+    assert a[3:8] == ["--secret-file", "/etc/kvp/s", "--tls-ca", "/etc/kvp/ca.pem", "--"]
+
+
+PEM = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+
+
+def test_ca_file_must_be_a_pem_only_its_owner_can_change(tmp_path: Path) -> None:
+    tmp_path.chmod(0o700)
+    f = tmp_path / "ca.pem"
+    f.write_text(PEM)
+    f.chmod(0o644)
+    check_ca_file(str(f))  # readable by all is fine: a CA is no secret
+    f.chmod(0o664)
+    with pytest.raises(KvpError, match="writable by group or others"):
+        check_ca_file(str(f))
+    f.chmod(0o644)
+    link = tmp_path / "l.pem"
+    os.symlink(f, link)
+    with pytest.raises(KvpError, match="symbolic link"):
+        check_ca_file(str(link))
+    with pytest.raises(KvpError, match="absolute"):
+        check_ca_file("ca.pem")
+    f.write_text("not a certificate\n")
+    with pytest.raises(KvpError, match="no PEM certificate"):
+        check_ca_file(str(f))
+    with pytest.raises(KvpError, match="No such file"):
+        check_ca_file(str(tmp_path / "missing.pem"))
 
 
 def test_secret_file_must_be_owner_only(tmp_path: Path) -> None:

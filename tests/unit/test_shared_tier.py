@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from kvpersist.config.shared_tier import adapter_json, parse_secret, parse_shared_tier
+from kvpersist.config.shared_tier import (
+    ACL_CLUSTER_RULES,
+    ACL_RULES,
+    adapter_json,
+    parse_secret,
+    parse_shared_tier,
+)
 from kvpersist.errors import ConfigError
 from kvpersist.stack.render import render
 
@@ -46,6 +53,17 @@ def test_cluster_tls_db_take_valkey(url: str) -> None:
     assert "password" not in js and "username" not in js
 
 
+def test_tls_ca_is_kept_and_never_in_the_adapter_json() -> None:
+    tier, problem = parse_shared_tier("valkey://kv:6380?tls=1&tls_ca=/etc/kvp/store-ca.pem")
+    assert problem == "" and tier is not None
+    assert (tier.adapter, tier.tls, tier.tls_ca) == ("valkey", True, "/etc/kvp/store-ca.pem")
+    assert tier.to_dict()["tls_ca"] == "/etc/kvp/store-ca.pem"
+    # LMCache 0.5.6's valkey adapter has no CA field: the launcher hands it over instead
+    assert "/etc/kvp/store-ca.pem" not in json.dumps(adapter_json(tier, None))
+    plain, _ = parse_shared_tier("valkey://kv:6380?tls=1")
+    assert plain is not None and plain.tls_ca == ""  # the system trust store
+
+
 @pytest.mark.parametrize(("url", "words"), [
     ("http://kv:6379", "valkey://"),
     ("valkey://user:pw@kv:6379", "credentials"),
@@ -62,6 +80,9 @@ def test_cluster_tls_db_take_valkey(url: str) -> None:
     ("valkey://a:1?cluster=1&db=2", "db must be 0"),
     ("valkey://a:1?tls=1&adapter=resp", "adapter=resp"),
     ("valkey://a:1?adapter=s3", "adapter must be"),
+    ("valkey://a:1?tls_ca=/etc/kvp/ca.pem", "tls_ca needs tls=1"),
+    ("valkey://a:1?tls=1&tls_ca=ca.pem", "absolute path"),
+    ("valkey://a:1?tls=1&tls_ca=/etc/../tmp/ca.pem", "absolute path"),
 ])
 def test_bad_urls_say_why(url: str, words: str) -> None:
     tier, problem = parse_shared_tier(url)
@@ -93,7 +114,7 @@ def test_render_adds_the_shared_tier_after_the_nvme() -> None:
     assert second == r.shared_l2_adapter and second["type"] == "resp"
     assert second["serde"] == first["serde"]  # aesgcm on the shared tier too
     assert argv[argv.index("--l2-store-policy") + 1] == "default"
-    assert argv[argv.index("--l2-prefetch-policy") + 1] == "default"
+    assert argv[argv.index("--l2-prefetch-policy") + 1] == "retain"
     shown = r.as_json()["shared_tier"]
     assert shown["endpoint"] == "10.0.0.5:6379" and shown["key_pattern"] == f"{d.namespace}@*"
     assert "redacted" in shown["credentials"]
@@ -130,3 +151,11 @@ def test_store_id_is_the_sorted_endpoint_and_db(url: str, store: str) -> None:
     tier, problem = parse_shared_tier(url)
     assert problem == "" and tier is not None
     assert tier.store_id == store
+
+
+def test_the_documented_acl_is_the_tested_one(repo: Path) -> None:
+    """docs/fleet.md recommends exactly the rules the integration tests give their user."""
+    text = (repo / "docs" / "fleet.md").read_text()
+    assert f"ACL SETUSER kvp-fleet on >PASSWORD {ACL_RULES}\n" in text
+    assert f"`{ACL_CLUSTER_RULES}`" in text
+    assert "+@all" not in ACL_RULES and "~*" not in ACL_RULES.split()
