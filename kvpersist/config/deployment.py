@@ -60,7 +60,7 @@ class GenericConfig:
     l1_eviction_ratio: float = 0.1
     l2_type: str = "nixl_store_dynamic"
     l2_backend: str = "POSIX"
-    l2_use_direct_io: bool = False
+    l2_use_direct_io: bool = True
     l2_shard_dirs: bool = False
     l2_persist_enabled: bool = True
     l2_eviction_policy: str = "LRU"

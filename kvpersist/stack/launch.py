@@ -39,7 +39,13 @@ from kvpersist.stack.readiness import NO_WARM_SET, WarmupRun, run_warmup
 from kvpersist.stack.render import Rendered, serde_warnings
 from kvpersist.stack.weights import WeightsCheck, check_weights, manifest_with_weights
 from kvpersist.system import procs
-from kvpersist.system.files import atomic_write_json, fs_info, service_uids, trust_problems
+from kvpersist.system.files import (
+    atomic_write_json,
+    direct_io_problem,
+    fs_info,
+    service_uids,
+    trust_problems,
+)
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -183,6 +189,12 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
         problems.append(Problem("KVP_CACHE_ROOT", f"{root} is not a directory"))
     if root.is_dir():
         notes += budget_notes(sizing)
+        why = direct_io_problem(root) if dep.generic.l2_use_direct_io else ""
+        if why:
+            problems.append(Problem(
+                "l2.use_direct_io", f"{why}: every L2 read and write would fail",
+                f"put KVP_CACHE_ROOT on the NVMe filesystem (ext4, xfs), or set "
+                f"l2.use_direct_io: false in configs/{dep.settings.generic_config}/lmcache.yaml"))
     also: tuple[int, ...] = ()
     try:
         also = service_uids(dep.settings.service_user)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
 from kvpersist.demo.kvdriver import connect
 
+from ..conftest import REPO
 from ..fullstack._stack import Stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -27,8 +29,22 @@ def preread_record(stack: Stack) -> dict[str, object] | None:
     return json.loads(lines[-1]) if lines else None
 
 
+def buffered_configs(tmp: Path) -> Path:
+    """A config dir with cpu-demo and a generic config that reads L2 buffered (the pre-read
+    only helps reads through the page cache; the default is O_DIRECT)."""
+    cdir = tmp / "configs"
+    shutil.copytree(REPO / "configs" / "cpu-demo", cdir / "cpu-demo")
+    (cdir / "generic").mkdir()
+    text = (REPO / "configs" / "generic" / "lmcache.yaml").read_text()
+    assert "  use_direct_io: true" in text
+    (cdir / "generic" / "lmcache.yaml").write_text(
+        text.replace("  use_direct_io: true", "  use_direct_io: false"))
+    return cdir
+
+
 def test_preread_runs_at_launch_without_blocking(tmp_path: Path) -> None:
-    stack = Stack(tmp_path, KVP_PREREAD_RAM_SHARE="0.5")
+    stack = Stack(tmp_path, KVP_PREREAD_RAM_SHARE="0.5",
+                  KVP_CONFIG_DIR=str(buffered_configs(tmp_path)))
     try:
         ns = stack.render()["namespace"]
         assert stack.render()["read_path"]["preread"] == "on"
@@ -74,11 +90,17 @@ def test_preread_runs_at_launch_without_blocking(tmp_path: Path) -> None:
         stack.cleanup()
 
 
-def test_preread_off_by_share_zero(tmp_path: Path) -> None:
-    stack = Stack(tmp_path, KVP_PREREAD_RAM_SHARE="0")
+def test_preread_off_by_default_and_with_direct_io(tmp_path: Path) -> None:
+    stack = Stack(tmp_path)  # the defaults: share 0, O_DIRECT reads
     try:
+        assert stack.render()["read_path"]["use_direct_io"] is True
         info = stack.launch("--no-vllm")
         assert any("pre-read off (KVP_PREREAD_RAM_SHARE is 0)" in n for n in info["notes"])
+        stack.stop()
+        stack.env["KVP_PREREAD_RAM_SHARE"] = "0.5"
+        info = stack.launch("--no-vllm")
+        assert any("pre-read off (l2.use_direct_io reads bypass the page cache)" in n
+                   for n in info["notes"])
         assert not (stack.state_dir / "logs" / "preread.log").exists()
     finally:
         stack.cleanup()

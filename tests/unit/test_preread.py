@@ -160,6 +160,14 @@ def test_preread_skips_a_file_swapped_for_a_symlink(tmp_path: Path) -> None:
         os.close(fd)
 
 
+def test_direct_io_probe_leaves_nothing_behind(tmp_path: Path) -> None:
+    from kvpersist.system.files import direct_io_problem
+
+    # this filesystem (ext4 here) supports O_DIRECT; the probe file has no name
+    assert direct_io_problem(tmp_path) == ""
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_start_preread_never_raises(tmp_path: Path) -> None:
     pid, why = start_preread([str(tmp_path / "no-such-python"), "-c", "pass"],
                              log=str(tmp_path / "preread.log"), cwd=str(tmp_path))
@@ -173,17 +181,24 @@ def test_start_preread_never_raises(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- explanation (pure)
 
 
-def test_read_path_lines(tmp_path: Path) -> None:
-    from .test_render import dep  # the cpu-demo deployment helper of the render tests
+def test_read_path_lines() -> None:
+    import dataclasses
 
-    d = dep({"KVP_PREREAD_RAM_SHARE": "0.25"})
+    from kvpersist.config.deployment import GenericConfig
+
+    from .test_render import dep  # the deployment helper of the render tests
+
+    g = dataclasses.replace(GenericConfig(), l2_use_direct_io=False)
+    d = dep({"KVP_PREREAD_RAM_SHARE": "0.25"}, g)
     rp = explain_read_path(d, mem_available=8 * GIB)
     assert rp.preread_cap_bytes == 2 * GIB and rp.preread_off == ""
     assert rp.lines[0].startswith("L2 reads: buffered") and "A/B" in rp.lines[0]
     assert "2 GiB" in rp.lines[1] or "2.0 GiB" in rp.lines[1]
-    assert rp.changed == ()
-    off = explain_read_path(dep({"KVP_PREREAD_RAM_SHARE": "0"}))
-    assert off.to_dict()["preread"] == "off" and off.preread_cap_bytes is None
+    assert rp.changed == ("l2.use_direct_io",)
+    default = explain_read_path(dep())
+    assert default.changed == () and default.lines[0].startswith("L2 reads: O_DIRECT")
+    assert default.to_dict()["preread"] == "off" and default.preread_cap_bytes is None
+    assert "KVP_PREREAD_RAM_SHARE is 0" in default.preread_off
 
 
 def test_read_path_names_settings_that_leave_the_defaults() -> None:
@@ -194,12 +209,12 @@ def test_read_path_names_settings_that_leave_the_defaults() -> None:
 
     from .test_render import TEMPLATES, dep
 
-    g = dataclasses.replace(GenericConfig(), l2_use_direct_io=True, chunk_size=512)
+    g = dataclasses.replace(GenericConfig(), l2_shard_dirs=True, chunk_size=512)
     d = dep({"KVP_PREREAD_RAM_SHARE": "0.25"}, g)
     rp = explain_read_path(d)
-    assert rp.changed == ("l2.use_direct_io", "server.chunk_size")
+    assert rp.changed == ("l2.shard_dirs", "server.chunk_size")
     assert "direct_io" in rp.preread_off  # O_DIRECT reads never see the page cache
     assert any("re-keys every chunk" in line for line in rp.lines)
     r = render(d, TEMPLATES, l1_size_gb=8, l2_capacity_gb=1)
     assert r.as_json()["read_path"] == rp.to_dict()
-    assert r.as_json()["read_path"]["lines"][0].startswith("L2 reads: O_DIRECT")
+    assert r.as_json()["read_path"]["lines"][0].startswith("L2 reads: O_DIRECT, ab/cd shard")

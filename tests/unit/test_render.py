@@ -39,7 +39,7 @@ def test_server_argv_and_adapter() -> None:
     assert adapter["type"] == "nixl_store_dynamic" and adapter["backend"] == "POSIX"
     assert adapter["persist_enabled"] is True
     assert adapter["backend_params"] == {"file_path": "/var/lib/kvp/test",
-                                         "use_direct_io": "false", "max_capacity_gb": "512.250"}
+                                         "use_direct_io": "true", "max_capacity_gb": "512.250"}
     assert adapter["eviction"] == {"eviction_policy": "LRU", "trigger_watermark": 0.9,
                                    "eviction_ratio": 0.1}
     assert adapter["serde"]["type"] == "aesgcm"
