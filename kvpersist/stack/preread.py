@@ -20,6 +20,7 @@ with ``O_DIRECT`` and never looks at the page cache, so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import stat as stat_mod
@@ -177,8 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--share", type=float, required=True,
                     help="share of MemAvailable to fill (0 < share <= 1)")
     args = ap.parse_args(argv)
-    with __import__("contextlib").suppress(OSError):
-        os.nice(10)
+    with contextlib.suppress(OSError):
+        os.nice(10)  # below the launch and vLLM's weight loading
     try:
         avail = mem_available()
         res = preread(args.root, args.namespace, cap_bytes=preread_cap(avail, args.share))
