@@ -77,10 +77,11 @@ def test_wildcard_bind_is_reached_through_loopback() -> None:
 
 
 def test_generic_switches() -> None:
-    g = dataclasses.replace(GenericConfig(), l2_shard_dirs=True, l2_use_direct_io=True)
+    # both switches away from their defaults (flat layout, O_DIRECT reads)
+    g = dataclasses.replace(GenericConfig(), l2_shard_dirs=True, l2_use_direct_io=False)
     r = render(dep({"KVP_L2_SERDE": "none"}, g), TEMPLATES, l1_size_gb=8, l2_capacity_gb=1)
     assert r.l2_adapter["backend_params"]["shard_dirs"] == "true"
-    assert r.l2_adapter["backend_params"]["use_direct_io"] == "true"
+    assert r.l2_adapter["backend_params"]["use_direct_io"] == "false"
     assert "serde" not in r.l2_adapter
 
 
