@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from kvpersist.config.read_path import ReadPath, explain_read_path
 from kvpersist.l2.budget import BudgetPlan
 from kvpersist.l2.inventory import size_deployment
 
 
-def budget(config: str) -> BudgetPlan:
+def budget(config: str) -> tuple[BudgetPlan, ReadPath]:
     """Load ``config``, measure its root once and plan its budget with the other deployments
-    on that root (the inventory decides which). The plan's problems are returned, not
+    on that root (the inventory decides which); with it, the L2 read path and the launch
+    pre-read's byte cap from this host's MemAvailable. The plan's problems are returned, not
     raised (``plan.ok``)."""
     from kvpersist.config.loader import load_deployment
+    from kvpersist.stack.preread import mem_available
 
     dep = load_deployment(config)
-    return size_deployment(dep, strict=False).plan
+    plan = size_deployment(dep, strict=False).plan
+    return plan, explain_read_path(dep, mem_available=mem_available())

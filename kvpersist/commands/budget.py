@@ -54,10 +54,12 @@ def budget(config: str, as_json: bool) -> None:
     """
     from kvpersist.actions.budget import budget as budget_action
 
-    plan = budget_action(config)
+    plan, read_path = budget_action(config)
     if as_json:
-        echo_json(plan.to_dict())
+        echo_json({**plan.to_dict(), "read_path": read_path.to_dict()})
     else:
         click.echo(format_plan(plan))
+        click.echo("L2 read path:")
+        click.echo("\n".join(f"  - {line}" for line in read_path.lines))
     if not plan.ok:
         click.get_current_context().exit(EXIT_PROBLEM)

@@ -47,6 +47,9 @@ def render_cmd(config: str, as_json: bool, out: Path | None, allow_unpinned: boo
                f"{result.model_link['target']}):\n  {shlex.join(result.vllm_argv)}")
     if result.container_argv:
         click.echo(f"\ncontainer:\n  {shlex.join(result.container_argv)}")
+    click.echo("\nL2 read path:")
+    for line in result.read_path.get("lines", []):
+        click.echo(f"  {line}")
     click.echo("\nlisteners:")
     for lst in result.listeners:
         where = "loopback" if lst["loopback"] else (

@@ -60,7 +60,7 @@ class GenericConfig:
     l1_eviction_ratio: float = 0.1
     l2_type: str = "nixl_store_dynamic"
     l2_backend: str = "POSIX"
-    l2_use_direct_io: bool = False
+    l2_use_direct_io: bool = True
     l2_shard_dirs: bool = False
     l2_persist_enabled: bool = True
     l2_eviction_policy: str = "LRU"
@@ -250,6 +250,9 @@ class DeploymentSettings:
     l2_quota: str = ""
     serde: str = "aesgcm"
     serde_key_file: str = ""
+    #: share of MemAvailable the launch pre-read may fill with the namespace's newest chunk
+    #: files (kvpersist/stack/preread.py); 0: no pre-read
+    preread_ram_share: float = 0.0
     allow_unpinned: bool = False
     generic_config: str = "generic"
     model_link_dir: str = ""
@@ -302,6 +305,7 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_L2_QUOTA": ("l2_quota", "sizepct?", ""),
     "KVP_L2_SERDE": ("serde", "serde", "generic.l2_serde"),
     "KVP_SERDE_KEY_FILE": ("serde_key_file", "abspath", "{state_dir}/keys/l2-master.key"),
+    "KVP_PREREAD_RAM_SHARE": ("preread_ram_share", "share", "0"),
     "KVP_ALLOW_UNPINNED": ("allow_unpinned", "bool", "false"),
     "KVP_GENERIC_CONFIG": ("generic_config", "confname", "generic"),
     "KVP_MODEL_LINK_DIR": ("model_link_dir", "dir", "{state_dir}/models"),
@@ -400,6 +404,11 @@ def _convert(kind: str, raw: str) -> tuple[Any, str]:
         except ValueError as exc:
             return None, str(exc)
         return (seconds, "") if seconds > 0 else (None, "must be > 0")
+    if kind == "share":
+        f = parse_decimal(value)
+        if f is None or not 0 <= f <= 1:
+            return None, f"must be a share between 0 and 1 (e.g. 0.25; 0 disables), got {value!r}"
+        return f, ""
     if kind == "peers":
         peers, message = parse_peers(value)
         return (None, message) if message else (peers, "")

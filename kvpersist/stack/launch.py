@@ -29,15 +29,23 @@ from typing import Any
 from kvpersist.config.deployment import Deployment, listeners
 from kvpersist.errors import CheckFailed, ConfigError, KvpError, Problem
 from kvpersist.l2.inventory import Sizing
+from kvpersist.l2.preread import off_reason
 from kvpersist.stack import crash_window
 from kvpersist.stack.crash_window import CrashCheck
 from kvpersist.stack.fleet import RecordOutcome
 from kvpersist.stack.locate import Location, locate, vllm_mode
+from kvpersist.stack.preread import preread_argv, start_preread
 from kvpersist.stack.readiness import NO_WARM_SET, WarmupRun, run_warmup
 from kvpersist.stack.render import Rendered, serde_warnings
 from kvpersist.stack.weights import WeightsCheck, check_weights, manifest_with_weights
 from kvpersist.system import procs
-from kvpersist.system.files import atomic_write_json, fs_info, service_uids, trust_problems
+from kvpersist.system.files import (
+    atomic_write_json,
+    direct_io_problem,
+    fs_info,
+    service_uids,
+    trust_problems,
+)
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -59,6 +67,11 @@ class LaunchPlan(Location):
     server_env: dict[str, str] = field(default_factory=dict)
     vllm_argv: list[str] = field(default_factory=list)
     vllm_env: dict[str, str] = field(default_factory=dict)
+    #: the hot-files pre-read child (kvpersist/stack/preread.py); empty when it is off
+    preread_argv: list[str] = field(default_factory=list)
+    #: why there is no pre-read ('' when there is one)
+    preread_skip: str = ""
+    preread_log: str = ""
 
 
 def lmcache_bin() -> str:
@@ -101,9 +114,14 @@ def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
         server_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (here, server_env.get("PYTHONPATH", "")) if p)
     loc = locate(dep)
+    skip = off_reason(s.preread_ram_share, dep.generic.l2_use_direct_io)
+    pre_argv = [] if skip else preread_argv(python or sys.executable, loc.cache_root,
+                                            loc.namespace, s.preread_ram_share)
     return LaunchPlan(**{f.name: getattr(loc, f.name) for f in fields(Location)},
                       server_argv=server_argv, server_env=server_env,
-                      vllm_argv=vllm_argv, vllm_env=vllm_env)
+                      vllm_argv=vllm_argv, vllm_env=vllm_env, preread_argv=pre_argv,
+                      preread_skip=skip,
+                      preread_log=os.path.join(os.path.dirname(loc.server_log), "preread.log"))
 
 
 # --------------------------------------------------------------------------- preflight (I/O)
@@ -173,6 +191,12 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *, with_vllm: b
         problems.append(Problem("KVP_CACHE_ROOT", f"{root} is not a directory"))
     if root.is_dir():
         notes += budget_notes(sizing)
+        why = direct_io_problem(root) if dep.generic.l2_use_direct_io else ""
+        if why:
+            problems.append(Problem(
+                "l2.use_direct_io", f"{why}: every L2 read and write would fail",
+                f"put KVP_CACHE_ROOT on the NVMe filesystem (ext4, xfs), or set "
+                f"l2.use_direct_io: false in configs/{dep.settings.generic_config}/lmcache.yaml"))
     also: tuple[int, ...] = ()
     try:
         also = service_uids(dep.settings.service_user)
@@ -465,6 +489,19 @@ def _start_and_wait(name: str, argv: list[str], *, log: str, env: Mapping[str, s
     return Started(name, proc.pid, time.monotonic() - t0, log=log)
 
 
+def begin_preread(plan: LaunchPlan, progress: Progress = quiet) -> str:
+    """Start the hot-files pre-read in the background (never waits, never raises) and return
+    a one-line note of what happened."""
+    if not plan.preread_argv:
+        note = f"hot-files pre-read off ({plan.preread_skip})"
+    else:
+        pid, why = start_preread(plan.preread_argv, log=plan.preread_log, cwd=plan.state_dir)
+        note = why or (f"hot-files pre-read started in the background (pid {pid}, "
+                       f"result in {plan.preread_log})")
+    progress(note)
+    return note
+
+
 def ensure_model_link(plan: LaunchPlan) -> None:
     """Make ``<model_link_dir>/<namespace>`` a symlink to the weights (atomic replace)."""
     link_dir = Path(plan.model_link_dir)
@@ -538,6 +575,7 @@ def launch_foreground(dep: Deployment, rendered: Rendered, plan: LaunchPlan, siz
         from kvpersist.stack import fleet
 
         progress(fleet.write(dep).note())
+    begin_preread(plan, progress)
     progress(f"exec lmcache server for {plan.namespace} (pid file {plan.server_pid_file})")
     procs.write_pid_file(plan.server_pid_file, os.getpid())
     procs.exec_foreground(plan.server_argv, env=plan.server_env, cwd=plan.state_dir)
@@ -709,6 +747,7 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
     notes += state_notes
     crash = check_crash_window(plan, srv, how="launch", rate_mb_s=crash_rate_mb_s,
                                deadline_s=crash_seconds, progress=progress)
+    notes.append(begin_preread(plan, progress))
     started = [start_server(plan, timeout=server_timeout, progress=progress)]
     progress(f"lmcache server healthy in {started[0].seconds:.1f} s (pid {started[0].pid})")
     record = None

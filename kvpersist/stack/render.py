@@ -20,6 +20,7 @@ from kvpersist import __version__
 from kvpersist.config.deployment import Deployment, listeners, shared_tier_of
 from kvpersist.config.engine_args import engine_argv
 from kvpersist.config.identity import MODEL_KV_DTYPES
+from kvpersist.config.read_path import explain_read_path
 from kvpersist.config.shared_tier import adapter_json
 from kvpersist.config.values import reach_host
 from kvpersist.errors import ConfigError, Problem
@@ -74,6 +75,8 @@ class Rendered:
     shared_l2_adapter: dict[str, Any] | None = None
     #: the shared tier as configured, credentials redacted (None: no shared tier)
     shared_tier: dict[str, Any] | None = None
+    #: the L2 read-path settings and why (kvpersist.config.read_path.ReadPath.to_dict)
+    read_path: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         """The stable JSON object of ``kvp-admin render --json``."""
@@ -92,6 +95,7 @@ class Rendered:
             "warnings": self.warnings,
             "shared_l2_adapter": self.shared_l2_adapter,
             "shared_tier": self.shared_tier,
+            "read_path": self.read_path,
         }
 
 
@@ -260,6 +264,7 @@ def render(dep: Deployment, templates: Mapping[str, str], *, l1_size_gb: float,
         warnings=serde_warnings(s.serde),
         shared_l2_adapter=shared_adapter,
         shared_tier=shared_shown,
+        read_path=explain_read_path(dep).to_dict(),
     )
 
 

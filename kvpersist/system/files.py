@@ -162,3 +162,24 @@ def write_textfile(path: str | os.PathLike[str], registry: Any) -> None:
                        "directory exists and that this user may write there") from exc
     finally:
         os.umask(old)
+
+
+def direct_io_problem(directory: str | os.PathLike[str]) -> str:
+    """Why files in ``directory`` cannot be opened with ``O_DIRECT`` ('' when they can, or
+    when the probe cannot tell). The probe is an unnamed ``O_TMPFILE`` opened with
+    ``O_DIRECT``: nothing is created under a name, nothing is left behind. tmpfs, for one,
+    refuses O_DIRECT with EINVAL."""
+    import errno
+
+    flags = getattr(os, "O_TMPFILE", 0)
+    direct = getattr(os, "O_DIRECT", 0)
+    if not flags or not direct:
+        return ""
+    try:
+        fd = os.open(directory, flags | os.O_RDWR | direct | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return f"the filesystem of {os.fspath(directory)} does not support O_DIRECT"
+        return ""  # no O_TMPFILE support (EISDIR, EOPNOTSUPP), no permission...: unknown
+    os.close(fd)
+    return ""

@@ -103,6 +103,8 @@ def _cases() -> list[Hostile]:
     out += [Hostile("KVP_GENERIC_CONFIG", v) for v in ("../generic", "/etc", "a/b", ".")]
     out += [Hostile("KVP_DEVICE", v) for v in ("CUDA", "", "gpu")]
     out += [Hostile("KVP_ALLOW_UNPINNED", v) for v in ("maybe", "2")]
+    out += [Hostile("KVP_PREREAD_RAM_SHARE", v)
+            for v in ("1.5", "-0.1", "nan", "inf", "1e-1", "25%", "²")]
     # control characters, expansions and invisible characters in every kind of key
     for key in ("KVP_SERVED_MODEL_NAME", "KVP_IMAGE", "KVP_CONTAINER_NAME", "KVP_L2_BUDGET",
                 "KVP_VLLM_EXTRA_ARGS", "KVP_LMCACHE_PORT", "KVP_DEVICE", "KVP_MODEL_PATH",

@@ -39,7 +39,7 @@ def test_server_argv_and_adapter() -> None:
     assert adapter["type"] == "nixl_store_dynamic" and adapter["backend"] == "POSIX"
     assert adapter["persist_enabled"] is True
     assert adapter["backend_params"] == {"file_path": "/var/lib/kvp/test",
-                                         "use_direct_io": "false", "max_capacity_gb": "512.250"}
+                                         "use_direct_io": "true", "max_capacity_gb": "512.250"}
     assert adapter["eviction"] == {"eviction_policy": "LRU", "trigger_watermark": 0.9,
                                    "eviction_ratio": 0.1}
     assert adapter["serde"]["type"] == "aesgcm"
@@ -77,10 +77,11 @@ def test_wildcard_bind_is_reached_through_loopback() -> None:
 
 
 def test_generic_switches() -> None:
-    g = dataclasses.replace(GenericConfig(), l2_shard_dirs=True, l2_use_direct_io=True)
+    # both switches away from their defaults (flat layout, O_DIRECT reads)
+    g = dataclasses.replace(GenericConfig(), l2_shard_dirs=True, l2_use_direct_io=False)
     r = render(dep({"KVP_L2_SERDE": "none"}, g), TEMPLATES, l1_size_gb=8, l2_capacity_gb=1)
     assert r.l2_adapter["backend_params"]["shard_dirs"] == "true"
-    assert r.l2_adapter["backend_params"]["use_direct_io"] == "true"
+    assert r.l2_adapter["backend_params"]["use_direct_io"] == "false"
     assert "serde" not in r.l2_adapter
 
 
