@@ -8,7 +8,6 @@ ignored (its files are then not protected, and the problem says so).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat as stat_mod
@@ -25,7 +24,7 @@ from kvpersist.l2.pins import (
     pins_name,
 )
 from kvpersist.l2.scan import HIST_BUCKET_NS
-from kvpersist.l2.tree import FILE_FLAGS, meta_dir, open_rel, open_root
+from kvpersist.l2.tree import FILE_FLAGS, meta_dir, open_rel, open_root, replace_at
 
 
 def write_pins(root: str | os.PathLike[str], doc: dict[str, Any]) -> str:
@@ -37,30 +36,13 @@ def write_pins(root: str | os.PathLike[str], doc: dict[str, Any]) -> str:
     with open_root(root, purpose="write the pins of") as r:
         dfd = meta_dir(r, PINS_DIR)
         try:
-            _replace(dfd, final, data)
+            replace_at(dfd, final, data)
         except OSError as exc:
             raise KvpError(f"cannot write {os.path.join(r.path, META_DIR, PINS_DIR, final)}: "
                            f"{exc.strerror or exc}; run as the user that owns the cache") from None
         finally:
             os.close(dfd)
         return os.path.join(r.path, META_DIR, PINS_DIR, final)
-
-
-def _replace(dfd: int, final: str, data: bytes) -> None:
-    tmp = f".{final}.{os.getpid()}.part"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600, dir_fd=dfd)
-    try:
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dfd)
-        raise
 
 
 def read_pins(root: str | os.PathLike[str]) -> tuple[dict[str, PinSet], list[str]]:

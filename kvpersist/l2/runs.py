@@ -14,7 +14,6 @@ directory descriptors, never through a symlink.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -22,7 +21,7 @@ from typing import Any
 
 from kvpersist.errors import KvpError
 from kvpersist.l2.layout import META_DIR, RUNS_DIR
-from kvpersist.l2.tree import FILE_FLAGS, meta_dir, open_rel, open_root
+from kvpersist.l2.tree import FILE_FLAGS, meta_dir, open_rel, open_root, replace_at
 
 SCHEMA = "kvpersist.run/1"
 KINDS = ("verify", "prune")
@@ -51,7 +50,7 @@ def record_run(root: str | os.PathLike[str], kind: str, *, ok: bool, counts: dic
         with open_root(root, purpose="record the run on") as r:
             dfd = meta_dir(r, RUNS_DIR)
             try:
-                _replace(dfd, final, data)
+                replace_at(dfd, final, data)
             finally:
                 os.close(dfd)
     except KvpError as exc:
@@ -61,23 +60,6 @@ def record_run(root: str | os.PathLike[str], kind: str, *, ok: bool, counts: dic
                 f"{os.path.join(os.fspath(root), META_DIR, RUNS_DIR, final)}: "
                 f"{exc.strerror or exc}")
     return None
-
-
-def _replace(dfd: int, final: str, data: bytes) -> None:
-    tmp = f".{final}.{os.getpid()}.part"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600, dir_fd=dfd)
-    try:
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dfd)
-        raise
 
 
 def read_runs(root: str | os.PathLike[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:

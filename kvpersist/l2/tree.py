@@ -101,6 +101,26 @@ class RootDir:
         self.close()
 
 
+def replace_at(dfd: int, final: str, data: bytes) -> None:
+    """Write ``data`` to ``final`` in the directory ``dfd`` atomically (a temp file created
+    owner-only without following a symlink, fsynced, then renamed over ``final``); the temp
+    file is removed on any failure, which is raised."""
+    tmp = f".{final}.{os.getpid()}.part"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=dfd)
+    try:
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise
+
+
 def open_root(root: str | os.PathLike[str], *, purpose: str = "open") -> RootDir:
     """Resolve ``root`` (it may be a symlink) and open it as a directory.
 
