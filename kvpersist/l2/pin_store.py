@@ -24,7 +24,7 @@ from kvpersist.l2.pins import (
     pins_name,
 )
 from kvpersist.l2.scan import HIST_BUCKET_NS
-from kvpersist.l2.tree import FILE_FLAGS, meta_dir, open_rel, open_root, replace_at
+from kvpersist.l2.tree import meta_dir, open_rel, open_root, read_small_at, replace_at
 
 
 def write_pins(root: str | os.PathLike[str], doc: dict[str, Any]) -> str:
@@ -91,28 +91,13 @@ class _Unreadable(KvpError):
 def _load(dfd: int, name: str) -> Any:
     """The JSON document in ``name`` (never through a symlink); raises _Unreadable."""
     try:
-        fd = os.open(name, FILE_FLAGS, dir_fd=dfd)
+        data = read_small_at(dfd, name, MAX_BYTES)
     except OSError as exc:
         raise _Unreadable(str(exc.strerror or exc)) from None
-    try:
-        if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
-            raise _Unreadable("not a regular file")
-        chunks = []
-        size = 0
-        while size <= MAX_BYTES:
-            block = os.read(fd, 1 << 20)
-            if not block:
-                break
-            chunks.append(block)
-            size += len(block)
-    except OSError as exc:
-        raise _Unreadable(str(exc.strerror or exc)) from None
-    finally:
-        os.close(fd)
-    if size > MAX_BYTES:
+    if data is None:
         raise _Unreadable("too big")
     try:
-        return json.loads(b"".join(chunks))
+        return json.loads(data)
     except ValueError:
         raise _Unreadable("not JSON") from None
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvpersist.errors import KvpError
 from kvpersist.l2.layout import META_DIR, RUNS_DIR
-from kvpersist.l2.tree import FILE_FLAGS, meta_dir, open_rel, open_root, replace_at
+from kvpersist.l2.tree import meta_dir, open_rel, open_root, read_small_at, replace_at
 
 SCHEMA = "kvpersist.run/1"
 KINDS = ("verify", "prune")
@@ -92,19 +92,13 @@ def read_runs(root: str | os.PathLike[str]) -> tuple[dict[str, dict[str, Any]], 
 def _read(dfd: int, name: str, kind: str) -> tuple[dict[str, Any] | None, str]:
     where = f"{META_DIR}/{RUNS_DIR}/{name}"
     try:
-        fd = os.open(name, FILE_FLAGS, dir_fd=dfd)
+        data = read_small_at(dfd, name, _MAX_BYTES)
     except FileNotFoundError:
         return None, ""
     except OSError as exc:
         return None, f"{where}: {exc.strerror or exc}"
     try:
-        data = os.read(fd, _MAX_BYTES + 1)
-    except OSError as exc:
-        return None, f"{where}: {exc.strerror or exc}"
-    finally:
-        os.close(fd)
-    try:
-        doc = json.loads(data) if len(data) <= _MAX_BYTES else None
+        doc = json.loads(data) if data is not None else None
     except ValueError:
         doc = None
     if (not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("kind") != kind
