@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvpersist.config.read_path import ReadPath, explain_read_path
 from kvpersist.l2.budget import BudgetPlan
 from kvpersist.l2.inventory import size_deployment
+from kvpersist.l2.read_path import ReadPath, explain_read_path
 
 
 def budget(config: str) -> tuple[BudgetPlan, ReadPath]:

@@ -20,10 +20,10 @@ from kvpersist import __version__
 from kvpersist.config.deployment import Deployment, listeners, shared_tier_of
 from kvpersist.config.engine_args import engine_argv
 from kvpersist.config.identity import MODEL_KV_DTYPES
-from kvpersist.config.read_path import explain_read_path
 from kvpersist.config.shared_tier import adapter_json
 from kvpersist.config.values import reach_host
 from kvpersist.errors import ConfigError, Problem
+from kvpersist.l2.read_path import explain_read_path
 from kvpersist.system.templates import environment
 
 TEMPLATE_NAMES = ("lmcache-server.argv.j2", "vllm-serve.argv.j2", "manifest.json.j2")
@@ -75,7 +75,7 @@ class Rendered:
     shared_l2_adapter: dict[str, Any] | None = None
     #: the shared tier as configured, credentials redacted (None: no shared tier)
     shared_tier: dict[str, Any] | None = None
-    #: the L2 read-path settings and why (kvpersist.config.read_path.ReadPath.to_dict)
+    #: the L2 read-path settings and why (kvpersist.l2.read_path.ReadPath.to_dict)
     read_path: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpersist.config.read_path import explain_read_path
 from kvpersist.l2.preread import Candidate, off_reason, plan_preread, preread_cap
+from kvpersist.l2.read_path import explain_read_path
 from kvpersist.stack.preread import list_candidates, preread, start_preread
 
 GIB = 1024**3
