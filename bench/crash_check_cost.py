@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    from kvpersist.l2.tree import open_root
     from kvpersist.l2.verify import verify_root
 
     master = os.urandom(32)
@@ -82,7 +83,8 @@ def main() -> None:
                            check=True)
 
         def check() -> None:
-            r = verify_root(root, NS, key=master, apply=True, rate_mb_s=None, since_ns=0)
+            with open_root(root, purpose="verify") as handle:
+                r = verify_root(handle, NS, key=master, apply=True, rate_mb_s=None, since_ns=0)
             assert r.authenticated == a.files and not r.findings, r.findings
 
         cat()  # warm the page cache

@@ -67,6 +67,7 @@ def lane(idx: int, cycles: int, tmp: Path, seed: int, out: dict[str, Any],
          log: Path | None = None) -> None:
     from kvpersist.demo.kvdriver import connect
     from kvpersist.l2 import keys
+    from kvpersist.l2.tree import open_root
     from kvpersist.l2.verify import verify_root
     from kvpersist.stack import launch as lc
     from kvpersist.system import procs
@@ -115,7 +116,8 @@ def lane(idx: int, cycles: int, tmp: Path, seed: int, out: dict[str, Any],
                     rec = json.loads(line)
                     stored[rec["seq"]] = rec["digests"]
                     t["sequences_stored"] += 1
-            v = verify_root(root, plan.namespace, key=key, rate_mb_s=None, since_ns=since)
+            with open_root(root, purpose="verify") as handle:
+                v = verify_root(handle, plan.namespace, key=key, rate_mb_s=None, since_ns=since)
             t["files_published"] += v.files
             t["failing_authentication"] += sum(f.kind == "auth" for f in v.findings)
             t["torn_by_size"] += sum(f.kind == "size" for f in v.findings)
@@ -140,7 +142,8 @@ def lane(idx: int, cycles: int, tmp: Path, seed: int, out: dict[str, Any],
                     full += 1
                     same += got == digests
         stop = lc.stop_server(plan, timeout=60)
-        final = verify_root(root, plan.namespace, key=key, rate_mb_s=None)
+        with open_root(root, purpose="verify") as handle:
+            final = verify_root(handle, plan.namespace, key=key, rate_mb_s=None)
         t.update({"lookups": len(stored), "full_hits": full, "full_hits_identical": same,
                   "final_stop": stop.how, "final_files": final.files,
                   "final_authenticated": final.authenticated,

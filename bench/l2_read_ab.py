@@ -199,10 +199,12 @@ def run_preread(root: Path, ns: str) -> dict[str, Any]:
     the time of the listing and the fadvise calls; ``resident_s`` adds reading every advised
     file once (``cat``), which waits for the kernel's in-flight reads: the time until the
     files are in memory, i.e. what must fit inside a model load."""
+    from kvpersist.l2.tree import open_root
     from kvpersist.stack.preread import preread
 
     t = time.perf_counter()
-    res = preread(str(root), ns, cap_bytes=1 << 40)
+    with open_root(root, purpose="pre-read") as handle:
+        res = preread(handle, ns, cap_bytes=1 << 40)
     issue_s = time.perf_counter() - t
     subprocess.run(["cat", *(str(root / f) for f in res.files)], stdout=subprocess.DEVNULL,
                    check=True)

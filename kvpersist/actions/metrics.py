@@ -335,10 +335,10 @@ def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
     Raises UsageError without a root or a config, ConfigError for a config that does not load,
     KvpError for a root that cannot be read."""
     from kvpersist.actions.lifecycle import health
-    from kvpersist.actions.report import report
+    from kvpersist.actions.report import report_on
     from kvpersist.config.loader import load_deployment
     from kvpersist.errors import UsageError
-    from kvpersist.l2.inventory import real_root
+    from kvpersist.l2.inventory import open_existing, real_root, resolve_inventory
     from kvpersist.l2.runs import read_runs
 
     measured = time.time()
@@ -357,14 +357,17 @@ def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
     failed: list[str] = []
     for path, mine in groups.items():
         try:
-            rep = report(path, [c for c, _ in mine], progress=progress)
+            inv = resolve_inventory(path, [c for c, _ in mine])
+            # one opening of the root: the report's scan and the recorded runs
+            with open_existing(inv.root) as handle:
+                rep = report_on(handle, inv, progress=progress)
+                runs, problems = read_runs(handle)
         except UsageError as exc:
             if root is not None:
                 raise
             # a deployment whose root is missing still gets its health series (cache_root down)
             failed.append(str(exc))
             continue
-        runs, problems = read_runs(path)
         info = {d.namespace: _deployment_info(d) for _, d in mine}
         roots.append(RootFacts(rep.to_dict(), rep.scan, runs, info, problems))
         notes.extend(problems)

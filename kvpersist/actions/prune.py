@@ -16,15 +16,14 @@ from typing import Any
 from kvpersist.errors import UsageError
 from kvpersist.l2.inventory import (
     Inventory,
-    Measurement,
-    host_ram_bytes,
+    measurement_of,
+    open_existing,
     plan_with,
-    require_root,
     resolve_inventory,
-    scan_existing,
+    snapshot,
 )
 from kvpersist.l2.manifests import manifest_dirs
-from kvpersist.l2.pin_store import measure_pins, read_pins
+from kvpersist.l2.pin_store import read_pins
 from kvpersist.l2.pins import PinnedUsage, all_names, without_pins
 from kvpersist.l2.prune import PruneResult, prune_lock, prune_stream
 from kvpersist.l2.retention import (
@@ -36,7 +35,6 @@ from kvpersist.l2.retention import (
 )
 from kvpersist.l2.runs import record_run
 from kvpersist.l2.scan import ScanResult
-from kvpersist.l2.tree import open_root
 
 ProgressFactory = Callable[[str], Callable[..., None] | None]
 
@@ -114,9 +112,7 @@ def select(res: ScanResult, inv: Inventory, req: PruneRequest,
                              namespaces=req.namespaces, stale=req.stale,
                              unpinned=req.unpinned, temp_older_than_s=req.temp_older_than_s,
                              force=req.force), None
-    assert res.fs is not None
-    m = Measurement(res.fs, res.prefix_bytes(), res.temp.bytes,
-                    host_ram_bytes() if ram_bytes is None else ram_bytes, res)
+    m = measurement_of(res, ram_bytes)
     need = 0
     budget_doc = None
     for dep in inv.deployments:
@@ -162,34 +158,37 @@ def prune(root: str | None, configs: Sequence[str], req: PruneRequest, *, apply:
     check_request(req)
     inv = resolve_inventory(root, configs)
     check_inventory(req, inv, configs)
-    require_root(inv.root)
 
     def bar(what: str) -> Callable[..., None] | None:
         return progress(what) if progress is not None else None
 
-    pins, pin_problems = read_pins(inv.root)
-    lock = prune_lock(inv.root) if apply else contextlib.nullcontext()
-    with lock:
-        budget_doc = None
-        if req.needs_scan:
-            res = scan_existing(inv.root, hist=req.to_budget, progress=bar("scanned entries"))
-            with open_root(inv.root, purpose="measure the pins of") as r:
-                pinned = {ns: measure_pins(r.fd, p, hist=True) for ns, p in pins.items()}
-            plan, budget_doc = select(res, inv, req, pinned=pinned)
-        else:
-            plan = select_named(active=inv.active, now_ns=time.time_ns(),
-                                namespaces=req.namespaces,
-                                temp_older_than_s=req.temp_older_than_s, force=req.force)
-        result = prune_stream(inv.root, plan.selections, active=inv.active, dry_run=not apply,
-                              list_paths=list_paths,
-                              progress=bar("files deleted" if apply else "files selected"),
-                              lock=False, manifest_dirs=manifest_dirs(inv.deployments),
-                              keep=all_names(pins.values()))
-        result.warnings.extend(pin_problems)
-        if apply:
-            warning = record_run(inv.root, "prune", ok=not result.errors, counts={
-                "deleted_files": result.deleted_files, "deleted_bytes": result.deleted_bytes,
-                "errors": len(result.errors)}, mode="apply")
-            if warning:
-                result.warnings.append(warning)
+    # the one opening of the root: the lock, the scan, the pins, the deletion and the record
+    # of the run all use this handle
+    with open_existing(inv.root) as handle:
+        lock = prune_lock(handle) if apply else contextlib.nullcontext()
+        with lock:
+            budget_doc = None
+            if req.needs_scan:
+                snap = snapshot(handle, manifests=False, hist=req.to_budget, pin_hist=True,
+                                progress=bar("scanned entries"))
+                pins, pin_problems = dict(snap.pins), list(snap.pin_problems)
+                plan, budget_doc = select(snap.scan, inv, req, pinned=snap.pinned)
+            else:
+                pins, pin_problems = read_pins(handle)
+                plan = select_named(active=inv.active, now_ns=time.time_ns(),
+                                    namespaces=req.namespaces,
+                                    temp_older_than_s=req.temp_older_than_s, force=req.force)
+            result = prune_stream(handle, plan.selections, active=inv.active,
+                                  dry_run=not apply, list_paths=list_paths,
+                                  progress=bar("files deleted" if apply else "files selected"),
+                                  lock=False, manifest_dirs=manifest_dirs(inv.deployments),
+                                  keep=all_names(pins.values()))
+            result.warnings.extend(pin_problems)
+            if apply:
+                warning = record_run(handle, "prune", ok=not result.errors, counts={
+                    "deleted_files": result.deleted_files,
+                    "deleted_bytes": result.deleted_bytes,
+                    "errors": len(result.errors)}, mode="apply")
+                if warning:
+                    result.warnings.append(warning)
     return PruneOutcome(result, plan, set(inv.active), budget_doc)

@@ -8,9 +8,15 @@ from typing import Any
 
 from kvpersist.config.values import parse_size_or_percent
 from kvpersist.l2.budget import l2_limit
-from kvpersist.l2.inventory import Inventory, resolve_inventory, scan_existing
+from kvpersist.l2.inventory import (
+    Inventory,
+    RootDir,
+    open_existing,
+    resolve_inventory,
+    snapshot,
+)
 from kvpersist.l2.layout import KvRank, is_namespace
-from kvpersist.l2.manifests import Manifest, manifest_dirs, read_manifests
+from kvpersist.l2.manifests import Manifest
 from kvpersist.l2.pins import PinnedUsage, PinSet
 from kvpersist.l2.retention import category
 from kvpersist.l2.scan import PrefixUsage, ProgressFn, ScanResult, Usage
@@ -167,18 +173,18 @@ def report(root: str | None, configs: Sequence[str] = (), *,
            progress: ProgressFn | None = None) -> Report:
     """Scan the root (given, or the configs' cache root) once and join it with the
     manifests and the configured deployments. Raises UsageError for a missing root."""
-    from kvpersist.l2.pin_store import measure_pins, read_pins
-    from kvpersist.l2.tree import open_root
-
     inv = resolve_inventory(root, configs)
-    res = scan_existing(inv.root, progress=progress)
-    manifests, bad = read_manifests(inv.root, manifest_dirs(inv.deployments))
-    inv.notes.extend(bad)
-    pin_sets, pin_problems = read_pins(inv.root)
-    inv.notes.extend(pin_problems)
-    pins: dict[str, tuple[PinSet, PinnedUsage]] = {}
-    if pin_sets:
-        with open_root(inv.root, purpose="measure the pins of") as r:
-            pins = {ns: (p, measure_pins(r.fd, p)) for ns, p in pin_sets.items()}
-    budget, limit, reserve = budget_figures(inv, res)
-    return Report(build_report(res, inv, manifests, budget, limit, reserve, pins), res)
+    with open_existing(inv.root) as handle:
+        return report_on(handle, inv, progress=progress)
+
+
+def report_on(root: RootDir, inv: Inventory, *, progress: ProgressFn | None = None) -> Report:
+    """:func:`report` of the open ``root`` (``inv``'s, opened by the caller). The problems met
+    reading manifests and pins are added to ``inv.notes``."""
+    snap = snapshot(root, inv.deployments, progress=progress)
+    inv.notes.extend(snap.manifest_problems)
+    inv.notes.extend(snap.pin_problems)
+    pins = {ns: (p, snap.pinned[ns]) for ns, p in snap.pins.items()}
+    budget, limit, reserve = budget_figures(inv, snap.scan)
+    return Report(build_report(snap.scan, inv, dict(snap.manifests), budget, limit, reserve,
+                               pins), snap.scan)

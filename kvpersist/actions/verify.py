@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvpersist.l2.inventory import open_root
 from kvpersist.l2.pin_store import read_pins
 from kvpersist.l2.pins import all_names
 from kvpersist.l2.runs import record_run
@@ -25,17 +26,18 @@ def verify(config: str, *, apply: bool = False, all_namespaces: bool = False,
     s = dep.settings
     also = service_uids(s.service_user)
     key = keys.read_key(s.serde_key_file, also) if s.serde == "aesgcm" else None
-    pins, pin_problems = read_pins(s.cache_root)
-    res = verify_root(s.cache_root, dep.namespace, serde=s.serde, key=key, apply=apply,
-                      temp_age=temp_age, rate_mb_s=rate_mb_s or None,
-                      all_namespaces=all_namespaces, progress=progress,
-                      first=all_names(pins.values()))
-    res.warnings.extend(pin_problems)
-    left = len(res.findings) - (len(res.quarantined) if apply else 0)
-    warning = record_run(res.root, "verify", ok=left == 0, mode="apply" if apply else "check",
-                         counts={"files": res.files, "findings": len(res.findings),
-                                 "quarantined": len(res.quarantined),
-                                 "bytes_read": res.bytes_read})
+    with open_root(s.cache_root, purpose="verify") as root:
+        pins, pin_problems = read_pins(root)
+        res = verify_root(root, dep.namespace, serde=s.serde, key=key, apply=apply,
+                          temp_age=temp_age, rate_mb_s=rate_mb_s or None,
+                          all_namespaces=all_namespaces, progress=progress,
+                          first=all_names(pins.values()))
+        res.warnings.extend(pin_problems)
+        left = len(res.findings) - (len(res.quarantined) if apply else 0)
+        warning = record_run(root, "verify", ok=left == 0, mode="apply" if apply else "check",
+                             counts={"files": res.files, "findings": len(res.findings),
+                                     "quarantined": len(res.quarantined),
+                                     "bytes_read": res.bytes_read})
     if warning:
         res.warnings.append(warning)
     return res

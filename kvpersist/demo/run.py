@@ -194,8 +194,10 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
     report: dict[str, Any] = {}
     try:
         from kvpersist.l2.scan import scan_root
+        from kvpersist.l2.tree import open_root
 
-        res = scan_root(plan.cache_root, hist=False)
+        with open_root(plan.cache_root, purpose="scan") as root:
+            res = scan_root(root, hist=False)
         report = {p: {"files": u.files, "bytes": u.bytes} for p, u in res.prefixes.items()}
     except Exception as exc:  # the report is informative only
         report = {"error": str(exc)}

@@ -5,6 +5,10 @@ One place answers the three questions that report, budget, prune, render and lau
 * :func:`resolve_inventory` — which root, which deployments are configured on it (roots are
   compared by their real path, so a root reached through a symlink is the same root), which
   namespaces are active;
+* :func:`open_existing` — the one opening of a root that must hold a cache: the handle
+  (:class:`~kvpersist.l2.tree.RootDir`) a use case opens once, passes down, and closes with
+  ``with``; :func:`snapshot` — what is on it, in one look (the scan, the manifests, the
+  warm-set pins and what they hold on disk);
 * :func:`measure` — one scan of the root (or nothing, for a root that does not exist yet) and
   host RAM, as plain figures;
 * :func:`size_deployment` — the budget plan of one deployment from one measurement, with the
@@ -25,8 +29,12 @@ from kvpersist.config.deployment import Deployment
 from kvpersist.config.values import system_dir
 from kvpersist.errors import ConfigError, KvpError, UsageError
 from kvpersist.l2.budget import BudgetPlan, plan_for_deployment
-from kvpersist.l2.manifests import manifest_dirs, read_manifests
+from kvpersist.l2.manifests import Manifest, manifest_dirs, read_manifests, read_manifests_at
+from kvpersist.l2.pin_store import measure_pins, read_pins
+from kvpersist.l2.pins import PinnedUsage, PinSet
 from kvpersist.l2.scan import ProgressFn, ScanResult, scan_root
+from kvpersist.l2.tree import RootDir as RootDir
+from kvpersist.l2.tree import open_root as open_root
 from kvpersist.system.files import FsInfo, fs_info
 
 
@@ -93,7 +101,7 @@ def resolve_inventory(
     for d in deps:
         if d not in on_root and configs:
             notes.append(f"config {d.name} uses another cache root ({d.settings.cache_root})")
-    manifests, _ = read_manifests(root, manifest_dirs(on_root))
+    manifests, _ = read_manifests_at(root, manifest_dirs(on_root))
     active: set[str] = set()
     for d in on_root:
         if d.pinned:
@@ -160,19 +168,68 @@ def require_root(root: str | os.PathLike[str]) -> None:
                        "as the cache owner")
 
 
-def scan_existing(root: str | os.PathLike[str], *, hist: bool = False,
-                  progress: ProgressFn | None = None) -> ScanResult:
-    """Scan a root that must exist (report, prune). Raises UsageError naming the root when it
-    is missing or not a directory, KvpError when it cannot be read; never creates it."""
+def open_existing(root: str | os.PathLike[str], *, purpose: str = "scan") -> RootDir:
+    """Open a cache root that must already hold a cache (report, prune, metrics, sizing):
+    :func:`require_root`'s checks, then the one :func:`~kvpersist.l2.tree.open_root` of the
+    use case. The caller closes the handle (``with open_existing(root) as handle: ...``).
+
+    Raises UsageError naming the root when it is missing, not a directory or a system
+    directory, KvpError when it cannot be read or opened; never creates it."""
     require_root(root)
+    return open_root(root, purpose=purpose)
+
+
+def scan(root: RootDir, *, hist: bool = False,
+         progress: ProgressFn | None = None) -> ScanResult:
+    """Scan the open ``root``. Raises UsageError when it is no longer a directory, KvpError
+    when it cannot be read."""
     try:
         return scan_root(root, progress=progress, hist=hist)
     except (FileNotFoundError, NotADirectoryError) as exc:
-        raise UsageError(f"cannot scan {os.fspath(root)}: not an existing directory "
+        raise UsageError(f"cannot scan {root.given or root.path}: not an existing directory "
                          "(check --root or KVP_CACHE_ROOT)") from exc
     except OSError as exc:
-        raise KvpError(f"cannot scan {os.fspath(root)}: {exc.strerror or exc}; run as the "
-                       "cache owner") from exc
+        raise KvpError(f"cannot scan {root.given or root.path}: {exc.strerror or exc}; run as "
+                       "the cache owner") from exc
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One look at an open cache root (report, prune, metrics): the scan; the manifests of its
+    deployments (empty unless asked for); each namespace's warm-set pins and what they hold
+    on disk, measured just after the scan; and the problems met reading the manifests and the
+    pins (each names the file it is about)."""
+
+    scan: ScanResult
+    manifests: Mapping[str, Manifest]
+    pins: Mapping[str, PinSet]
+    pinned: Mapping[str, PinnedUsage]
+    manifest_problems: tuple[str, ...] = ()
+    pin_problems: tuple[str, ...] = ()
+
+
+def snapshot(root: RootDir, deployments: Sequence[Deployment] = (), *,
+             manifests: bool = True, hist: bool = False, pin_hist: bool = False,
+             progress: ProgressFn | None = None) -> Snapshot:
+    """Scan the open ``root`` once (``hist``: with the last-use histogram), read its pins and
+    measure them right after (``pin_hist``: with theirs), and (``manifests``) read the
+    manifests of the root and of ``deployments``. Raises UsageError/KvpError as :func:`scan`
+    does; a manifest or pin manifest that cannot be read is a problem, not an error."""
+    res = scan(root, hist=hist, progress=progress)
+    pins, pin_problems = read_pins(root)
+    pinned = {ns: measure_pins(root, p, hist=pin_hist) for ns, p in pins.items()}
+    found: dict[str, Manifest] = {}
+    bad: list[str] = []
+    if manifests:
+        found, bad = read_manifests(root, manifest_dirs(deployments))
+    return Snapshot(res, found, pins, pinned, tuple(bad), tuple(pin_problems))
+
+
+def measurement_of(res: ScanResult, ram_bytes: int | None = None) -> Measurement:
+    """The measurement one scan gives (host RAM read here unless ``ram_bytes``)."""
+    assert res.fs is not None
+    ram = host_ram_bytes() if ram_bytes is None else ram_bytes
+    return Measurement(res.fs, res.prefix_bytes(), res.temp.bytes, ram, res)
 
 
 def measure(root: str | os.PathLike[str], *, ram_bytes: int | None = None,
@@ -180,12 +237,12 @@ def measure(root: str | os.PathLike[str], *, ram_bytes: int | None = None,
     """Measure ``root`` once: a scan if it exists, else an empty root on the filesystem of its
     nearest existing ancestor. Raises UsageError if the root is not a directory, KvpError if
     it cannot be read."""
-    ram = host_ram_bytes() if ram_bytes is None else ram_bytes
     if not os.path.lexists(root):
+        ram = host_ram_bytes() if ram_bytes is None else ram_bytes
         return Measurement(fs_info(root), {}, 0, ram)
-    res = scan_existing(root, progress=progress)
-    assert res.fs is not None
-    return Measurement(res.fs, res.prefix_bytes(), res.temp.bytes, ram, res)
+    with open_existing(root) as handle:
+        res = scan(handle, progress=progress)
+    return measurement_of(res, ram_bytes)
 
 
 def plan_with(dep: Deployment, m: Measurement,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvpersist.l2.layout import MANIFESTS_DIR, META_DIR, is_namespace
+from kvpersist.l2.tree import RootDir
 
 if TYPE_CHECKING:
     from kvpersist.config.deployment import Deployment
@@ -69,14 +70,22 @@ def default_manifest_dirs(root: str | os.PathLike[str]) -> list[str]:
 
 
 def read_manifests(
-    root: str | os.PathLike[str], extra_dirs: tuple[str, ...] | list[str] = ()
+    root: RootDir, extra_dirs: tuple[str, ...] | list[str] = ()
 ) -> tuple[dict[str, Manifest], list[str]]:
-    """All readable manifests by namespace, and messages about bad ones.
+    """All readable manifests of the open ``root`` by namespace, and messages about bad ones.
 
     Reads the :func:`default_manifest_dirs` of ``root`` and any ``extra_dirs`` (the manifest
     directories of deployments whose KVP_STATE_DIR is set); the newest manifest of a
     namespace wins.
     """
+    return read_manifests_at(root.path, extra_dirs)
+
+
+def read_manifests_at(
+    root: str | os.PathLike[str], extra_dirs: tuple[str, ...] | list[str] = ()
+) -> tuple[dict[str, Manifest], list[str]]:
+    """:func:`read_manifests` for a root named by its path, not open (it may not exist yet:
+    the inventory asks which namespaces are active before anything is scanned)."""
     found: dict[str, Manifest] = {}
     problems: list[str] = []
     dirs = [*default_manifest_dirs(root), *extra_dirs]

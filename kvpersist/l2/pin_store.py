@@ -4,13 +4,20 @@
 relative to directory descriptors, never through a symlink, as :mod:`kvpersist.l2.runs` does.
 Reading never creates anything; a manifest that is unreadable or not ours is reported and
 ignored (its files are then not protected, and the problem says so).
+
+Every function takes the open root (:class:`~kvpersist.l2.tree.RootDir`, opened and closed by the
+use case). Until the warm-up engine holds a handle itself, :func:`write_pins`,
+:func:`read_pin_document` and :func:`measure_pins` still accept its old forms (a root path, a
+root descriptor); see :func:`_borrowed`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat as stat_mod
+from collections.abc import Iterator
 from typing import Any
 
 from kvpersist.errors import KvpError
@@ -24,16 +31,31 @@ from kvpersist.l2.pins import (
     pins_name,
 )
 from kvpersist.l2.scan import HIST_BUCKET_NS
-from kvpersist.l2.tree import meta_dir, open_rel, open_root, read_small_at, replace_at
+from kvpersist.l2.tree import RootDir, meta_dir, open_rel, open_root, read_small_at, replace_at
+
+#: a root as the warm-up engine still names it (transitional): the handle, or a path
+RootOrPath = RootDir | str | os.PathLike[str]
 
 
-def write_pins(root: str | os.PathLike[str], doc: dict[str, Any]) -> str:
+@contextlib.contextmanager
+def _borrowed(root: RootOrPath, purpose: str) -> Iterator[RootDir]:
+    """``root`` itself when it is the open handle (left open: its use case closes it), else
+    ``root`` opened for this one call. Transitional, for the warm-up engine's path-based calls;
+    every other caller passes the handle."""
+    if isinstance(root, RootDir):
+        yield root
+        return
+    with open_root(root, purpose=purpose) as r:
+        yield r
+
+
+def write_pins(root: RootOrPath, doc: dict[str, Any]) -> str:
     """Write a pin manifest (atomic, owner-only) into the root; return its path.
     Raises KvpError when it cannot be written (e.g. ``.kvpersist`` is a symlink)."""
     namespace = str(doc["namespace"])
     data = (json.dumps(doc, sort_keys=True) + "\n").encode()
     final = pins_name(namespace)
-    with open_root(root, purpose="write the pins of") as r:
+    with _borrowed(root, "write the pins of") as r:
         dfd = meta_dir(r, PINS_DIR)
         try:
             replace_at(dfd, final, data)
@@ -45,34 +67,30 @@ def write_pins(root: str | os.PathLike[str], doc: dict[str, Any]) -> str:
         return os.path.join(r.path, META_DIR, PINS_DIR, final)
 
 
-def read_pins(root: str | os.PathLike[str]) -> tuple[dict[str, PinSet], list[str]]:
+def read_pins(root: RootDir) -> tuple[dict[str, PinSet], list[str]]:
     """Every namespace's pins on ``root`` and problems met (a manifest not ours, unreadable,
     or naming files that are not its namespace's chunk files). Never creates anything."""
     pins: dict[str, PinSet] = {}
     problems: list[str] = []
     try:
-        with open_root(root, purpose="read the pins of") as r:
-            try:
-                dfd = open_rel(r.fd, f"{META_DIR}/{PINS_DIR}")
-            except FileNotFoundError:
-                return pins, problems
-            except OSError as exc:
-                return pins, [f"{META_DIR}/{PINS_DIR}: {exc.strerror or exc}"]
-            try:
-                for name in sorted(os.listdir(dfd)):
-                    ns = name[:-5] if name.endswith(".json") else ""
-                    if not is_namespace(ns):
-                        continue
-                    pset, why = _read(dfd, name, ns)
-                    if pset is not None:
-                        pins[ns] = pset
-                    elif why:
-                        problems.append(f"{META_DIR}/{PINS_DIR}/{name}: {why}; its files are "
-                                        "not protected")
-            finally:
-                os.close(dfd)
-    except KvpError as exc:
-        problems.append(str(exc))
+        dfd = open_rel(root.fd, f"{META_DIR}/{PINS_DIR}")
+    except FileNotFoundError:
+        return pins, problems
+    except OSError as exc:
+        return pins, [f"{META_DIR}/{PINS_DIR}: {exc.strerror or exc}"]
+    try:
+        for name in sorted(os.listdir(dfd)):
+            ns = name[:-5] if name.endswith(".json") else ""
+            if not is_namespace(ns):
+                continue
+            pset, why = _read(dfd, name, ns)
+            if pset is not None:
+                pins[ns] = pset
+            elif why:
+                problems.append(f"{META_DIR}/{PINS_DIR}/{name}: {why}; its files are "
+                                "not protected")
+    finally:
+        os.close(dfd)
     return pins, problems
 
 
@@ -102,10 +120,10 @@ def _load(dfd: int, name: str) -> Any:
         raise _Unreadable("not JSON") from None
 
 
-def read_pin_document(root: str | os.PathLike[str], namespace: str) -> dict[str, Any] | None:
+def read_pin_document(root: RootOrPath, namespace: str) -> dict[str, Any] | None:
     """The pin manifest of ``namespace`` as a document, if it is a valid one (else None)."""
     try:
-        with open_root(root, purpose="read the pins of") as r:
+        with _borrowed(root, "read the pins of") as r:
             try:
                 dfd = open_rel(r.fd, f"{META_DIR}/{PINS_DIR}")
             except OSError:
@@ -123,26 +141,26 @@ def read_pin_document(root: str | os.PathLike[str], namespace: str) -> dict[str,
     return doc
 
 
-def remove_pins(root: str | os.PathLike[str], namespace: str) -> bool:
+def remove_pins(root: RootDir, namespace: str) -> bool:
     """Remove the pin manifest of ``namespace``; True if one was removed."""
-    with open_root(root, purpose="remove the pins of") as r:
-        try:
-            dfd = open_rel(r.fd, f"{META_DIR}/{PINS_DIR}")
-        except FileNotFoundError:
-            return False
-        try:
-            os.unlink(pins_name(namespace), dir_fd=dfd)
-        except FileNotFoundError:
-            return False
-        finally:
-            os.close(dfd)
+    try:
+        dfd = open_rel(root.fd, f"{META_DIR}/{PINS_DIR}")
+    except FileNotFoundError:
+        return False
+    try:
+        os.unlink(pins_name(namespace), dir_fd=dfd)
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(dfd)
     return True
 
 
-def measure_pins(root_fd: int, pins: PinSet, *, hist: bool = False) -> PinnedUsage:
-    """Stat each pinned file relative to the root descriptor (never through a symlink):
-    present files and bytes, missing ones, and (``hist``) their last-use histogram in the
-    scan's buckets."""
+def measure_pins(root: RootDir | int, pins: PinSet, *, hist: bool = False) -> PinnedUsage:
+    """Stat each pinned file relative to the open root (never through a symlink): present
+    files and bytes, missing ones, and (``hist``) their last-use histogram in the scan's
+    buckets. (A bare root descriptor is the warm-up engine's old form: transitional.)"""
+    root_fd = root.fd if isinstance(root, RootDir) else root
     files = nbytes = missing = 0
     use: dict[int, list[int]] = {}
     for rel in sorted(pins.files):

@@ -1,6 +1,6 @@
 """The prune executor (I/O): delete the files retention selections name, safely, in one pass.
 
-``prune_stream(root, selections)`` walks the chunk directories of the root
+``prune_stream(root, selections)`` walks the chunk directories of the open root
 (:func:`kvpersist.l2.tree.chunk_dirs`: the root itself and ``ab/cd`` shard directories; never
 ``.kvpersist``, never a foreign directory, never through a symlink). The directory listing is
 the plan: every regular file whose name parses as a chunk or temp file of a selected prefix is
@@ -45,7 +45,7 @@ from kvpersist.l2.layout import (
 from kvpersist.l2.manifests import default_manifest_dirs, remove_manifest
 from kvpersist.l2.pin_store import remove_pins
 from kvpersist.l2.retention import Selection
-from kvpersist.l2.tree import RootDir, Shard, chunk_dirs, meta_dir, open_root
+from kvpersist.l2.tree import RootDir, Shard, chunk_dirs, meta_dir
 from kvpersist.system.forked import run_parts
 
 PROGRESS_EVERY = 4096
@@ -114,22 +114,21 @@ def _last_use(st: os.stat_result) -> int:
 
 
 @contextlib.contextmanager
-def prune_lock(root: str | os.PathLike[str]) -> Iterator[None]:
-    """Hold ``<root>/.kvpersist/prune.lock`` (flock). Raises PruneLocked if another prune holds
-    it, UsageError if the root does not exist, KvpError if the lock cannot be taken (e.g.
-    ``.kvpersist`` is a symlink, or this user may not write there)."""
-    with open_root(root, purpose="prune") as r:
-        path = os.path.join(r.path, META_DIR, PRUNE_LOCK)
-        mfd = meta_dir(r)
-        try:
-            fd = os.open(PRUNE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                         0o600, dir_fd=mfd)
-        except OSError as exc:
-            fix = ("it is a symbolic link: remove it" if exc.errno == errno.ELOOP
-                   else "run as the user that owns the cache")
-            raise KvpError(f"cannot open the prune lock {path}: {exc.strerror}; {fix}") from None
-        finally:
-            os.close(mfd)
+def prune_lock(root: RootDir) -> Iterator[None]:
+    """Hold ``<root>/.kvpersist/prune.lock`` (flock) of the open root. Raises PruneLocked if
+    another prune holds it, KvpError if the lock cannot be taken (e.g. ``.kvpersist`` is a
+    symlink, or this user may not write there)."""
+    path = os.path.join(root.path, META_DIR, PRUNE_LOCK)
+    mfd = meta_dir(root)
+    try:
+        fd = os.open(PRUNE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600, dir_fd=mfd)
+    except OSError as exc:
+        fix = ("it is a symbolic link: remove it" if exc.errno == errno.ELOOP
+               else "run as the user that owns the cache")
+        raise KvpError(f"cannot open the prune lock {path}: {exc.strerror}; {fix}") from None
+    finally:
+        os.close(mfd)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -142,7 +141,7 @@ def prune_lock(root: str | os.PathLike[str]) -> Iterator[None]:
                 holder = ""
             who = f" (pid {holder})" if holder else ""
             raise PruneLocked(
-                f"another kvp-admin prune is running on {os.fspath(root)}{who}; "
+                f"another kvp-admin prune is running on {root.path}{who}; "
                 f"wait for it to finish (lock: {path})"
             ) from None
         with contextlib.suppress(OSError):
@@ -185,7 +184,7 @@ def _remove_manifests(root: RootDir, selections: Sequence[Selection], active: fr
         if _prefix_has_files(root.fd, ns):
             continue
         try:
-            if remove_pins(root.path, ns) and ns not in res.pins_removed:
+            if remove_pins(root, ns) and ns not in res.pins_removed:
                 res.pins_removed.append(ns)
         except (OSError, KvpError) as exc:
             res.errors.append(f"{META_DIR}/pins/{ns}.json: {exc}")
@@ -213,7 +212,7 @@ class _PartResult:
     ino_mismatch: int = 0
 
 
-def _stream_part(root: str, selections: Sequence[Selection], part: int, parts: int,
+def _stream_part(root: RootDir, selections: Sequence[Selection], part: int, parts: int,
                  dry_run: bool, list_paths: bool, progress: Callable[[int], None] | None,
                  started_ns: int, keep: frozenset[str] = frozenset()) -> _PartResult:
     """One worker of :func:`prune_stream`: its share of the root's entries (by name hash) and
@@ -319,17 +318,25 @@ def _stream_part(root: str, selections: Sequence[Selection], part: int, parts: i
         k += 1
         return k % parts == part
 
-    with open_root(root, purpose="prune") as r, \
-            chunk_dirs(r.fd, select=mine if parts > 1 else None, on_error=error) as dirs:
-        for d in dirs:
-            try:
-                do_dir(d.fd, d.entries(), d.rel, d.shard, parts > 1 and d.shard is None)
-            except OSError as exc:  # the listing itself failed
-                error(d.rel or ".", exc)
+    try:
+        root_fd = root.fd if part == 0 else root.reopen()
+    except OSError as exc:
+        error(".", exc)
+        return out
+    try:
+        with chunk_dirs(root_fd, select=mine if parts > 1 else None, on_error=error) as dirs:
+            for d in dirs:
+                try:
+                    do_dir(d.fd, d.entries(), d.rel, d.shard, parts > 1 and d.shard is None)
+                except OSError as exc:  # the listing itself failed
+                    error(d.rel or ".", exc)
+    finally:
+        if root_fd != root.fd:
+            os.close(root_fd)
     return out
 
 
-def _stream_workers(root: str, workers: int | None) -> int:
+def _stream_workers(root: RootDir, workers: int | None) -> int:
     """One process unless asked: unlinks in one directory serialize on its lock, and measured
     on ext4 a second worker did not make a one-namespace prune faster (docs/benchmarks.md)."""
     del root
@@ -337,7 +344,7 @@ def _stream_workers(root: str, workers: int | None) -> int:
 
 
 def prune_stream(
-    root: str | os.PathLike[str],
+    root: RootDir,
     selections: Sequence[Selection],
     *,
     active: frozenset[str] | set[str] = frozenset(),
@@ -360,46 +367,45 @@ def prune_stream(
 
     Large flat trees can be split between forked workers by a hash of each name. Takes the
     prune lock unless ``lock`` is False (the caller holds it; never needed for a dry run).
-    Raises PruneLocked, UsageError if ``root`` does not exist or is not a directory, KvpError
-    if it cannot be opened; errors on single files are collected in the result.
+    Raises PruneLocked, KvpError if the lock cannot be taken; errors on single files are
+    collected in the result.
     """
     t0 = time.perf_counter()
     sels = tuple(selections)
-    with open_root(root, purpose="prune") as r:
-        res = PruneResult(r.path, dry_run)
-        if list_paths:
-            res.deleted_paths = []
-        ctx = prune_lock(r.path) if lock and not dry_run else contextlib.nullcontext()
-        with ctx:
-            parts: list[_PartResult] = []
-            if sels:
-                n = _stream_workers(r.path, workers)
-                parts = _run_parts(r.path, sels, n, dry_run, list_paths, progress, keep)
-            done = [[0, 0] for _ in sels]
-            for p in parts:
-                for d, x in zip(done, p.done, strict=True):
-                    d[0] += x[0]
-                    d[1] += x[1]
-                res.skipped_changed += p.changed
-                res.skipped_vanished += p.vanished
-                res.skipped_used += p.used
-                res.kept_pinned += p.kept_pinned
-                res.deleted_pinned += p.deleted_pinned
-                res.errors.extend(p.errors)
-                if res.deleted_paths is not None and p.paths is not None:
-                    res.deleted_paths.extend(p.paths)
-            checked = sum(p.ino_checked for p in parts)
-            mismatch = sum(p.ino_mismatch for p in parts)
-            if checked >= 100 and mismatch == checked:
-                res.errors.append("every file's inode differs from its directory entry's: "
-                                  "this filesystem (overlayfs?) reports unstable inode "
-                                  "numbers; nothing was deleted")
-            res.deleted_files = sum(d[0] for d in done)
-            res.deleted_bytes = sum(d[1] for d in done)
-            res.planned_files, res.planned_bytes = res.deleted_files, res.deleted_bytes
-            if not dry_run:
-                _remove_manifests(r, sels, frozenset(active),
-                                  [*default_manifest_dirs(r.path), *manifest_dirs], res)
+    res = PruneResult(root.path, dry_run)
+    if list_paths:
+        res.deleted_paths = []
+    ctx = prune_lock(root) if lock and not dry_run else contextlib.nullcontext()
+    with ctx:
+        parts: list[_PartResult] = []
+        if sels:
+            n = _stream_workers(root, workers)
+            parts = _run_parts(root, sels, n, dry_run, list_paths, progress, keep)
+        done = [[0, 0] for _ in sels]
+        for p in parts:
+            for d, x in zip(done, p.done, strict=True):
+                d[0] += x[0]
+                d[1] += x[1]
+            res.skipped_changed += p.changed
+            res.skipped_vanished += p.vanished
+            res.skipped_used += p.used
+            res.kept_pinned += p.kept_pinned
+            res.deleted_pinned += p.deleted_pinned
+            res.errors.extend(p.errors)
+            if res.deleted_paths is not None and p.paths is not None:
+                res.deleted_paths.extend(p.paths)
+        checked = sum(p.ino_checked for p in parts)
+        mismatch = sum(p.ino_mismatch for p in parts)
+        if checked >= 100 and mismatch == checked:
+            res.errors.append("every file's inode differs from its directory entry's: "
+                              "this filesystem (overlayfs?) reports unstable inode "
+                              "numbers; nothing was deleted")
+        res.deleted_files = sum(d[0] for d in done)
+        res.deleted_bytes = sum(d[1] for d in done)
+        res.planned_files, res.planned_bytes = res.deleted_files, res.deleted_bytes
+        if not dry_run:
+            _remove_manifests(root, sels, frozenset(active),
+                              [*default_manifest_dirs(root.path), *manifest_dirs], res)
     res.per_selection = [
         {**s.to_dict(), "deleted_files": d[0], "deleted_bytes": d[1]}
         for s, d in zip(sels, done, strict=True)
@@ -410,7 +416,7 @@ def prune_stream(
     return res
 
 
-def _run_parts(root: str, selections: tuple[Selection, ...], n: int, dry_run: bool,
+def _run_parts(root: RootDir, selections: tuple[Selection, ...], n: int, dry_run: bool,
                list_paths: bool, progress: Callable[[int], None] | None,
                keep: frozenset[str] = frozenset()) -> list[_PartResult]:
     # "since the prune began" (for all workers alike). File timestamps come from the kernel's

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvpersist.errors import KvpError
 from kvpersist.l2.layout import META_DIR, RUNS_DIR
-from kvpersist.l2.tree import meta_dir, open_rel, open_root, read_small_at, replace_at
+from kvpersist.l2.tree import RootDir, meta_dir, open_rel, read_small_at, replace_at
 
 SCHEMA = "kvpersist.run/1"
 KINDS = ("verify", "prune")
@@ -38,54 +38,49 @@ def run_record(kind: str, *, ok: bool, finished_ns: int, counts: dict[str, int],
             "mode": mode, "counts": {k: int(v) for k, v in counts.items()}}
 
 
-def record_run(root: str | os.PathLike[str], kind: str, *, ok: bool, counts: dict[str, int],
+def record_run(root: RootDir, kind: str, *, ok: bool, counts: dict[str, int],
                mode: str = "", finished_ns: int | None = None) -> str | None:
-    """Record a finished run of ``kind`` on ``root``; None, or a warning when it could not be
-    recorded (the run itself stands)."""
+    """Record a finished run of ``kind`` on the open ``root``; None, or a warning when it could
+    not be recorded (the run itself stands)."""
     doc = run_record(kind, ok=ok, counts=counts, mode=mode,
                      finished_ns=time.time_ns() if finished_ns is None else finished_ns)
     data = (json.dumps(doc, sort_keys=True) + "\n").encode()
     final = f"{kind}.json"
     try:
-        with open_root(root, purpose="record the run on") as r:
-            dfd = meta_dir(r, RUNS_DIR)
-            try:
-                replace_at(dfd, final, data)
-            finally:
-                os.close(dfd)
+        dfd = meta_dir(root, RUNS_DIR)
+        try:
+            replace_at(dfd, final, data)
+        finally:
+            os.close(dfd)
     except KvpError as exc:
         return f"the {kind} run was not recorded for metrics: {exc}"
     except OSError as exc:
         return (f"the {kind} run was not recorded for metrics: "
-                f"{os.path.join(os.fspath(root), META_DIR, RUNS_DIR, final)}: "
+                f"{os.path.join(root.given or root.path, META_DIR, RUNS_DIR, final)}: "
                 f"{exc.strerror or exc}")
     return None
 
 
-def read_runs(root: str | os.PathLike[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """The recorded runs of ``root`` by kind (a kind never recorded is absent), and problems
-    met (a record that is unreadable or not ours). Never creates anything."""
+def read_runs(root: RootDir) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The recorded runs of the open ``root`` by kind (a kind never recorded is absent), and
+    problems met (a record that is unreadable or not ours). Never creates anything."""
     runs: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
     try:
-        with open_root(root, purpose="read the runs of") as r:
-            try:
-                dfd = open_rel(r.fd, f"{META_DIR}/{RUNS_DIR}")
-            except FileNotFoundError:
-                return runs, problems
-            except OSError as exc:
-                return runs, [f"{META_DIR}/{RUNS_DIR}: {exc.strerror or exc}"]
-            try:
-                for kind in KINDS:
-                    doc, problem = _read(dfd, f"{kind}.json", kind)
-                    if doc is not None:
-                        runs[kind] = doc
-                    if problem:
-                        problems.append(problem)
-            finally:
-                os.close(dfd)
-    except KvpError as exc:
-        problems.append(str(exc))
+        dfd = open_rel(root.fd, f"{META_DIR}/{RUNS_DIR}")
+    except FileNotFoundError:
+        return runs, problems
+    except OSError as exc:
+        return runs, [f"{META_DIR}/{RUNS_DIR}: {exc.strerror or exc}"]
+    try:
+        for kind in KINDS:
+            doc, problem = _read(dfd, f"{kind}.json", kind)
+            if doc is not None:
+                runs[kind] = doc
+            if problem:
+                problems.append(problem)
+    finally:
+        os.close(dfd)
     return runs, problems
 
 

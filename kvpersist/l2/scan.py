@@ -39,7 +39,7 @@ from kvpersist.l2.layout import (
     is_shard_dir_name,
     namespace_of_prefix,
 )
-from kvpersist.l2.tree import open_dir, open_root, walk_dirs
+from kvpersist.l2.tree import RootDir, open_dir, walk_dirs
 from kvpersist.system.files import FsInfo, fs_info
 from kvpersist.system.forked import run_parts
 
@@ -544,32 +544,31 @@ def _want_workers(root_fd: int, workers: int | None) -> int:
 
 
 def scan_root(
-    root: str | os.PathLike[str],
+    root: RootDir,
     *,
     progress: ProgressFn | None = None,
     workers: int | None = None,
     hist: bool = True,
 ) -> ScanResult:
-    """Scan ``root`` and return the aggregates.
+    """Scan the open ``root`` and return the aggregates.
 
     ``progress`` is called now and then with the number of entries seen (by the first worker,
     scaled to an estimate of the total). ``workers`` forces the number of processes (default:
     one, or up to four on a multi-core host when the tree is big). ``hist`` keeps the last-use
     histogram needed by retention planning. Errors on single entries are collected in
-    ``result.errors``. Raises UsageError if ``root`` does not exist or is not a directory,
-    KvpError if it cannot be opened.
+    ``result.errors``.
     """
-    # the root itself may be a symlink the operator set up; nothing below it is followed
-    with open_root(root, purpose="scan") as opened:
-        root_s = opened.path
-        started = time.time_ns()
-        t0 = time.perf_counter()
-        n = _want_workers(opened.fd, workers)
-        result: ScanResult
-        if n == 1:
-            result = _Walker(root_s, 0, 1, progress, hist).walk_root(opened.fd)
-        else:
-            result = _scan_forked(root_s, opened.fd, n, progress, hist)
+    # the root itself may be a symlink the operator set up (resolved when it was opened);
+    # nothing below it is followed
+    root_s = root.path
+    started = time.time_ns()
+    t0 = time.perf_counter()
+    n = _want_workers(root.fd, workers)
+    result: ScanResult
+    if n == 1:
+        result = _Walker(root_s, 0, 1, progress, hist).walk_root(root.fd)
+    else:
+        result = _scan_forked(root_s, root.fd, n, progress, hist)
     _count_links(result, hist)
     result.root = root_s
     result.started_ns = started

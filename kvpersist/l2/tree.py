@@ -4,7 +4,8 @@ Every directory below the root is opened with :data:`DIR_FLAGS` (``O_NOFOLLOW``,
 ``O_DIRECTORY``) relative to its parent's descriptor, so a symlink below the root is never
 followed, not even one swapped in for a directory during a walk. The root itself may be a symlink
 the operator set up: :func:`open_root` resolves it once and turns every way of failing to open it
-into a :class:`~kvpersist.errors.KvpError` with a fix.
+into a :class:`~kvpersist.errors.KvpError` with a fix; the :class:`RootDir` it returns is the
+handle a use case opens once and passes down (the l2 functions take it, never a path).
 
 Two walks share one engine:
 
@@ -81,12 +82,28 @@ def open_rel(root_fd: int, rel: str) -> int:
 
 @dataclass
 class RootDir:
-    """An open cache root: its resolved path and a descriptor (closed by ``with`` or close())."""
+    """The open cache root: THE handle every l2 function that works on a root takes.
+
+    ``path`` is the root resolved once (symlinks followed when it was opened), ``fd`` a
+    descriptor of it, ``given`` the root as the caller named it (for messages).
+
+    The contract: the use case opens the root once (:func:`open_root`, or
+    :func:`kvpersist.l2.inventory.open_existing` for a root that must hold a cache) and closes it
+    with ``with``; the l2 functions it hands the root to use ``fd`` (and ``path`` for messages)
+    and never close it. A child process forked during the ``with`` block inherits it; one that
+    lists the root at the same time as this process takes :meth:`reopen` (a descriptor shares
+    its read position between processes).
+    """
 
     path: str
     fd: int
     #: the root as the caller named it (for messages)
     given: str = ""
+
+    def reopen(self) -> int:
+        """A new descriptor of this same directory (its own read position), opened relative to
+        ``fd``, so never a path resolved again. The caller closes it. Raises OSError."""
+        return open_dir(".", self.fd)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -143,7 +160,8 @@ def replace_at(dfd: int, final: str, data: bytes) -> None:
 
 
 def open_root(root: str | os.PathLike[str], *, purpose: str = "open") -> RootDir:
-    """Resolve ``root`` (it may be a symlink) and open it as a directory.
+    """Resolve ``root`` (it may be a symlink) and open it as a directory: the handle of one use
+    case (the caller closes it, with ``with``).
 
     ``purpose`` names the operation in messages (``cannot scan /x: ...``). Raises UsageError when
     the root does not exist or is not a directory, KvpError when it cannot be opened.

@@ -47,7 +47,7 @@ from typing import Any
 
 from kvpersist.l2 import layout
 from kvpersist.l2.layout import QUARANTINE_DIR, display_name
-from kvpersist.l2.tree import FILE_FLAGS, RootDir, chunk_dirs, meta_dir, open_rel, open_root
+from kvpersist.l2.tree import FILE_FLAGS, RootDir, chunk_dirs, meta_dir, open_rel
 
 SCHEMA = "kvpersist.verify/1"
 _HKDF_INFO_PREFIX = b"lmcache-l2-aesgcm-v1"  # lmcache/v1/distributed/serde/aesgcm.py
@@ -228,14 +228,14 @@ def _read(dfd: int, name: str) -> tuple[bytes, os.stat_result]:
         return f.read(), st
 
 
-def verify_root(root: str | os.PathLike[str], namespace: str, *, serde: str = "aesgcm",
+def verify_root(root: RootDir, namespace: str, *, serde: str = "aesgcm",
                 key: bytes | None = None, aes_bits: int = 128, apply: bool = False,
                 temp_age: float = 600.0, rate_mb_s: float | None = 200.0,
                 all_namespaces: bool = False, since_ns: int | None = None,
                 deadline_s: float | None = None,
                 progress: Callable[[int, int], None] | None = None,
                 first: frozenset[str] = frozenset()) -> VerifyResult:
-    """Check the chunk files under ``root``; quarantine findings when ``apply``.
+    """Check the chunk files under the open ``root``; quarantine findings when ``apply``.
 
     ``key`` is the master key (aesgcm); files of ``namespace`` (all prefixes when
     ``all_namespaces``) are authenticated with it. Only the chunk directories are visited (the
@@ -246,18 +246,16 @@ def verify_root(root: str | os.PathLike[str], namespace: str, *, serde: str = "a
     every file of the namespace), and no temp file is a finding; ``deadline_s`` stops reading
     after that many seconds (``unchecked`` counts the rest). Files named in ``first`` (the
     warm-set pins, what every session needs first) are checked before all others, so a
-    deadline never leaves them unchecked while others were read. Raises UsageError if
-    ``root`` does not exist or is not a directory, KvpError if it cannot be opened or, with
+    deadline never leaves them unchecked while others were read. Raises KvpError if, with
     ``apply``, the quarantine directory cannot be made safely.
     """
     t0 = time.monotonic()
-    with open_root(root, purpose="verify") as r:
-        res = VerifyResult(os.fspath(root), namespace, serde, apply, since_ns=since_ns)
-        targets = _check(r, res, key=key, aes_bits=aes_bits, temp_age=temp_age,
-                         rate_mb_s=rate_mb_s, all_namespaces=all_namespaces, progress=progress,
-                         deadline=None if deadline_s is None else t0 + deadline_s, first=first)
-        if apply:
-            _quarantine(r, res, targets)
+    res = VerifyResult(root.given or root.path, namespace, serde, apply, since_ns=since_ns)
+    targets = _check(root, res, key=key, aes_bits=aes_bits, temp_age=temp_age,
+                     rate_mb_s=rate_mb_s, all_namespaces=all_namespaces, progress=progress,
+                     deadline=None if deadline_s is None else t0 + deadline_s, first=first)
+    if apply:
+        _quarantine(root, res, targets)
     res.seconds = time.monotonic() - t0
     return res
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpersist.errors import KvpError
+from kvpersist.l2.tree import open_root
 from kvpersist.stack.locate import Location
 from kvpersist.stack.render import SERDE_NONE_WARNING
 from kvpersist.stack.stops import CleanStop, CrashWindow, Launched, decide
@@ -161,11 +162,12 @@ def check(loc: Location, window: CrashWindow, *, rate_mb_s: float | None = DEFAU
         key = keys.read_key(loc.serde_key_file, service_uids(loc.service_user))
     else:
         res.warnings.append(SERDE_NONE_WARNING)
-    pins, _ = read_pins(loc.cache_root)
-    # the warm set first: within the time bound, what every session needs is read first
-    v = verify_root(loc.cache_root, loc.namespace, serde=loc.serde, key=key, apply=True,
-                    rate_mb_s=rate_mb_s or None, since_ns=window.since_ns,
-                    deadline_s=deadline_s, first=all_names(pins.values()))
+    with open_root(loc.cache_root, purpose="verify") as root:
+        pins, _ = read_pins(root)
+        # the warm set first: within the time bound, what every session needs is read first
+        v = verify_root(root, loc.namespace, serde=loc.serde, key=key, apply=True,
+                        rate_mb_s=rate_mb_s or None, since_ns=window.since_ns,
+                        deadline_s=deadline_s, first=all_names(pins.values()))
     res.ran = True
     res.files, res.authenticated, res.bytes_read = v.files, v.authenticated, v.bytes_read
     res.reference_reads, res.unchecked = v.reference_reads, v.unchecked

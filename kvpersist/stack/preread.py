@@ -32,7 +32,7 @@ from pathlib import Path
 
 from kvpersist.l2.layout import parse_chunk_name, prefix_for_model_name
 from kvpersist.l2.preread import Candidate, PrereadPlan, plan_preread, preread_cap
-from kvpersist.l2.tree import FILE_FLAGS, chunk_dirs, open_rel, open_root
+from kvpersist.l2.tree import FILE_FLAGS, RootDir, chunk_dirs, open_rel, open_root
 
 SCHEMA = "kvpersist.preread/1"
 MODULE = "kvpersist.stack.preread"
@@ -123,23 +123,21 @@ def advise(root_fd: int, rel: str) -> int:
         os.close(fd)
 
 
-def preread(root: str, namespace: str, *, cap_bytes: int) -> PrereadResult:
-    """Plan and issue the pre-read of ``namespace`` under ``root`` (at most ``cap_bytes``).
-
-    Raises UsageError/KvpError if the root cannot be opened; a file that is gone, became a
-    symlink or cannot be opened is skipped and listed in ``errors``."""
+def preread(root: RootDir, namespace: str, *, cap_bytes: int) -> PrereadResult:
+    """Plan and issue the pre-read of ``namespace`` under the open ``root`` (at most
+    ``cap_bytes``). A file that is gone, became a symlink or cannot be opened is skipped and
+    listed in ``errors``."""
     t = time.perf_counter()
     errors: list[str] = []
-    with open_root(root, purpose="pre-read") as r:
-        plan = plan_preread(list_candidates(r.fd, namespace, errors), cap_bytes)
-        res = PrereadResult(plan, errors=errors)
-        for c in plan.files:
-            try:
-                res.bytes += advise(r.fd, c.rel)
-            except (OSError, ValueError) as exc:
-                errors.append(f"{c.rel}: {getattr(exc, 'strerror', None) or exc}")
-                continue
-            res.files.append(c.rel)
+    plan = plan_preread(list_candidates(root.fd, namespace, errors), cap_bytes)
+    res = PrereadResult(plan, errors=errors)
+    for c in plan.files:
+        try:
+            res.bytes += advise(root.fd, c.rel)
+        except (OSError, ValueError) as exc:
+            errors.append(f"{c.rel}: {getattr(exc, 'strerror', None) or exc}")
+            continue
+        res.files.append(c.rel)
     res.seconds = time.perf_counter() - t
     return res
 
@@ -182,7 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.nice(10)  # below the launch and vLLM's weight loading
     try:
         avail = mem_available()
-        res = preread(args.root, args.namespace, cap_bytes=preread_cap(avail, args.share))
+        # the child's one use case: it opens the root once (UsageError/KvpError reported)
+        with open_root(args.root, purpose="pre-read") as root:
+            res = preread(root, args.namespace, cap_bytes=preread_cap(avail, args.share))
         out = {**res.to_dict(), "mem_available": avail, "share": args.share}
     except Exception as exc:  # noqa: BLE001 - a background helper reports, never raises
         out = {"schema": SCHEMA, "error": str(exc)}

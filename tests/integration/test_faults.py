@@ -86,10 +86,10 @@ def test_kill9_during_store_bursts_never_leaves_a_torn_file(stack: Stack) -> Non
 
 def _assert_all_authenticate(stack: Stack, ns: str) -> None:
     from kvpersist.l2 import keys
-    from kvpersist.l2.verify import verify_root
+    from tests.l2_roots import verify_at
 
     key = keys.read_key(stack.state_dir / "keys" / "l2-master.key")
-    res = verify_root(stack.root, ns, key=key, rate_mb_s=None)
+    res = verify_at(stack.root, ns, key=key, rate_mb_s=None)
     assert not res.findings, res.findings
     assert res.authenticated == res.files == len(stack.chunk_files(ns))
     for f in stack.chunk_files(ns):

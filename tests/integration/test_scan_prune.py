@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from kvpersist.l2.layout import ChunkName, temp_name
-from kvpersist.l2.prune import PruneLocked, prune_lock, prune_stream
+from kvpersist.l2.prune import PruneLocked
 from kvpersist.l2.retention import plan_explicit
-from kvpersist.l2.scan import scan_root
 from tests.conftest import REPO, clean_env
+from tests.l2_roots import lock_at, prune_at, scan_at
 
 NS_A = "kvp-" + "a1" * 16          # will be the active namespace (when a config is given)
 NS_B = "kvp-" + "b2" * 16          # stale
@@ -150,7 +150,7 @@ def namespace_of(cfg: Path) -> str:
 @pytest.mark.parametrize("workers", [1, 2])
 def test_scan_totals_equal_du(tree: Any, workers: int) -> None:
     root, g, _ = tree
-    res = scan_root(root, workers=workers)
+    res = scan_at(root, workers=workers)
     assert res.total_bytes == du_bytes(root)
     for prefix in (NS_A, NS_B, UNP, "test-model", "--a--b"):
         u = res.prefixes[prefix]
@@ -168,7 +168,7 @@ def test_scan_totals_equal_du(tree: Any, workers: int) -> None:
 
 def test_scan_parallel_equals_serial(tree: Any) -> None:
     root, _, _ = tree
-    a, b = scan_root(root, workers=1), scan_root(root, workers=3)
+    a, b = scan_at(root, workers=1), scan_at(root, workers=3)
     assert a.total_bytes == b.total_bytes
     assert {p: (u.files, u.bytes, u.allocated_bytes, u.ranks, u.oldest_mtime_ns)
             for p, u in a.prefixes.items()} == \
@@ -181,7 +181,7 @@ def test_hard_links_count_once_like_du(tmp_path: Path) -> None:
     root = tmp_path / "c"
     f = write(root / chunk(NS_A, 1).filename(), 5000)
     os.link(f, root / "hardlink-copy")
-    res = scan_root(root)
+    res = scan_at(root)
     assert res.total_bytes == du_bytes(root)
 
 
@@ -195,7 +195,7 @@ def test_hard_links_split_between_workers_count_once(tmp_path: Path, workers: in
         os.link(f, root / chunk(NS_B, i).filename())  # a second chunk name, same inode
         t = write(root / temp_name(chunk(NS_A, 1000 + i), f"{i:032x}"), 300 + i)
         os.link(t, root / f"foreign-{i}")
-    res = scan_root(root, workers=workers)
+    res = scan_at(root, workers=workers)
     assert res.workers == workers
     assert res.total_bytes == du_bytes(root)
     # the first name in path order counts: kvp-a1... sorts before kvp-b2..., foreign- first
@@ -296,7 +296,7 @@ def test_symlinks_and_foreign_files_survive_every_prune(tmp_path: Path, tree: An
     for rel, ino in keep.items():
         assert (root / rel).lstat().st_ino == ino, rel
     assert (root / "lmcache-server.pid").exists()
-    left = scan_root(root)
+    left = scan_at(root)
     assert left.chunk_files == 0 and left.temp.files == 0
 
 
@@ -337,9 +337,9 @@ def change_after_first_listing(monkeypatch: pytest.MonkeyPatch,
 def test_file_replaced_between_listing_and_deletion_is_not_deleted(
         tree: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     root, g, _ = tree
-    sel = plan_explicit(scan_root(root).prefixes, scan_root(root).temp, active=set(),
+    sel = plan_explicit(scan_at(root).prefixes, scan_at(root).temp, active=set(),
                         now_ns=time.time_ns(), namespaces=(NS_A,)).selections
-    assert prune_stream(root, sel, dry_run=True).deleted_files == 6
+    assert prune_at(root, sel, dry_run=True).deleted_files == 6
     replaced, grown = g[NS_A][0], g[NS_A][1]
 
     def change() -> None:
@@ -351,7 +351,7 @@ def test_file_replaced_between_listing_and_deletion_is_not_deleted(
         g[NS_A][2].unlink()                   # vanished
 
     change_after_first_listing(monkeypatch, change)
-    res = prune_stream(root, sel, dry_run=False)
+    res = prune_at(root, sel, dry_run=False)
     assert res.deleted_files == 3
     assert res.skipped_changed == 2 and res.skipped_vanished == 1
     assert replaced.read_bytes() == b"new content" and grown.exists()
@@ -360,7 +360,7 @@ def test_file_replaced_between_listing_and_deletion_is_not_deleted(
 def test_file_used_since_listed_is_kept_for_an_lru_prune(
         tree: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     root, g, _ = tree
-    scan = scan_root(root)
+    scan = scan_at(root)
     from kvpersist.l2.retention import plan_retention
 
     rp = plan_retention(scan.prefixes, scan.temp, active={NS_A}, need_bytes=10**9,
@@ -373,7 +373,7 @@ def test_file_used_since_listed_is_kept_for_an_lru_prune(
         os.utime(oldest, (time.time(), os.lstat(oldest).st_mtime))
 
     change_after_first_listing(monkeypatch, read_since)
-    res = prune_stream(root, act, dry_run=False)
+    res = prune_at(root, act, dry_run=False)
     assert res.skipped_used == 1 and oldest.exists()
 
 
@@ -386,13 +386,13 @@ def test_prune_stream_never_touches_symlinks_or_foreign_files(tree: Any) -> None
     sels = select_named(active=set(), now_ns=time.time_ns(),
                         namespaces=(NS_A, NS_B, UNP, "test-model", "--a--b"),
                         temp_older_than_s=0).selections
-    res = prune_stream(root, sels, dry_run=False, workers=2)
+    res = prune_at(root, sels, dry_run=False, workers=2)
     assert not res.errors
     assert snapshot(outside) == outside_before
     for rel, ino in keep.items():
         assert (root / rel).lstat().st_ino == ino, rel
     assert (root / "lmcache-server.pid").exists()
-    left = scan_root(root)
+    left = scan_at(root)
     assert left.chunk_files == 0 and left.temp.files == 0
     # every file of NS_B and UNP is gone (temp files too), so are their manifests
     assert sorted(res.manifests_removed) == sorted([NS_B, UNP])
@@ -405,10 +405,10 @@ def test_missing_or_symlinked_roots_are_clear_errors_and_nothing_is_created(
 
     missing = tmp_path / "missing"
     with pytest.raises(UsageError, match="cannot scan"):
-        scan_root(missing)
+        scan_at(missing)
     with pytest.raises(UsageError, match="cannot prune"):
-        prune_stream(missing, [], dry_run=False)
-    with pytest.raises(UsageError, match="cannot prune"), prune_lock(missing):
+        prune_at(missing, [], dry_run=False)
+    with pytest.raises(UsageError, match="cannot prune"), lock_at(missing):
         pass
     assert not missing.exists()
     root, _, _ = tree
@@ -416,23 +416,23 @@ def test_missing_or_symlinked_roots_are_clear_errors_and_nothing_is_created(
     elsewhere.mkdir()
     (root / ".kvpersist").rename(tmp_path / "meta-moved")
     (root / ".kvpersist").symlink_to(elsewhere)
-    with pytest.raises(KvpError, match="symbolic link"), prune_lock(root):
+    with pytest.raises(KvpError, match="symbolic link"), lock_at(root):
         pass
     assert list(elsewhere.iterdir()) == []
 
 
 def test_second_prune_exits_clearly_while_one_runs(tree: Any) -> None:
     root, _, _ = tree
-    with prune_lock(root):
+    with lock_at(root):
         r = kvp("prune", "--root", str(root), "--unpinned", "--apply")
         assert r.returncode == 1
         assert "another kvp-admin prune is running" in r.stderr
         assert "Traceback" not in r.stderr
-        with pytest.raises(PruneLocked), prune_lock(root):
+        with pytest.raises(PruneLocked), lock_at(root):
             pass
         # a dry run needs no lock
         assert kvp("prune", "--root", str(root), "--unpinned").returncode == 0
-    assert scan_root(root).prefixes[UNP].files == 3
+    assert scan_at(root).prefixes[UNP].files == 3
     assert kvp("prune", "--root", str(root), "--unpinned", "--apply").returncode == 0
 
 
@@ -508,7 +508,7 @@ def test_budget_command(tmp_path: Path, tree: Any) -> None:
     doc = json.loads(r.stdout)
     assert doc["schema"] == "kvpersist.budget/1"
     assert doc["budget_bytes"] == 4 * 1024**3
-    assert doc["inactive_bytes"] == scan_root(root).chunk_bytes + scan_root(root).temp.bytes
+    assert doc["inactive_bytes"] == scan_at(root).chunk_bytes + scan_at(root).temp.bytes
     t = kvp("budget", str(cfg))
     assert "max_capacity_gb" in t.stdout
 
@@ -516,7 +516,7 @@ def test_budget_command(tmp_path: Path, tree: Any) -> None:
 def test_one_pass_prune_skips_files_replaced_after_they_were_listed(tmp_path: Path) -> None:
     """prune_stream (what the CLI runs) checks each file's inode against the directory listing
     right before unlinking: files replaced mid-run survive, nothing is deleted twice."""
-    from kvpersist.l2.prune import PROGRESS_EVERY, prune_stream
+    from kvpersist.l2.prune import PROGRESS_EVERY
     from kvpersist.l2.retention import select_named
 
     root = tmp_path / "c"
@@ -535,7 +535,7 @@ def test_one_pass_prune_skips_files_replaced_after_they_were_listed(tmp_path: Pa
                 os.replace(tmp, p)
                 replaced.append(p)
 
-    res = prune_stream(root, sels, dry_run=False, progress=swap_the_rest, workers=1)
+    res = prune_at(root, sels, dry_run=False, progress=swap_the_rest, workers=1)
     assert replaced
     left = [p for p in paths if p.exists()]
     assert res.deleted_files + len(left) == n
@@ -545,14 +545,13 @@ def test_one_pass_prune_skips_files_replaced_after_they_were_listed(tmp_path: Pa
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_one_pass_prune_dry_run_equals_apply(tree: Any, workers: int) -> None:
-    from kvpersist.l2.prune import prune_stream
     from kvpersist.l2.retention import select_named
 
     root, g, _ = tree
     sels = select_named(active=set(), now_ns=time.time_ns(), namespaces=(NS_B, UNP),
                         temp_older_than_s=HOUR).selections
-    dry = prune_stream(root, sels, dry_run=True, list_paths=True, workers=workers)
-    app = prune_stream(root, sels, dry_run=False, list_paths=True, workers=workers)
+    dry = prune_at(root, sels, dry_run=True, list_paths=True, workers=workers)
+    app = prune_at(root, sels, dry_run=False, list_paths=True, workers=workers)
     assert dry.deleted_paths == app.deleted_paths
     assert sorted(dry.deleted_paths or []) == sorted(
         str(p.relative_to(root)) for p in g[NS_B] + g[UNP] + g["temp_old"])
@@ -564,7 +563,7 @@ def test_a_symlinked_root_is_scanned_but_nothing_below_is_followed(tree: Any,
     root, g, _ = tree
     link = tmp_path / "root-link"
     link.symlink_to(root)
-    res = scan_root(link)
+    res = scan_at(link)
     assert res.root == str(root.resolve())
     assert res.total_bytes == du_bytes(root)
     assert res.prefixes[NS_B].files == len(g[NS_B])

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.l2.scan import scan_root
-
 from ..conftest import REPO, clean_env, free_port
+from ..l2_roots import scan_at
 
 NS = "kvp-8a8877c212dbb9f802c2eb354e22b53a"  # cpu-demo's namespace
 CHUNK = f"{NS}_01000100_0_".encode()
@@ -69,7 +68,7 @@ def test_scan_counts_hostile_names_as_foreign_and_equals_du(
         hostile_root: tuple[Path, list[bytes]]) -> None:
     root, made = hostile_root
     for workers in (1, 2, 3):
-        res = scan_root(root, workers=workers)
+        res = scan_at(root, workers=workers)
         du = subprocess.run(["du", "-s", "--apparent-size", "-b", os.fsencode(root)],
                             capture_output=True, check=True).stdout.split()[0]
         assert res.total_bytes == int(du), workers

@@ -24,6 +24,7 @@ from kvpersist.l2.layout import ChunkName, temp_name
 from kvpersist.stack.health import Check, component_of, component_status
 
 from ..conftest import REPO, clean_env, free_port
+from ..l2_roots import read_runs_at, record_run_at
 
 NS = "kvp-" + "ab" * 16
 OTHER = "kvp-" + "cd" * 16
@@ -215,12 +216,12 @@ def test_a_missing_textfile_directory_is_a_clean_error(tmp_path: Path, root: Pat
 
 
 def test_runs_round_trip_and_metrics(root: Path) -> None:
-    assert runs.read_runs(root) == ({}, [])
-    assert runs.record_run(root, "verify", ok=False, counts={"findings": 3}, mode="check",
+    assert read_runs_at(root) == ({}, [])
+    assert record_run_at(root, "verify", ok=False, counts={"findings": 3}, mode="check",
                            finished_ns=1_700_000_000 * 10**9) is None
-    assert runs.record_run(root, "prune", ok=True, counts={"deleted_bytes": 4096},
+    assert record_run_at(root, "prune", ok=True, counts={"deleted_bytes": 4096},
                            mode="apply") is None
-    got, problems = runs.read_runs(root)
+    got, problems = read_runs_at(root)
     assert problems == [] and set(got) == {"verify", "prune"}
     assert got["verify"]["ok"] is False and got["verify"]["counts"] == {"findings": 3}
     d = root / ".kvpersist" / "runs"
@@ -242,10 +243,10 @@ def test_runs_are_never_written_through_a_symlink(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (root / ".kvpersist").symlink_to(elsewhere)
-    warning = runs.record_run(root, "verify", ok=True, counts={})
+    warning = record_run_at(root, "verify", ok=True, counts={})
     assert warning and "symbolic link" in warning
     assert list(elsewhere.iterdir()) == []
-    assert runs.read_runs(root)[0] == {}
+    assert read_runs_at(root)[0] == {}
 
 
 @pytest.mark.parametrize("bad", ["garbage", "dir", "fifo", "symlink", "wrong-kind", "huge"])
@@ -269,7 +270,7 @@ def test_a_record_that_is_not_ours_is_ignored(tmp_path: Path, root: Path, bad: s
                                                      counts={})))
     else:
         target.write_text(" " * (1 << 17))
-    got, problems = runs.read_runs(root)
+    got, problems = read_runs_at(root)
     assert "verify" not in got and len(problems) == 1, problems
     res = kvp("metrics", "--root", str(root))
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
@@ -284,16 +285,16 @@ def test_verify_and_prune_record_their_runs(tmp_path: Path, root: Path) -> None:
     ensure_key(tmp_path / ".kvpersist" / "cache" / "keys" / "l2-master.key")
     v = kvp("verify", "cpu-demo", "--json", env=env)
     assert v.returncode in (0, 1), v.stderr
-    got, _ = runs.read_runs(root)
+    got, _ = read_runs_at(root)
     assert got["verify"]["mode"] == "check"
     assert got["verify"]["counts"]["files"] == json.loads(v.stdout)["files"]
     assert got["verify"]["ok"] is (v.returncode == 0)
     # a dry-run prune is not a prune
     assert kvp("prune", "--root", str(root), "--namespace", OTHER).returncode == 0
-    assert "prune" not in runs.read_runs(root)[0]
+    assert "prune" not in read_runs_at(root)[0]
     p = kvp("prune", "--root", str(root), "--namespace", OTHER, "--apply", "--json")
     assert p.returncode == 0, p.stderr
-    rec = runs.read_runs(root)[0]["prune"]
+    rec = read_runs_at(root)[0]["prune"]
     assert rec["ok"] is True and rec["counts"]["deleted_bytes"] == 500
     assert rec["counts"]["deleted_files"] == 1
 
@@ -303,22 +304,26 @@ def test_a_root_this_user_cannot_write_still_verifies(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     root.mkdir(mode=0o755)
     (root / ".kvpersist").mkdir(mode=0o755)
-    assert runs.record_run(root, "prune", ok=True, counts={}) is None
+    assert record_run_at(root, "prune", ok=True, counts={}) is None
     os.chmod(root / ".kvpersist" / "runs", 0o555)
     try:
         if os.geteuid() == 0:
             # root writes anywhere: take the write bit away from a directory it cannot open
             os.chmod(root / ".kvpersist" / "runs", 0o000)
+            # the use case opened the root (its handle), then records as another user
             res = subprocess.run(
-                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                 sys.executable, "-c",
-                 "import sys; from kvpersist.l2 import runs; "
-                 f"print(runs.record_run({str(root)!r}, 'prune', ok=True, counts={{}}))"],
+                [sys.executable, "-c",
+                 "import os; from kvpersist.l2 import runs; "
+                 "from kvpersist.l2.tree import open_root; "
+                 f"r = open_root({str(root)!r}); "
+                 "os.setgroups([]); os.setresgid(65534, 65534, 65534); "
+                 "os.setresuid(65534, 65534, 65534); "
+                 "print(runs.record_run(r, 'prune', ok=True, counts={}))"],
                 capture_output=True, text=True, cwd=REPO, env=clean_env(), timeout=60)
             assert res.returncode == 0, res.stderr
             assert "not recorded" in res.stdout
         else:
-            warning = runs.record_run(root, "prune", ok=True, counts={})
+            warning = record_run_at(root, "prune", ok=True, counts={})
             assert warning and "not recorded" in warning
     finally:
         os.chmod(root / ".kvpersist" / "runs", 0o700)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.l2.layout import ChunkName
-from kvpersist.l2.pin_store import measure_pins, read_pins, remove_pins, write_pins
+from kvpersist.l2.pin_store import measure_pins
 from kvpersist.l2.pins import (
     PinnedUsage,
     all_names,
@@ -23,13 +23,11 @@ from kvpersist.l2.pins import (
     relpath_problem,
     without_pins,
 )
-from kvpersist.l2.prune import prune_stream
 from kvpersist.l2.retention import BUCKET_NS, Selection, plan_explicit, plan_retention
-from kvpersist.l2.scan import scan_root
 from kvpersist.l2.tree import open_root
-from kvpersist.l2.verify import verify_root
 
 from ..conftest import REPO, clean_env
+from ..l2_roots import prune_at, read_pins_at, remove_pins_at, scan_at, verify_at, write_pins_at
 from .test_cli_startup import HEAVY, WRAPPER, matching
 
 NS = "kvp-" + "1" * 32
@@ -106,17 +104,17 @@ def test_pins_are_written_read_measured_and_removed_through_directory_fds(
     pinned = [name(NS, 1), name(NS, 2), name(NS, 3)]
     root = make_root(tmp_path, {pinned[0]: 100, pinned[1]: 50, name(NS, 9): 7})
     os.symlink(root / pinned[0], root / pinned[2])  # a symlink is never a pinned file
-    path = write_pins(root, doc(pinned))
+    path = write_pins_at(root, doc(pinned))
     assert Path(path).stat().st_mode & 0o777 == 0o600
-    pins, problems = read_pins(root)
+    pins, problems = read_pins_at(root)
     assert problems == [] and set(pins) == {NS}
     with open_root(root) as r:
-        assert measure_pins(r.fd, pins[NS]).to_dict() == {"files": 2, "bytes": 150,
+        assert measure_pins(r, pins[NS]).to_dict() == {"files": 2, "bytes": 150,
                                                           "missing": 1}
     (root / ".kvpersist" / "pins" / f"{OTHER}.json").write_text(json.dumps(doc(pinned)))
-    pins, problems = read_pins(root)
+    pins, problems = read_pins_at(root)
     assert set(pins) == {NS} and len(problems) == 1 and "not protected" in problems[0]
-    assert remove_pins(root, NS) and not remove_pins(root, NS)
+    assert remove_pins_at(root, NS) and not remove_pins_at(root, NS)
 
 
 def test_a_symlinked_pins_directory_is_neither_read_nor_written(tmp_path: Path) -> None:
@@ -126,9 +124,9 @@ def test_a_symlinked_pins_directory_is_neither_read_nor_written(tmp_path: Path) 
     (root / ".kvpersist").mkdir()
     os.symlink(elsewhere, root / ".kvpersist" / "pins")
     with pytest.raises(Exception, match="symbolic link"):
-        write_pins(root, doc([name(NS, 1)]))
+        write_pins_at(root, doc([name(NS, 1)]))
     assert list(elsewhere.iterdir()) == []
-    pins, problems = read_pins(root)
+    pins, problems = read_pins_at(root)
     assert pins == {} and problems
 
 
@@ -141,14 +139,14 @@ def test_prune_keeps_pinned_files_unless_the_namespace_is_named(tmp_path: Path) 
         os.utime(root / n, (old, old))
     keep = frozenset(pinned)
     stale = Selection("stale", NS, None, 5, 50, "stale")
-    dry = prune_stream(root, [stale], keep=keep, dry_run=True)
+    dry = prune_at(root, [stale], keep=keep, dry_run=True)
     assert (dry.deleted_files, dry.kept_pinned) == (3, 2)
-    res = prune_stream(root, [stale], keep=keep, dry_run=False)
+    res = prune_at(root, [stale], keep=keep, dry_run=False)
     assert (res.deleted_files, res.kept_pinned, res.deleted_pinned) == (3, 2, 0)
     assert sorted(p.name for p in root.glob("*.bin")) == sorted(pinned)
-    write_pins(root, doc(pinned))
+    write_pins_at(root, doc(pinned))
     named = Selection("stale", NS, None, 2, 20, "named", named=True)
-    res = prune_stream(root, [named], keep=keep, dry_run=False)
+    res = prune_at(root, [named], keep=keep, dry_run=False)
     assert (res.deleted_files, res.deleted_pinned, res.pins_removed) == (2, 2, [NS])
     assert list(root.glob("*.bin")) == []
 
@@ -158,7 +156,7 @@ def test_verify_reads_the_pins_first(tmp_path: Path) -> None:
     short = {name(NS, 10 + i): 60 for i in range(4)}
     root = make_root(tmp_path, {**good, **short})
     first = frozenset(list(short)[2:])  # two of the four damaged files are pinned
-    res = verify_root(root, NS, serde="none", first=first)
+    res = verify_at(root, NS, serde="none", first=first)
     assert res.pinned == 2 and res.pinned_findings == 2
     assert {Path(f.path).name for f in res.findings[:2]} == first
     assert len(res.findings) == 4
@@ -167,7 +165,7 @@ def test_verify_reads_the_pins_first(tmp_path: Path) -> None:
 def test_read_only_commands_honour_pins_without_importing_lmcache(tmp_path: Path) -> None:
     pinned = [name(NS, 1), name(NS, 2)]
     root = make_root(tmp_path, {pinned[0]: 30, pinned[1]: 20, name(NS, 3): 5})
-    write_pins(root, doc(pinned))
+    write_pins_at(root, doc(pinned))
     env = dict(clean_env(), KVP_CACHE_ROOT=str(root))
     out = subprocess.run([sys.executable, "-c", WRAPPER, "report", "--root", str(root),
                           "--json"], capture_output=True, text=True, env=env, cwd=REPO,
@@ -193,11 +191,11 @@ def test_read_only_commands_honour_pins_without_importing_lmcache(tmp_path: Path
 def test_the_scan_and_the_pin_histogram_use_the_same_hours(tmp_path: Path) -> None:
     pinned = [name(NS, 1)]
     root = make_root(tmp_path, {pinned[0]: 10, name(NS, 2): 10})
-    res = scan_root(root, hist=True)
+    res = scan_at(root, hist=True)
     pins, _ = parse_pin_document(doc(pinned), NS)
     assert pins is not None and all_names([pins]) == frozenset(pinned)
     with open_root(root) as r:
-        pu = measure_pins(r.fd, pins, hist=True)
+        pu = measure_pins(r, pins, hist=True)
     u = res.prefixes[NS]
     left = without_pins(u.files, u.bytes, u.use_hist, u.last_use_ns, pu)
     assert (left.files, left.bytes, sum(v[0] for v in left.use_hist.values())) == (1, 10, 1)

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from kvpersist.l2.preread import Candidate, off_reason, plan_preread, preread_cap
 from kvpersist.l2.read_path import explain_read_path
-from kvpersist.stack.preread import list_candidates, preread, start_preread
+from kvpersist.l2.tree import open_root
+from kvpersist.stack.preread import PrereadResult, list_candidates, preread, start_preread
 
 GIB = 1024**3
 NS = "kvp-" + "a" * 32
@@ -125,14 +126,19 @@ def test_lists_only_the_namespaces_regular_chunk_files(tmp_path: Path) -> None:
     assert errors == []
 
 
+def _preread(root: Path, cap_bytes: int) -> PrereadResult:
+    with open_root(root, purpose="pre-read") as r:
+        return preread(r, NS, cap_bytes=cap_bytes)
+
+
 def test_preread_advises_what_the_plan_picks(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     real = make_tree(root)
     os.utime(real["sharded"], ns=(10**18, 10**18))  # 2001: the flat file is the newest
-    res = preread(str(root), NS, cap_bytes=5000)
+    res = _preread(root, 5000)
     assert res.files == [real["flat"].name] and res.bytes == 4096
     assert res.plan.candidates == 2 and res.errors == []
-    res = preread(str(root), NS, cap_bytes=1 << 30)
+    res = _preread(root, 1 << 30)
     assert sorted(res.files) == sorted(str(p.relative_to(root)) for p in real.values())
     assert res.to_dict()["schema"] == "kvpersist.preread/1"
 

@@ -13,6 +13,7 @@ import pytest
 from kvpersist.errors import KvpError, UsageError
 from kvpersist.l2 import verify
 from kvpersist.l2.layout import ChunkName, temp_name
+from tests.l2_roots import verify_at
 
 NS = "kvp-" + "d4" * 16
 MASTER = bytes(range(32))
@@ -67,7 +68,7 @@ def tree(tmp_path: Path) -> dict[str, Path]:
 
 def run(root: Path, apply: bool = False,
         progress: Callable[[int, int], None] | None = None) -> verify.VerifyResult:
-    return verify.verify_root(root, NS, key=MASTER, apply=apply, rate_mb_s=None,
+    return verify_at(root, NS, key=MASTER, apply=apply, rate_mb_s=None,
                               progress=progress)
 
 
@@ -160,14 +161,14 @@ def test_a_valid_frame_with_stale_padding_is_not_a_finding(tmp_path: Path) -> No
     authenticates once the namespace's frame length is known; a corrupt frame still fails."""
     root = tmp_path / "cache"
     put(root / chunk(0).filename(), dirty_frame())
-    alone = verify.verify_root(root, NS, key=MASTER, rate_mb_s=None)
+    alone = verify_at(root, NS, key=MASTER, rate_mb_s=None)
     # alone, its length cannot be known: the one case still reported
     assert [f.kind for f in alone.findings] == ["auth"]
     for i in range(1, 4):
         put(root / chunk(i).filename(), frame())
     put(root / chunk(4).filename(), dirty_frame())
     bad = put(root / chunk(5).filename(), frame(corrupt=True))
-    res = verify.verify_root(root, NS, key=MASTER, rate_mb_s=None)
+    res = verify_at(root, NS, key=MASTER, rate_mb_s=None)
     assert res.authenticated == 5
     assert [(Path(f.path).name, f.kind) for f in res.findings] == [(bad.name, "auth")]
 
@@ -181,7 +182,7 @@ def test_a_crash_window_checks_only_recent_files_and_learns_from_older_ones(
     fresh_dirty = put(root / chunk(4).filename(), dirty_frame())
     fresh_bad = put(root / chunk(5).filename(), os.urandom(len(frame())))
     before = {p: p.stat() for p in [*old, old_bad, fresh_dirty]}
-    res = verify.verify_root(root, NS, key=MASTER, rate_mb_s=None, since_ns=since, apply=True)
+    res = verify_at(root, NS, key=MASTER, rate_mb_s=None, since_ns=since, apply=True)
     assert res.files == 2 and res.authenticated == 1 and res.reference_reads >= 1
     assert [(Path(f.path).name, f.kind) for f in res.findings] == [(fresh_bad.name, "auth")]
     assert not fresh_bad.exists() and len(res.quarantined) == 1
@@ -195,5 +196,5 @@ def test_a_crash_window_deadline_leaves_files_unchecked(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     for i in range(4):
         put(root / chunk(i).filename(), frame())
-    res = verify.verify_root(root, NS, key=MASTER, rate_mb_s=None, since_ns=0, deadline_s=0)
+    res = verify_at(root, NS, key=MASTER, rate_mb_s=None, since_ns=0, deadline_s=0)
     assert res.unchecked == 4 and res.authenticated == 0 and not res.findings

@@ -174,6 +174,7 @@ def test_a_server_that_does_not_answer_fails_the_warm_up_with_exit_1(tmp_path: P
     from kvpersist.l2.layout import ChunkName
     from kvpersist.l2.pin_store import write_pins
     from kvpersist.l2.pins import pin_document
+    from kvpersist.l2.tree import open_root
     from kvpersist.system.files import atomic_write_json
 
     (tmp_path / "cache").mkdir()
@@ -188,10 +189,11 @@ def test_a_server_that_does_not_answer_fails_the_warm_up_with_exit_1(tmp_path: P
         dep.namespace, sha), tokens_document(dep.namespace, sha,
                                              dep.identity.chat_template_sha256,
                                              [list(range(300))], [1]))
-    write_pins(tmp_path / "cache", pin_document(
-        dep.namespace, sha, [ChunkName(dep.namespace, 0x01000100, 0, "ab" * 32).filename()],
-        world_size=1, chunk_size=256, hash_algorithm="blake3", shard_dirs=False, chunks=1,
-        created_ns=1))
+    with open_root(tmp_path / "cache", purpose="write the pins of") as root:
+        write_pins(root, pin_document(
+            dep.namespace, sha, [ChunkName(dep.namespace, 0x01000100, 0, "ab" * 32).filename()],
+            world_size=1, chunk_size=256, hash_algorithm="blake3", shard_dirs=False,
+            chunks=1, created_ns=1))
     r = subprocess.run([sys.executable, "-c", WRAPPER, "warmup", "cpu-demo", "--wait", "2",
                         "--json"], capture_output=True, text=True, cwd=REPO, timeout=120,
                        env={**clean_env(), **env})
