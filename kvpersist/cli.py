@@ -16,6 +16,7 @@ import click
 
 from kvpersist import __version__
 from kvpersist.errors import EXIT_USAGE, KvpError
+from kvpersist.json_mode import JsonRun, wants_json
 
 
 @dataclass(frozen=True)
@@ -121,20 +122,40 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> Any:
-    """Console entry point: run the CLI, turning kvpersist errors into messages + codes."""
+    """Console entry point: run the CLI, turning kvpersist errors into messages + codes.
+
+    With ``--json`` stdout carries exactly one JSON object whatever happens: the command's
+    document or, when it ends without one, the error document of
+    :class:`~kvpersist.json_mode.JsonRun` (the message still goes to stderr, the exit
+    code is unchanged)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    run = JsonRun(wants_json(args))
     try:
-        return cli.main(args=argv, prog_name="kvp-admin", standalone_mode=False)
+        result = cli.main(args=args, prog_name="kvp-admin", standalone_mode=False, obj=run)
     except KvpError as exc:
+        run.fail(str(exc), exc.exit_code, exc)
         click.echo(f"kvp-admin: {exc}", err=True)
         sys.exit(exc.exit_code)
     except click.exceptions.Abort:
+        run.fail("aborted", 130)
         click.echo("kvp-admin: aborted", err=True)
         sys.exit(130)
     except click.ClickException as exc:
+        code = EXIT_USAGE if exc.exit_code == 2 else exc.exit_code
+        run.fail(exc.format_message(), code, exc)
         exc.show()
-        sys.exit(EXIT_USAGE if exc.exit_code == 2 else exc.exit_code)
+        sys.exit(code)
     except click.exceptions.Exit as exc:
+        run.fail_on_code(exc.exit_code)
         sys.exit(exc.exit_code)
+    except SystemExit as exc:
+        run.fail_on_code(exc.code)
+        raise
+    except Exception as exc:  # a bug: the traceback still goes to stderr, exit 1
+        run.fail(f"internal error: {type(exc).__name__}: {exc}", 1, exc)
+        raise
+    run.fail_on_code(result)
+    return result
 
 
 def run() -> None:

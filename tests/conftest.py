@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+from kvpersist.system import procs
 
 if TYPE_CHECKING:
     from tests.integration._redis import Redis
@@ -19,10 +20,10 @@ VENV_BIN = Path(sys.executable).parent
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 right now, never one handed out before in this test
+    session (:func:`kvpersist.system.procs.free_port`): two listeners of one relocated
+    deployment given the same port make its config invalid (exit 2)."""
+    return procs.free_port("127.0.0.1")
 
 
 @pytest.fixture

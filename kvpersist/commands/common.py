@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 import click
 
+from kvpersist.json_mode import mark_written
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 config_argument = click.argument("config", metavar="CONFIG")
@@ -22,7 +24,9 @@ def json_option(func: F) -> F:
 
 
 def echo_json(obj: Any) -> None:
+    """Print ``obj`` as the command's one JSON document (see :mod:`kvpersist.json_mode`)."""
     click.echo(json.dumps(obj, indent=2, sort_keys=True))
+    mark_written()
 
 
 def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from kvpersist.commands.common import echo_json
+
 
 @click.command("demo")
 @click.option("--dir", "workdir", default="kvp-demo", show_default=True,
@@ -22,13 +24,16 @@ def demo(workdir: str, size: str, turns: int, keep_running: bool, as_json: bool)
     """Launch the cache server and vLLM (CPU build) on a generated model, send a long chat,
     restart both, send it again: cold vs after-restart time to first token, tokens served from
     disk, identical output. Stops everything at the end."""
-    from kvpersist.demo.run import format_result, result_json, run_demo
+    from kvpersist.demo.run import format_result, run_demo
 
     def progress(msg: str) -> None:
         click.echo(msg, err=True)
 
     result = run_demo(workdir, size=size, turns=turns, keep_running=keep_running,
                       progress=progress)
-    click.echo(result_json(result) if as_json else format_result(result))
+    if as_json:
+        echo_json(result.to_dict())
+    else:
+        click.echo(format_result(result))
     if not result.identical or result.warm.tokens_from_disk <= 0:
         raise SystemExit(1)

@@ -12,7 +12,6 @@ cache root already holds files from earlier runs; nothing is deleted.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -243,7 +242,3 @@ def format_result(r: DemoResult) -> str:
         f"demo took {r.seconds:.0f} s (model '{r.size}', chat seed {r.seed})",
     ]
     return "\n".join(lines)
-
-
-def result_json(r: DemoResult) -> str:
-    return json.dumps(r.to_dict(), indent=2, sort_keys=True)

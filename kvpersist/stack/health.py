@@ -179,8 +179,10 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
         if f.vllm_health:
             code, body = _get(f"{plan.vllm_url}/v1/models", timeout)
             if code == 200 and isinstance(body, dict):
+                data = body.get("data", [])  # whatever answers on the port may send any JSON
                 f.vllm_models = [{"id": m.get("id"), "root": m.get("root")}
-                                 for m in body.get("data", [])]
+                                 for m in (data if isinstance(data, list) else [])
+                                 if isinstance(m, dict)]
         if plan.vllm_mode == "process":
             vst = lc.vllm_state(plan)
             if vst.running and vst.pid:

@@ -528,8 +528,9 @@ def vllm_ready(plan: Location, timeout: float = 2.0) -> bool:
         models = requests.get(f"{plan.vllm_url}/v1/models", timeout=timeout).json()
     except (requests.RequestException, ValueError):
         return False
-    return any(m.get("id") == plan.served_model_name and m.get("root") == plan.namespace
-               for m in models.get("data", []))
+    data = models.get("data") if isinstance(models, dict) else None  # any JSON may answer
+    return isinstance(data, list) and any(isinstance(m, dict) and m.get("root") == plan.namespace
+                                          and m.get("id") == plan.served_model_name for m in data)
 
 
 def start_vllm(plan: LaunchPlan, *, timeout: float = 300.0,

@@ -105,7 +105,9 @@ def check_pid_file(path: str | os.PathLike[str], markers: Iterable[str],
         created = proc.create_time()
         cmdline = proc.cmdline()
         status = proc.status()
-    except psutil.NoSuchProcess:
+    except psutil.ZombieProcess:  # exited while being read, not yet reaped
+        return PidState("stale", pid, f"process {pid} has exited (zombie)", str(path))
+    except psutil.NoSuchProcess:  # never there, or exited (and reaped) while being read
         return PidState("stale", pid, f"process {pid} is not running", str(path))
     except (psutil.AccessDenied, OSError) as exc:
         return PidState("stale", pid, f"process {pid} cannot be inspected: {exc}", str(path))
@@ -115,7 +117,8 @@ def check_pid_file(path: str | os.PathLike[str], markers: Iterable[str],
         return PidState("stale", pid, f"pid {pid} was recycled: that process started after "
                         "the pid file was written", str(path))
     if not cmdline_matches(cmdline, markers, pairs):
-        shown = " ".join(cmdline)[:120]
+        # no command line: a kernel thread, or a process exiting while it was read
+        shown = " ".join(cmdline)[:120] or "no command line"
         return PidState("stale", pid, f"pid {pid} now belongs to another program ({shown})",
                         str(path))
     return PidState("running", pid, "", str(path))
@@ -145,11 +148,27 @@ def port_bindable(host: str, port: int) -> bool:
         return True
 
 
+#: ports :func:`free_port` has handed out in this process
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` now (for tests and demos)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that is free on ``host`` now and that this process has not handed out
+    before (for tests and demos).
+
+    The kernel's next free port may well be the one it gave a moment ago, since nothing
+    listens on it until the deployment starts: three calls for one deployment's listeners
+    return a repeated port about 3 times in 10,000, and a deployment whose listeners share a
+    port does not load ("port N is also KVP_LMCACHE_PORT"). Raises KvpError if no new port
+    turns up in 100 tries."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
+    raise KvpError(f"no free TCP port on {host} that was not handed out already")
 
 
 def start_background(argv: Sequence[str], *, log_path: str | os.PathLike[str],

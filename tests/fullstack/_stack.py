@@ -56,8 +56,20 @@ class Stack:
         return r
 
     def kvp_json(self, *args: str, check: bool = True) -> Any:
+        """The command's JSON document; an AssertionError showing the exit code, stdout and
+        stderr when stdout is not JSON or is the error document (kvpersist.error/1)."""
         r = self.kvp(*args, "--json", check=check)
-        return json.loads(r.stdout)
+        try:
+            doc = json.loads(r.stdout)
+        except json.JSONDecodeError as exc:
+            doc, why = None, f"stdout is not JSON ({exc})"
+        else:
+            why = "an error document" if isinstance(doc, dict) and \
+                doc.get("schema") == "kvpersist.error/1" else ""
+        if why:
+            raise AssertionError(f"kvp-admin {' '.join(args)} --json -> {r.returncode}: {why}"
+                                 f"\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}")
+        return doc
 
     def launch(self, *args: str) -> Any:
         return self.kvp_json("launch", self.config, *args)

@@ -102,6 +102,17 @@ def test_recycled_pid_is_not_trusted_nor_killed(stack: Stack) -> None:
         other.wait()
 
 
+def test_status_json_of_a_deployment_whose_ports_collide_says_why(stack: Stack) -> None:
+    """Issue 26's condition through the test helper: two listeners given one port. stdout is
+    the error document and the helper's assertion carries the exit code and stderr."""
+    stack.env["KVP_VLLM_PORT"] = stack.env["KVP_LMCACHE_PORT"]
+    with pytest.raises(AssertionError, match=r"(?s)-> 2: an error document.*stderr:.*"
+                                             r"is also KVP_LMCACHE_PORT"):
+        stack.kvp_json("status", stack.config, check=False)
+    doc = json.loads(stack.kvp("status", stack.config, "--json").stdout)
+    assert doc["schema"] == "kvpersist.error/1" and doc["exit_code"] == 2
+
+
 def test_pid_recycled_after_the_pid_file_was_written(stack: Stack) -> None:
     """A process younger than the pid file cannot be the one the file recorded."""
     stack.root.mkdir(mode=0o700)
