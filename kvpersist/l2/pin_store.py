@@ -27,6 +27,12 @@ from kvpersist.l2.scan import HIST_BUCKET_NS
 from kvpersist.l2.tree import meta_dir, open_rel, open_root, read_small_at, replace_at
 
 
+def pins_path(root: str | os.PathLike[str], namespace: str) -> str:
+    """``<root>/.kvpersist/pins/<namespace>.json``: where the pin manifest of ``namespace``
+    lives (pure: the path as ``root`` names it)."""
+    return os.path.join(os.fspath(root), META_DIR, PINS_DIR, pins_name(namespace))
+
+
 def write_pins(root: str | os.PathLike[str], doc: dict[str, Any]) -> str:
     """Write a pin manifest (atomic, owner-only) into the root; return its path.
     Raises KvpError when it cannot be written (e.g. ``.kvpersist`` is a symlink)."""
@@ -38,11 +44,11 @@ def write_pins(root: str | os.PathLike[str], doc: dict[str, Any]) -> str:
         try:
             replace_at(dfd, final, data)
         except OSError as exc:
-            raise KvpError(f"cannot write {os.path.join(r.path, META_DIR, PINS_DIR, final)}: "
+            raise KvpError(f"cannot write {pins_path(r.path, namespace)}: "
                            f"{exc.strerror or exc}; run as the user that owns the cache") from None
         finally:
             os.close(dfd)
-        return os.path.join(r.path, META_DIR, PINS_DIR, final)
+        return pins_path(r.path, namespace)
 
 
 def read_pins(root: str | os.PathLike[str]) -> tuple[dict[str, PinSet], list[str]]:
