@@ -6,18 +6,14 @@ Reading never creates anything; a manifest that is unreadable or not ours is rep
 ignored (its files are then not protected, and the problem says so).
 
 Every function takes the open root (:class:`~kvpersist.l2.tree.RootDir`, opened and closed by the
-use case). Until the warm-up engine holds a handle itself, :func:`write_pins`,
-:func:`read_pin_document` and :func:`measure_pins` still accept its old forms (a root path, a
-root descriptor); see :func:`_borrowed`.
+use case).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat as stat_mod
-from collections.abc import Iterator
 from typing import Any
 
 from kvpersist.errors import KvpError
@@ -31,40 +27,30 @@ from kvpersist.l2.pins import (
     pins_name,
 )
 from kvpersist.l2.scan import HIST_BUCKET_NS
-from kvpersist.l2.tree import RootDir, meta_dir, open_rel, open_root, read_small_at, replace_at
-
-#: a root as the warm-up engine still names it (transitional): the handle, or a path
-RootOrPath = RootDir | str | os.PathLike[str]
+from kvpersist.l2.tree import RootDir, meta_dir, open_rel, read_small_at, replace_at
 
 
-@contextlib.contextmanager
-def _borrowed(root: RootOrPath, purpose: str) -> Iterator[RootDir]:
-    """``root`` itself when it is the open handle (left open: its use case closes it), else
-    ``root`` opened for this one call. Transitional, for the warm-up engine's path-based calls;
-    every other caller passes the handle."""
-    if isinstance(root, RootDir):
-        yield root
-        return
-    with open_root(root, purpose=purpose) as r:
-        yield r
+def pins_path(root: str | os.PathLike[str], namespace: str) -> str:
+    """``<root>/.kvpersist/pins/<namespace>.json``: where the pin manifest of ``namespace``
+    lives (pure: the path as ``root`` names it)."""
+    return os.path.join(os.fspath(root), META_DIR, PINS_DIR, pins_name(namespace))
 
 
-def write_pins(root: RootOrPath, doc: dict[str, Any]) -> str:
+def write_pins(root: RootDir, doc: dict[str, Any]) -> str:
     """Write a pin manifest (atomic, owner-only) into the root; return its path.
     Raises KvpError when it cannot be written (e.g. ``.kvpersist`` is a symlink)."""
     namespace = str(doc["namespace"])
     data = (json.dumps(doc, sort_keys=True) + "\n").encode()
     final = pins_name(namespace)
-    with _borrowed(root, "write the pins of") as r:
-        dfd = meta_dir(r, PINS_DIR)
-        try:
-            replace_at(dfd, final, data)
-        except OSError as exc:
-            raise KvpError(f"cannot write {os.path.join(r.path, META_DIR, PINS_DIR, final)}: "
-                           f"{exc.strerror or exc}; run as the user that owns the cache") from None
-        finally:
-            os.close(dfd)
-        return os.path.join(r.path, META_DIR, PINS_DIR, final)
+    dfd = meta_dir(root, PINS_DIR)
+    try:
+        replace_at(dfd, final, data)
+    except OSError as exc:
+        raise KvpError(f"cannot write {pins_path(root.path, namespace)}: "
+                       f"{exc.strerror or exc}; run as the user that owns the cache") from None
+    finally:
+        os.close(dfd)
+    return pins_path(root.path, namespace)
 
 
 def read_pins(root: RootDir) -> tuple[dict[str, PinSet], list[str]]:
@@ -120,22 +106,18 @@ def _load(dfd: int, name: str) -> Any:
         raise _Unreadable("not JSON") from None
 
 
-def read_pin_document(root: RootOrPath, namespace: str) -> dict[str, Any] | None:
+def read_pin_document(root: RootDir, namespace: str) -> dict[str, Any] | None:
     """The pin manifest of ``namespace`` as a document, if it is a valid one (else None)."""
     try:
-        with _borrowed(root, "read the pins of") as r:
-            try:
-                dfd = open_rel(r.fd, f"{META_DIR}/{PINS_DIR}")
-            except OSError:
-                return None
-            try:
-                doc = _load(dfd, pins_name(namespace))
-            except _Unreadable:
-                return None
-            finally:
-                os.close(dfd)
-    except KvpError:
+        dfd = open_rel(root.fd, f"{META_DIR}/{PINS_DIR}")
+    except OSError:
         return None
+    try:
+        doc = _load(dfd, pins_name(namespace))
+    except _Unreadable:
+        return None
+    finally:
+        os.close(dfd)
     if not isinstance(doc, dict) or parse_pin_document(doc, namespace)[0] is None:
         return None
     return doc
@@ -156,11 +138,11 @@ def remove_pins(root: RootDir, namespace: str) -> bool:
     return True
 
 
-def measure_pins(root: RootDir | int, pins: PinSet, *, hist: bool = False) -> PinnedUsage:
+def measure_pins(root: RootDir, pins: PinSet, *, hist: bool = False) -> PinnedUsage:
     """Stat each pinned file relative to the open root (never through a symlink): present
     files and bytes, missing ones, and (``hist``) their last-use histogram in the scan's
-    buckets. (A bare root descriptor is the warm-up engine's old form: transitional.)"""
-    root_fd = root.fd if isinstance(root, RootDir) else root
+    buckets."""
+    root_fd = root.fd
     files = nbytes = missing = 0
     use: dict[int, list[int]] = {}
     for rel in sorted(pins.files):

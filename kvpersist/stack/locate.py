@@ -17,9 +17,10 @@ Files of a deployment (``S`` = ``KVP_STATE_DIR``, default ``<cache root>/.kvpers
 * ``S/budget.json``: the budget plan of the last launch (health reads it; it never scans)
 * ``S/weights-digests.json``: the sha256 of each weights file, keyed by its stat (see
   :mod:`kvpersist.stack.weights`), so a launch costs one ``stat`` per file
-* ``S/warmup.json``: the last warm-up's state (written by ``kvp-admin warmup``: warming,
-  done or failed), ``S/pids/<name>.warmup.pid``: the pid of the warm-up a launch started (kept
-  after it ends, so that health can tell a warm-up that died from one still running),
+* ``S/warmup.json``: the last warm-up's state (written by the warm-up engine,
+  :mod:`kvpersist.stack.warmup`: warming, done or failed), ``S/warmup/``: the warm set's
+  token ids it cached, ``S/pids/<name>.warmup.pid``: the pid of the warm-up a launch started
+  (kept after it ends, so that health can tell a warm-up that died from one still running),
   ``S/logs/warmup.log``: its output
 * ``S/models/<namespace>`` → the weights: vLLM runs in ``S/models`` with
   ``--model <namespace>``, so LMCache's model name (and every file name) is the namespace.
@@ -36,6 +37,7 @@ from kvpersist.l2.layout import MANIFESTS_DIR, PID_FILE
 
 PIDS_DIR = "pids"
 WARMUP_STATE = "warmup.json"
+WARMUP_TOKENS_DIR = "warmup"
 BUDGET_RECORD = "budget.json"
 WEIGHTS_CACHE = "weights-digests.json"
 
@@ -72,10 +74,12 @@ class Location:
     service_user: str
     #: component -> (host, port) as configured
     listen: dict[str, tuple[str, int]]
-    #: the warm-up's state file (kvp-admin warmup), pid file and log
+    #: the warm-up's state file (:mod:`kvpersist.stack.warmup`), pid file and log
     warmup_state_file: str
     warmup_pid_file: str
     warmup_log: str
+    #: where the warm-up caches the warm set's token ids
+    warmup_tokens_dir: str
     #: KVP_WARMUP_WAIT, seconds
     warmup_wait: float
 
@@ -123,5 +127,6 @@ def locate(dep: Deployment) -> Location:
         warmup_state_file=os.path.join(state, WARMUP_STATE),
         warmup_pid_file=os.path.join(state, PIDS_DIR, f"{dep.name}.warmup.pid"),
         warmup_log=os.path.join(s.log_dir, "warmup.log"),
+        warmup_tokens_dir=os.path.join(state, WARMUP_TOKENS_DIR),
         warmup_wait=s.warmup_wait,
     )

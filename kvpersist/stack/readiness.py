@@ -3,15 +3,19 @@
 Order, wherever a deployment starts (``kvp-admin launch``, the systemd units, the
 ``KV_PERSIST=1`` hook): the cache server is healthy → vLLM answers and has registered its KV
 layout with the server (a vLLM worker registers before the OpenAI server answers) → the
-warm-up (``kvp-admin warmup CONFIG --wait S``: the warm set's chunks L2 → L1) → ready. A
-warm-up that fails or times out never takes the deployment down: vLLM keeps serving, cold,
-and health reports it *degraded* (component ``warmup``) until the next warm-up succeeds or
-the cache server restarts.
+warm-up (:mod:`kvpersist.stack.warmup`, the engine ``kvp-admin warmup CONFIG --wait S`` runs
+too: the warm set's chunks L2 → L1) → ready. A warm-up that fails or times out never takes
+the deployment down: vLLM keeps serving, cold, and health reports it *degraded* (component
+``warmup``) until the next warm-up succeeds or the cache server restarts.
 
-The warm-up runs as a child process (``python -m kvpersist.cli warmup``) whose pid is kept in
-``S/pids/<name>.warmup.pid`` after it ends, and whose state is the record it writes,
-``S/warmup.json`` (``{"state": "warming"|"done"|"failed", "namespace", "started",
-"finished", "requested_chunks", "found_chunks", "bytes", "seconds", "error"}``).
+The warm-up runs as a child process (it runs as the service user and imports vLLM):
+``python -m kvpersist.stack.warmup CONFIG --wait S --json``, given the config argument and
+the environment the launch loaded the deployment with, so that it loads the same deployment
+(once: another process cannot be handed the parent's). Its pid is kept in
+``S/pids/<name>.warmup.pid`` after it ends (checked against :data:`WARMUP_MARKERS`), and its
+state is the record it writes, ``S/warmup.json`` (``{"state": "warming"|"done"|"failed",
+"namespace", "started", "finished", "requested_chunks", "found_chunks", "bytes", "seconds",
+"error"}``).
 
 :func:`judge` (pure) turns that record, the pid file's state and the cache server's start time
 into health checks; :func:`run_warmup` and :func:`warmup_after_vllm` do the I/O.
@@ -33,8 +37,10 @@ from kvpersist.errors import KvpError
 from kvpersist.stack.locate import Location
 from kvpersist.system import procs
 
+#: the warm-up child's module (``python -m``; the engine and its ``main``)
+WARMUP_MODULE = "kvpersist.stack.warmup"
 #: argv markers of the warm-up child (its pid file is checked against them)
-WARMUP_MARKERS = ("kvpersist.cli", "warmup")
+WARMUP_MARKERS = (WARMUP_MODULE,)
 #: seconds a warm-up may run past its own ``--wait`` (process start, the tokenizer's import)
 #: before the launch stops it; also how long past that a "warming" record without a known
 #: process still counts as warming
@@ -215,9 +221,10 @@ class WarmupRun:
 
 
 def warmup_argv(config: str, wait_s: float, *, python: str | None = None) -> list[str]:
-    """The warm-up command (pure): ``python -m kvpersist.cli warmup CONFIG --wait S --json``."""
-    return [python or sys.executable, "-m", "kvpersist.cli", "warmup", config,
-            "--wait", f"{wait_s:g}", "--json"]
+    """The warm-up command (pure): ``python -m kvpersist.stack.warmup CONFIG --wait S
+    --json`` (the same arguments, output and exit codes as ``kvp-admin warmup``)."""
+    return [python or sys.executable, "-m", WARMUP_MODULE, config, "--wait", f"{wait_s:g}",
+            "--json"]
 
 
 def service_ids(loc: Location) -> tuple[int, int] | None:
@@ -238,11 +245,12 @@ def service_ids(loc: Location) -> tuple[int, int] | None:
 def run_warmup(loc: Location, config: str, *, env: Mapping[str, str],
                wait_s: float | None = None, cwd: str | None = None,
                progress: Progress = _quiet) -> WarmupRun:
-    """Run ``kvp-admin warmup CONFIG --wait S`` as a child (output appended to the warm-up
+    """Run the warm-up (:func:`warmup_argv`) as a child (output appended to the warm-up
     log, pid in the warm-up pid file, kept after it ends; as KVP_SERVICE_USER when run by
     root) and wait for it at most S + :data:`GRACE_S` seconds (then stop it). S defaults to
-    KVP_WARMUP_WAIT. Never raises for a warm-up that fails: the result says so; vLLM keeps
-    serving either way."""
+    KVP_WARMUP_WAIT. ``config`` and ``env`` are what the deployment was loaded with: the
+    child loads the same one. Never raises for a warm-up that fails: the result says so;
+    vLLM keeps serving either way."""
     wait = loc.warmup_wait if wait_s is None else wait_s
     argv = warmup_argv(config, wait)
     ids = service_ids(loc)
@@ -357,6 +365,6 @@ def warmup_after_vllm(loc: Location, config: str, *, warm_file: str,
     return run_warmup(loc, config, env=env, wait_s=wait, cwd=cwd, progress=progress)
 
 
-__all__ = ["GRACE_S", "NO_WARM_SET", "WARMUP_MARKERS", "WarmupFacts", "WarmupRun", "epoch_of",
-           "gather", "judge", "log_to", "read_record", "run_warmup", "service_ids",
-           "warmup_after_vllm", "warmup_argv"]
+__all__ = ["GRACE_S", "NO_WARM_SET", "WARMUP_MARKERS", "WARMUP_MODULE", "WarmupFacts",
+           "WarmupRun", "epoch_of", "gather", "judge", "log_to", "read_record", "run_warmup",
+           "service_ids", "warmup_after_vllm", "warmup_argv"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.l2.layout import ChunkName
-from kvpersist.l2.pin_store import measure_pins
+from kvpersist.l2.pin_store import measure_pins, pins_path
 from kvpersist.l2.pins import (
     PinnedUsage,
     all_names,
@@ -106,6 +106,9 @@ def test_pins_are_written_read_measured_and_removed_through_directory_fds(
     os.symlink(root / pinned[0], root / pinned[2])  # a symlink is never a pinned file
     path = write_pins_at(root, doc(pinned))
     assert Path(path).stat().st_mode & 0o777 == 0o600
+    # the writer and the warm-up name the manifest with one function
+    assert path == pins_path(os.path.realpath(root), NS)
+    assert pins_path(root, NS) == str(root / ".kvpersist" / "pins" / f"{NS}.json")
     pins, problems = read_pins_at(root)
     assert problems == [] and set(pins) == {NS}
     with open_root(root) as r:

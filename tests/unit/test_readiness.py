@@ -188,7 +188,7 @@ def test_gather_reads_the_record_and_checks_the_pid_file(tmp_path: Path) -> None
     Path(loc.warmup_state_file).write_text(json.dumps(record("warming", ns=dep.namespace,
                                                              started=time.time())))
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
-                             "kvpersist.cli", "warmup"])
+                             "kvpersist.stack.warmup"])
     try:
         procs.write_pid_file(loc.warmup_pid_file, proc.pid)
         got = readiness.gather(loc, proc.pid)
@@ -210,9 +210,14 @@ def test_gather_reads_the_record_and_checks_the_pid_file(tmp_path: Path) -> None
 
 def test_warmup_argv_is_the_contract() -> None:
     assert readiness.warmup_argv("cpu-demo", 120.0, python="/py") == [
-        "/py", "-m", "kvpersist.cli", "warmup", "cpu-demo", "--wait", "120", "--json"]
-    assert readiness.warmup_argv("/etc/x/identity.env", 2.5, python="/py")[5:7] == [
+        "/py", "-m", "kvpersist.stack.warmup", "cpu-demo", "--wait", "120", "--json"]
+    assert readiness.warmup_argv("/etc/x/identity.env", 2.5, python="/py")[4:6] == [
         "--wait", "2.5"]
+    # the pid file of the child it starts is checked against markers its argv carries
+    assert procs.cmdline_matches(readiness.warmup_argv("cpu-demo", 1.0),
+                                 readiness.WARMUP_MARKERS)
+    assert not procs.cmdline_matches(["/py", "-m", "kvpersist.cli", "health", "cpu-demo"],
+                                     readiness.WARMUP_MARKERS)
 
 
 def test_a_bad_warmup_wait_is_a_config_error() -> None:

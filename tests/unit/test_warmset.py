@@ -166,9 +166,10 @@ def test_an_unpinned_namespace_has_nothing_to_warm(tmp_path: Path) -> None:
     assert written(tmp_path) == ["cfg/identity.env"]
 
 
-def test_a_server_that_does_not_answer_fails_the_warm_up_with_exit_1(tmp_path: Path) -> None:
-    """With the token ids cached and the pins recorded, a warm-up needs neither vLLM nor
-    LMCache: this runs without them, against a port nobody listens on."""
+def cached_and_pinned(tmp_path: Path) -> tuple[dict[str, str], str]:
+    """A one-line warm set whose token ids are cached and whose pins are recorded (so a
+    warm-up needs neither vLLM nor LMCache), and a cache server port nobody listens on:
+    the environment and the state dir."""
     from kvpersist.config.loader import load_deployment
     from kvpersist.config.warmset import file_digest, tokens_cache_name
     from kvpersist.l2.layout import ChunkName
@@ -194,6 +195,13 @@ def test_a_server_that_does_not_answer_fails_the_warm_up_with_exit_1(tmp_path: P
             dep.namespace, sha, [ChunkName(dep.namespace, 0x01000100, 0, "ab" * 32).filename()],
             world_size=1, chunk_size=256, hash_algorithm="blake3", shard_dirs=False,
             chunks=1, created_ns=1))
+    return env, dep.settings.state_dir
+
+
+def test_a_server_that_does_not_answer_fails_the_warm_up_with_exit_1(tmp_path: Path) -> None:
+    """With the token ids cached and the pins recorded, a warm-up needs neither vLLM nor
+    LMCache: this runs without them, against a port nobody listens on."""
+    env, state_dir = cached_and_pinned(tmp_path)
     r = subprocess.run([sys.executable, "-c", WRAPPER, "warmup", "cpu-demo", "--wait", "2",
                         "--json"], capture_output=True, text=True, cwd=REPO, timeout=120,
                        env={**clean_env(), **env})
@@ -204,5 +212,48 @@ def test_a_server_that_does_not_answer_fails_the_warm_up_with_exit_1(tmp_path: P
     assert out["tokens_cached"] and out["pins"]["reused"]
     assert out["state"] == "failed" and "does not answer" in out["error"]
     assert (out["requested_chunks"], out["found_chunks"]) == (1, 0)
-    state = json.loads((Path(dep.settings.state_dir) / "warmup.json").read_text())
+    state = json.loads((Path(state_dir) / "warmup.json").read_text())
+    assert state["state"] == "failed" and state["error"] == out["error"]
+
+
+# ----------------------------------------------------------------------------- the launch's child
+
+
+def run_child(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The warm-up a launch starts (``readiness.warmup_argv``), with ``env``."""
+    from kvpersist.stack.readiness import warmup_argv
+
+    return subprocess.run(warmup_argv("cpu-demo", 1.0), capture_output=True, text=True,
+                          cwd=REPO, timeout=120, env=env)
+
+
+def test_the_launch_child_keeps_the_commands_contract(tmp_path: Path) -> None:
+    """``python -m kvpersist.stack.warmup CONFIG --wait S --json``: the JSON of ``kvp-admin
+    warmup --json`` on stdout, exit 0 without a warm set, 2 for bad input (the message on
+    stderr, nothing written), 1 for a warm-up that failed."""
+    base = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"),
+                KVP_LMCACHE_PORT=str(free_port()), KVP_LMCACHE_HTTP_PORT=str(free_port()),
+                KVP_VLLM_PORT=str(free_port()), KVP_MODEL_PATH=str(tmp_path / "model"))
+    (tmp_path / "cache").mkdir()
+    wf = tmp_path / "warm.jsonl"
+    wf.write_text(GOOD + "{}\n")
+    r = run_child(dict(base, KVP_WARMUP_FILE=str(wf)))
+    assert r.returncode == 2 and f"{wf}:5" in r.stderr and r.stdout == "", r.stderr
+    assert r.stderr.startswith("kvp-admin: ") and "Traceback" not in r.stderr
+    assert written(tmp_path) == []
+    r = run_child(base)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["state"] == "none" and out["warm_set"] is False
+    by_hand = run_warmup(tmp_path, json="1")
+    assert by_hand.returncode == 0 and set(json.loads(by_hand.stdout)) == set(out)
+
+    (tmp_path / "failed").mkdir()
+    env, state_dir = cached_and_pinned(tmp_path / "failed")
+    r = run_child({**clean_env(), **env})
+    assert r.returncode == 1, r.stderr
+    out = json.loads(r.stdout)
+    assert out["tokens_cached"] and out["pins"]["reused"]
+    assert out["state"] == "failed" and "does not answer" in out["error"]
+    state = json.loads((Path(state_dir) / "warmup.json").read_text())
     assert state["state"] == "failed" and state["error"] == out["error"]

@@ -1,0 +1,433 @@
+"""The warm-up engine: the deployment's warm set from L2 into L1 (I/O).
+
+:func:`warm` is given a loaded deployment and its :class:`~kvpersist.stack.locate.Location`.
+Steps: read and validate ``KVP_WARMUP_FILE`` (bad lines: ConfigError, nothing written);
+record ``warming`` in ``loc.warmup_state_file``; token ids from the cache in
+``loc.warmup_tokens_dir`` or computed by vLLM's own renderer (template digest checked,
+:mod:`kvpersist.stack.warm_tokens`); the chunk files with LMCache's own key code
+(:mod:`kvpersist.stack.warm_keys`), recorded as the namespace's pins
+(:mod:`kvpersist.l2.pin_store`), or the pins already recorded for this very warm set; one
+``POST /cache/prefetches`` per entry (every TP rank, :mod:`kvpersist.stack.prefetch`), each
+polled to completion; the final state ``done`` or ``failed``.
+
+The state file (``kvpersist.warmup/1``, atomic, owner-only) is the contract other tools read:
+``{"state": "warming"|"done"|"failed", "namespace", "started", "finished",
+"requested_chunks", "found_chunks", "bytes", "seconds", "error"}`` (times ISO 8601 UTC).
+
+A launch runs the engine as a child process (it runs as the service user and imports vLLM),
+``python -m kvpersist.stack.warmup CONFIG --wait S --json`` (:func:`main`), the same
+command-line contract as ``kvp-admin warmup CONFIG --wait S --json``: the result as JSON on
+stdout; exit 0 done (or no warm set), 1 failed, 2 a bad config or warm set (the message on
+stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from kvpersist.config.deployment import Deployment
+from kvpersist.config.loader import load_deployment
+from kvpersist.config.warmset import MAX_BYTES as WARM_FILE_MAX_BYTES
+from kvpersist.config.warmset import (
+    WarmSet,
+    parse_tokens_document,
+    parse_warm_set,
+    tokens_cache_name,
+    tokens_document,
+)
+from kvpersist.errors import ConfigError, KvpError, Problem
+from kvpersist.l2.pin_store import measure_pins, pins_path, read_pin_document, write_pins
+from kvpersist.l2.pins import parse_pin_document, pin_document
+from kvpersist.l2.tree import RootDir, open_dir, open_root, read_small_at
+from kvpersist.stack import prefetch
+from kvpersist.stack.locate import Location, locate
+from kvpersist.stack.render import TEMPLATE_NAMES, render
+from kvpersist.stack.warm_keys import chunk_files, key_scheme
+from kvpersist.stack.warm_tokens import tokenize
+from kvpersist.system.files import atomic_write_json
+from kvpersist.system.templates import read_templates
+
+STATE_SCHEMA = "kvpersist.warmup/1"
+DEFAULT_WAIT_S = 120.0
+#: a token-id cache bigger than this is ignored (the ids are computed again)
+TOKENS_MAX_BYTES = 64 << 20
+Progress = Callable[[str], None]
+
+
+@dataclass
+class EntryOutcome:
+    """One warm-set entry: its line, tokens, chunks requested and keys found."""
+
+    line: int
+    tokens: int
+    chunks: int = 0
+    found_keys: int = 0
+    total_keys: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"line": self.line, "tokens": self.tokens, "chunks": self.chunks,
+                "found_keys": self.found_keys, "total_keys": self.total_keys}
+
+
+@dataclass
+class WarmupResult:
+    """What a warm-up did; :meth:`state_document` is what ``warmup.json`` holds."""
+
+    namespace: str
+    state: str  # warming / done / failed / none (no warm set)
+    started: str
+    finished: str | None = None
+    requested_chunks: int = 0
+    found_chunks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    warm_file: str = ""
+    warm_file_sha256: str = ""
+    world_size: int = 1
+    tokens_cached: bool = False
+    #: the root's pin manifest was for this warm set already (LMCache not imported)
+    pins_reused: bool = False
+    #: seconds from the first request to the server to the last completion
+    prefetch_seconds: float = 0.0
+    pins_path: str = ""
+    pinned_files: int = 0
+    entries: list[EntryOutcome] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.state == "failed" else 0
+
+    def state_document(self) -> dict[str, Any]:
+        return {"schema": STATE_SCHEMA, "state": self.state if self.state != "none" else "done",
+                "namespace": self.namespace, "started": self.started,
+                "finished": self.finished, "requested_chunks": self.requested_chunks,
+                "found_chunks": self.found_chunks, "bytes": self.bytes,
+                "seconds": round(self.seconds, 3), "error": self.error,
+                "warm_set": self.state != "none", "warm_file_sha256": self.warm_file_sha256}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.state_document(), "state": self.state, "warm_file": self.warm_file,
+                "world_size": self.world_size, "tokens_cached": self.tokens_cached,
+                "prefetch_seconds": round(self.prefetch_seconds, 3),
+                "pins": {"path": self.pins_path, "files": self.pinned_files,
+                         "reused": self.pins_reused},
+                "entries": [e.to_dict() for e in self.entries], "warnings": self.warnings}
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def read_warm_set(dep: Deployment) -> WarmSet:
+    """Read and validate the deployment's warm file. Raises ConfigError (exit 2)."""
+    path = dep.settings.warmup_file
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(WARM_FILE_MAX_BYTES + 1)  # more: the parser refuses it
+    except OSError as exc:
+        raise ConfigError(Problem(f"KVP_WARMUP_FILE {path}", f"cannot be read: "
+                                  f"{exc.strerror or exc}",
+                                  "point it at a readable JSONL file, or leave it empty"),
+                          dep.source) from None
+    return parse_warm_set(data, path)
+
+
+def world_size(dep: Deployment) -> int:
+    """vLLM's world size for the deployment: its TP degree (1 when unknown)."""
+    tp = dep.identity_values.get("tensor_parallel_size", 1)
+    return tp if isinstance(tp, int) and tp > 0 else 1
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def warm(dep: Deployment, loc: Location, *, wait_s: float = DEFAULT_WAIT_S,
+         progress: Progress | None = None) -> WarmupResult:
+    """Warm the warm set of ``dep`` (located at ``loc``, see the module docstring), giving up
+    ``wait_s`` seconds after the first request to the cache server.
+
+    Returns the result (``state`` ``none`` when no warm file is configured, ``done`` when
+    every prefetch completed, ``failed`` otherwise); the state file says the same. Raises
+    ConfigError for a warm set that is wrong or an unpinned namespace (exit 2; nothing
+    written when the warm file does not parse), KvpError when the state file cannot be
+    written at the start."""
+    say = progress or (lambda _: None)
+    res = WarmupResult(loc.namespace, "warming", _now(), world_size=world_size(dep))
+    if not dep.settings.warmup_file:
+        res.state, res.finished = "none", res.started
+        _write_state(loc, res)
+        return res
+    if dep.identity is None:
+        raise ConfigError(Problem(
+            f"{dep.source}: KVP_WARMUP_FILE", "is set but the namespace is unpinned (identity "
+            "incomplete): a one-off namespace never reuses anything, so there is nothing to warm",
+            "complete the identity, or leave KVP_WARMUP_FILE empty"), dep.source)
+    ws = read_warm_set(dep)
+    res.warm_file, res.warm_file_sha256 = ws.source, ws.sha256
+    t0 = time.monotonic()
+    _write_state(loc, res)
+    try:
+        _run(dep, loc, ws, res, wait_s, say)
+    except ConfigError as exc:
+        _finish(loc, res, t0, str(exc))
+        raise
+    except KvpError as exc:
+        _finish(loc, res, t0, str(exc))
+        return res
+    _finish(loc, res, t0, None)
+    return res
+
+
+def _finish(loc: Location, res: WarmupResult, t0: float, error: str | None) -> None:
+    res.seconds = time.monotonic() - t0
+    res.finished = _now()
+    res.error = error
+    res.state = "failed" if error else "done"
+    try:
+        _write_state(loc, res)
+    except KvpError as exc:
+        res.warnings.append(str(exc))
+
+
+def _write_state(loc: Location, res: WarmupResult) -> None:
+    atomic_write_json(loc.warmup_state_file, res.state_document())
+
+
+def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s: float,
+         say: Progress) -> None:
+    # the sizes do not enter the key scheme nor the vLLM arguments tokenization reads
+    rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=dep.settings.l1_size_gb,
+                      l2_capacity_gb=1.0)
+    token_ids = _token_ids(dep, loc, ws, rendered.vllm_argv, res, say)
+    root = _open_root(loc)
+    try:
+        pins = _reusable_pins(root, dep, loc, ws, res) if res.tokens_cached else None
+        if pins is None:
+            pins = _compute_pins(root, dep, loc, ws, res, rendered.lmcache_server_argv,
+                                 token_ids)
+        else:
+            res.pins_reused = True
+            res.pins_path = pins_path(loc.cache_root, loc.namespace)
+        chunk_size = int(pins["chunk_size"])
+        res.entries = [EntryOutcome(e.line, len(ids), len(ids) // chunk_size)
+                       for e, ids in zip(ws.entries, token_ids, strict=True)]
+        res.requested_chunks = sum(e.chunks for e in res.entries)
+        _measure(root, loc, res, pins)
+    finally:
+        root.close()
+    base = loc.server_http_url
+    # --wait counts from the first request to the server, not from the tokenization
+    t0 = time.monotonic()
+    deadline = t0 + wait_s
+    try:
+        for entry, ids in zip(res.entries, token_ids, strict=True):
+            if not entry.chunks:
+                continue
+            say(f"line {entry.line}: prefetching {entry.chunks} chunk(s) x {res.world_size} "
+                "rank(s)")
+            sub = prefetch.submit(base, dep.lmcache_model_name, res.world_size, ids,
+                                  deadline=deadline, on_wait=say)
+            if sub.request_id is None:
+                continue
+            done = prefetch.wait_completed(base, sub.request_id, deadline=deadline)
+            entry.found_keys, entry.total_keys = done.found_keys, done.total_keys
+            entry.chunks = sub.chunks
+    finally:
+        res.prefetch_seconds = time.monotonic() - t0
+    res.requested_chunks = sum(e.chunks for e in res.entries)
+    res.found_chunks = sum(e.found_keys * e.chunks // e.total_keys
+                           for e in res.entries if e.total_keys)
+
+
+def _token_ids(dep: Deployment, loc: Location, ws: WarmSet, vllm_argv: list[str],
+               res: WarmupResult, say: Progress) -> list[list[int]]:
+    assert dep.identity is not None
+    expected = dep.identity.chat_template_sha256
+    name = tokens_cache_name(loc.namespace, ws.sha256)
+    cached = _cached_tokens(loc.warmup_tokens_dir, name)
+    if cached is not None:
+        ids = parse_tokens_document(cached, loc.namespace, ws.sha256, expected)
+        if ids is not None and len(ids) == len(ws.entries):
+            res.tokens_cached = True
+            return ids
+    say("tokenizing the warm set with vLLM's renderer (the deployment's tokenizer and chat "
+        "template)")
+    tok = tokenize(vllm_argv, dep.settings.model_path, ws.entries,
+                   expected_template_sha256=expected, source=ws.source)
+    try:
+        atomic_write_json(os.path.join(loc.warmup_tokens_dir, name),
+                          tokens_document(loc.namespace, ws.sha256, expected, tok.token_ids,
+                                          [e.line for e in ws.entries]))
+    except KvpError as exc:
+        res.warnings.append(f"the token ids were not cached: {exc}")
+    return tok.token_ids
+
+
+def _cached_tokens(directory: str, name: str) -> Any:
+    """The JSON document of the token-id cache ``name`` in ``directory``, or None when it is
+    absent, not a regular file, too big or not JSON (then the ids are computed again)."""
+    try:
+        dfd = open_dir(directory)
+    except OSError:
+        return None
+    try:
+        data = read_small_at(dfd, name, TOKENS_MAX_BYTES)
+        return None if data is None else json.loads(data)
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(dfd)
+
+
+def _reusable_pins(root: _Root, dep: Deployment, loc: Location, ws: WarmSet,
+                   res: WarmupResult) -> dict[str, Any] | None:
+    """The root's pin manifest when it was computed for exactly this namespace, warm file,
+    world size, chunk size and file layout (then LMCache need not be imported again)."""
+    doc = _recorded_pins(root, loc)
+    g = dep.generic
+    if (doc is None or doc.get("warm_file_sha256") != ws.sha256
+            or doc.get("world_size") != res.world_size or doc.get("chunk_size") != g.chunk_size
+            or doc.get("shard_dirs") != g.l2_shard_dirs):
+        return None
+    return doc
+
+
+def _compute_pins(root: _Root, dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult,
+                  server_argv: list[str], token_ids: list[list[int]]) -> dict[str, Any]:
+    """The chunk files of the warm set by LMCache's own key code, recorded as the pins."""
+    scheme = key_scheme(server_argv)
+    files: list[str] = []
+    chunks = 0
+    for ids in token_ids:
+        rel, n = chunk_files(scheme, dep.lmcache_model_name, res.world_size, ids)
+        files += rel
+        chunks += n
+    try:
+        doc = pin_document(loc.namespace, ws.sha256, files, world_size=res.world_size,
+                           chunk_size=scheme.chunk_size, hash_algorithm=scheme.hash_algorithm,
+                           shard_dirs=scheme.shard_dirs, chunks=chunks,
+                           created_ns=time.time_ns())
+    except ValueError as exc:
+        raise KvpError(f"LMCache's key code and kvpersist's file-name parser disagree: {exc}; "
+                       "nothing pinned") from None
+    try:
+        res.pins_path = _record_pins(root, doc)
+    except KvpError as exc:
+        res.warnings.append(f"the warm set's files are not pinned: {exc}")
+    return doc
+
+
+# --------------------------------------------------------------------------- the cache root
+# The warm-up opens the root once (:func:`_open_root`); every use of the root's pin manifests
+# (l2.pin_store) is here, one call each, on that handle.
+
+
+@dataclass
+class _Root:
+    """The cache root as the warm-up holds it: the open handle, or why it could not be
+    opened (then nothing is read, pinned or measured: each says so as today)."""
+
+    handle: RootDir | None
+    error: KvpError | None = None
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+
+def _open_root(loc: Location) -> _Root:
+    try:
+        return _Root(open_root(loc.cache_root, purpose="pin the warm set on"))
+    except KvpError as exc:
+        return _Root(None, exc)
+
+
+def _recorded_pins(root: _Root, loc: Location) -> dict[str, Any] | None:
+    """The namespace's pin manifest on the root, if it is a valid one."""
+    return None if root.handle is None else read_pin_document(root.handle, loc.namespace)
+
+
+def _record_pins(root: _Root, doc: dict[str, Any]) -> str:
+    """Write the pin manifest ``doc``; its path. Raises KvpError."""
+    if root.handle is None:
+        assert root.error is not None
+        raise root.error
+    return write_pins(root.handle, doc)
+
+
+def _measure(root: _Root, loc: Location, res: WarmupResult, doc: dict[str, Any]) -> None:
+    """The pinned files and the bytes of those on disk into ``res`` (a root that cannot be
+    opened is a warning)."""
+    pins, _ = parse_pin_document(doc, loc.namespace)
+    if pins is None:
+        return
+    res.pinned_files = len(pins.files)
+    if root.handle is None:
+        res.warnings.append(str(root.error))
+        return
+    res.bytes = measure_pins(root.handle, pins).bytes
+
+
+# --------------------------------------------------------------------------- the child process
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvpersist.stack.warmup CONFIG [--wait S] [--json]``: load CONFIG (an
+    incomplete identity is accepted, as ``kvp-admin warmup`` does) and :func:`warm` it. The
+    result as JSON on stdout with ``--json`` (the document of ``kvp-admin warmup --json``),
+    else one summary line; returns 0 done or no warm set, 1 failed, 2 a bad config, warm set
+    or argument (the message on stderr)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvpersist.stack.warmup",
+        description="Prefetch CONFIG's warm set (KVP_WARMUP_FILE) from disk into the cache "
+                    "server's memory (the launch's warm-up step; kvp-admin warmup by hand).")
+    parser.add_argument("config", metavar="CONFIG")
+    parser.add_argument("--wait", dest="wait_s", type=_seconds, default=DEFAULT_WAIT_S,
+                        metavar="SECONDS", help="give up after SECONDS (default %(default)g)")
+    parser.add_argument("--json", dest="as_json", action="store_true",
+                        help="print the result as JSON")
+    args = parser.parse_args(argv)
+
+    def progress(line: str) -> None:
+        if not args.as_json:
+            print(f"  {line}", file=sys.stderr, flush=True)
+
+    try:
+        dep = load_deployment(args.config, allow_unpinned=True)
+        res = warm(dep, locate(dep), wait_s=args.wait_s, progress=progress)
+    except KvpError as exc:
+        print(f"kvp-admin: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if args.as_json:
+        print(json.dumps(res.to_dict(), indent=2, sort_keys=True))
+    else:
+        print(f"namespace {res.namespace}: {res.state}, {res.found_chunks}/"
+              f"{res.requested_chunks} chunks found, {res.seconds:.1f} s"
+              + (f"; error: {res.error}" if res.error else ""))
+    for w in res.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return res.exit_code
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())
