@@ -9,6 +9,7 @@ cache root in its command line or environment-derived paths (never by name).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -50,7 +51,8 @@ class Stack:
         return cli.kvp(*args, env=self.env, timeout=timeout, check=check)
 
     def kvp_json(self, *args: str, check: bool = True) -> Any:
-        return cli.kvp_json(*args, "--json", env=self.env, timeout=900, check=check)
+        r = self.kvp(*args, "--json", check=check)
+        return json.loads(r.stdout)
 
     def launch(self, *args: str) -> Any:
         return self.kvp_json("launch", self.config, *args)
