@@ -13,16 +13,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from ..conftest import REPO, clean_env, free_port
+from .. import cli
+from ..conftest import clean_env, free_port
 
-KVP_ADMIN = [sys.executable, "-m", "kvpersist.cli"]
+KVP_ADMIN = cli.KVP_ADMIN
 
 
 class Stack:
@@ -48,12 +48,7 @@ class Stack:
     # -- CLI
     def kvp(self, *args: str, check: bool = False,
             timeout: float = 900) -> subprocess.CompletedProcess[str]:
-        r = subprocess.run([*KVP_ADMIN, *args], capture_output=True, text=True, env=self.env,
-                           cwd=REPO, timeout=timeout)
-        if check and r.returncode != 0:
-            raise AssertionError(f"kvp-admin {' '.join(args)} -> {r.returncode}\n"
-                                 f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}")
-        return r
+        return cli.kvp(*args, env=self.env, timeout=timeout, check=check)
 
     def kvp_json(self, *args: str, check: bool = True) -> Any:
         """The command's JSON document; an AssertionError showing the exit code, stdout and

@@ -2,7 +2,10 @@
 ``kvp-admin launch``/``stop``, on a generated tiny Llama (greedy decoding).
 
 The tests run in file order and share one cache root: the cold run's files are what the
-later tests hit, corrupt and separate by namespace.
+later tests hit, corrupt and separate by namespace. Between the cold run and the restart,
+other weights at the same ``KVP_MODEL_PATH`` are refused by every way of starting the
+namespace (no vLLM: each is refused before any process starts); the restart after the
+original weights are restored is the one that hits from disk. vLLM starts 7 times in all.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -25,6 +29,7 @@ from kvpersist.demo.chat import chat_completion, long_chat
 from ..conftest import REPO
 from ..integration._prometheus import monitoring, short_for_rules
 from ._stack import Stack, l2_hits_in_log, vllm_metric, wait_until
+from ._weights import refuse_changed_weights
 
 pytestmark = pytest.mark.fullstack
 
@@ -37,7 +42,12 @@ STATE: dict[str, Any] = {}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("e2e"), model=demo_model)
+    """The deployment, serving a copy of the demo model's hub cache (the weights test swaps
+    the weights at its ``KVP_MODEL_PATH``; the session's demo model stays as it is)."""
+    tmp = tmp_path_factory.mktemp("e2e")
+    hub = demo_model.parents[2]  # <hub>/models--ORG--NAME/snapshots/<revision>
+    shutil.copytree(hub, tmp / "hub", symlinks=True)
+    s = Stack(tmp, model=tmp / "hub" / demo_model.relative_to(hub))
     try:
         yield s
     finally:
@@ -48,7 +58,7 @@ def _chat(stack: Stack) -> Any:
     return chat_completion(stack.vllm_url, "cpu-demo", CHAT, max_tokens=24)
 
 
-def test_cold_then_restart_both_hits_from_disk_with_identical_output(stack: Stack) -> None:
+def test_cold_run_serves_and_stores_every_full_chunk(stack: Stack) -> None:
     info = stack.launch()
     ns = info["namespace"]
     STATE["ns"] = ns
@@ -63,15 +73,33 @@ def test_cold_then_restart_both_hits_from_disk_with_identical_output(stack: Stac
     full_chunks = cold.prompt_tokens // 256
     assert len(files) >= full_chunks, [f.name for f in stack.chunk_files()]
     STATE["cold"] = cold.text
+    STATE["cold_ttft"] = cold.ttft_s
+    STATE["prompt_tokens"] = cold.prompt_tokens
     STATE["files"] = sorted(f.name for f in files)
 
+
+def test_changed_weights_refused_before_anything_starts_then_restored(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first launch, other weights at the same ``KVP_MODEL_PATH`` are refused by
+    every way of starting the namespace, before anything starts and without reading or
+    deleting anything under the cache root; the original weights are then restored (the
+    next test launches them and hits as before)."""
+    refuse_changed_weights(stack, STATE["ns"], STATE["prompt_tokens"], monkeypatch)
+
+
+def test_restart_both_hits_from_disk_with_identical_output(stack: Stack) -> None:
+    manifest_file = stack.state_dir / "manifests" / f"{STATE['ns']}.json"
+    record = json.loads(manifest_file.read_text())["weights"]
+    full_chunks = STATE["prompt_tokens"] // 256
     stack.launch()
     warm = _chat(stack)
-    assert warm.text == cold.text
+    assert warm.text == STATE["cold"]
     hits = vllm_metric(stack.vllm_url, HITS)
     assert hits >= full_chunks * 256, hits
     assert max(l2_hits_in_log(stack.server_log)) >= full_chunks
-    STATE["ttft"] = (cold.ttft_s, warm.ttft_s)
+    STATE["ttft"] = (STATE["cold_ttft"], warm.ttft_s)
+    stack.stop()
+    assert json.loads(manifest_file.read_text())["weights"] == record
 
 
 
@@ -169,19 +197,20 @@ def test_cache_server_down_vllm_keeps_serving_and_health_degraded(stack: Stack) 
     assert how == {"vLLM": "terminated", "lmcache server": "stale"}, stopped
 
 
-def test_kv_persist_hook_on_a_sample_recipe(stack: Stack, demo_model: Path) -> None:
+def test_kv_persist_hook_on_a_sample_recipe(stack: Stack) -> None:
     recipe = REPO / "scripts" / "examples" / "recipe-vllm-cpu.sh"
     import sys
 
     port = stack.env["KVP_VLLM_PORT"]
-    base_env = dict(stack.env, MODEL_DIR=str(demo_model), PORT=port, PYTHON=sys.executable,
+    model = stack.env["KVP_MODEL_PATH"]
+    base_env = dict(stack.env, MODEL_DIR=model, PORT=port, PYTHON=sys.executable,
                     PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
                     RECIPE_DRY_RUN="1")
     plain = subprocess.run(["bash", str(recipe)], env=base_env, capture_output=True,
                            check=True)
     assert plain.stdout.split(b"\0")[:-1] == [
         sys.executable.encode(), b"-m", b"vllm.entrypoints.openai.api_server",
-        b"--model", str(demo_model).encode(), b"--host", b"127.0.0.1", b"--port",
+        b"--model", model.encode(), b"--host", b"127.0.0.1", b"--port",
         port.encode(), b"--dtype", b"bfloat16", b"--enforce-eager", b"--max-model-len",
         b"4096", b"--block-size", b"128"]
     assert not stack.pid_file.exists()  # without KV_PERSIST nothing was started

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpersist.actions.metrics import textfile_name_for_store
 
-from ..conftest import REPO, clean_env, free_port
+from ..cli import kvp
+from ..conftest import REPO, free_port
 from ..promql_names import grafana_to_promql
 from ._prometheus import monitoring, short_for_rules
 from ._redis import ACL_USER, Redis, start_redis
@@ -54,11 +53,6 @@ def config_dir(tmp: Path, name: str, redis: Redis, root: Path, **extra: str) -> 
     (d / "identity.env").write_text("\n".join([*lines, *(f"{k}='{v}'" for k, v in
                                                          values.items())]) + "\n")
     return d
-
-
-def kvp(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], capture_output=True,
-                          text=True, env=clean_env(), cwd=REPO, timeout=120)
 
 
 def namespace_of(config: Path) -> str:

@@ -12,7 +12,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import pytest
 import requests
 import yaml
 
+from ..cli import kvp
 from ..conftest import REPO, clean_env, free_port
 from ..promql_names import (
     documented_names,
@@ -108,9 +108,7 @@ def mon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Monitoring]:
         srv.bench(start=0, end=2)
         textfiles = tmp / "textfile"
         textfiles.mkdir()
-        cp = subprocess.run([sys.executable, "-m", "kvpersist.cli", "metrics", "--root",
-                             str(root), "--textfile", str(textfiles)], capture_output=True,
-                            text=True, timeout=120, env=clean_env(), cwd=REPO)
+        cp = kvp("metrics", "--root", str(root), "--textfile", str(textfiles))
         assert cp.returncode == 0, cp.stderr
         node_port = free_port()
         procs.append(_start([

@@ -6,10 +6,7 @@ These import lmcache and vLLM (CPU build); kvp-admin itself never does for rende
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +14,14 @@ import pytest
 
 from kvpersist.config.chat_template import template_sha256
 
+from ..cli import kvp_json
 from ..conftest import REPO, clean_env
 
 pytestmark = pytest.mark.integration
 
 
 def render_json(config: str, env: dict[str, str], *extra: str) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "kvpersist.cli", "render", config, "--json",
-                          *extra], capture_output=True, text=True, env=env, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return dict(kvp_json("render", config, "--json", *extra, env=env))
 
 
 def pinned_copy(tmp_path: Path, name: str) -> Path:

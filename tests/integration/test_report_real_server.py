@@ -5,23 +5,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvpersist.l2.layout import Kind, classify
-from tests.conftest import REPO, clean_env
+from tests.cli import kvp
 
 from ._lmcache_server import start_lmcache_server
 
 pytestmark = pytest.mark.integration
-
-
-def kvp(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=120)
 
 
 def bin_files(root: Path) -> list[Path]:

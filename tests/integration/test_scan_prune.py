@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 from kvpersist.l2.layout import ChunkName, temp_name
 from kvpersist.l2.prune import PruneLocked
 from kvpersist.l2.retention import plan_explicit
+from tests.cli import KVP_ADMIN, kvp
 from tests.conftest import REPO, clean_env
 from tests.l2_roots import lock_at, prune_at, scan_at
 
@@ -100,11 +100,6 @@ def du_bytes(*paths: Path) -> int:
     out = subprocess.run(["du", "--apparent-size", "-b", "-c", "-s", *map(str, paths)],
                          check=True, capture_output=True, text=True).stdout
     return int(out.strip().splitlines()[-1].split()[0])
-
-
-def kvp(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], cwd=REPO,
-                          env=env or clean_env(), capture_output=True, text=True, timeout=120)
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -438,7 +433,7 @@ def test_second_prune_exits_clearly_while_one_runs(tree: Any) -> None:
 
 def test_concurrent_prunes_delete_each_file_once(tree: Any) -> None:
     root, g, _ = tree
-    procs = [subprocess.Popen([sys.executable, "-m", "kvpersist.cli", "prune", "--root",
+    procs = [subprocess.Popen([*KVP_ADMIN, "prune", "--root",
                                str(root), "--namespace", NS_A, "--apply", "--json"],
                               cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(3)]

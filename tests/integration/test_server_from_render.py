@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,7 +11,8 @@ import psutil
 import pytest
 import requests
 
-from ..conftest import REPO, VENV_BIN, clean_env, free_port
+from ..cli import kvp_json
+from ..conftest import VENV_BIN, clean_env, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -23,9 +22,7 @@ def test_rendered_server_starts_healthy_with_nixl_store_dynamic(tmp_path: Path) 
     env = dict(clean_env(), KVP_CACHE_ROOT=str(root), KVP_LMCACHE_PORT=str(free_port()),
                KVP_LMCACHE_HTTP_PORT=str(free_port()), KVP_L1_SIZE_GB="1",
                KVP_L2_BUDGET="1G")
-    out = subprocess.run([sys.executable, "-m", "kvpersist.cli", "render", "cpu-demo", "--json"],
-                         capture_output=True, text=True, env=env, cwd=REPO, check=True)
-    r = json.loads(out.stdout)
+    r = kvp_json("render", "cpu-demo", "--json", env=env)
     argv = [str(VENV_BIN / "lmcache"), *r["lmcache_server_argv"][1:]]
     # The cache root and the serde key exist before the server starts (launch's job).
     root.mkdir(mode=0o700)

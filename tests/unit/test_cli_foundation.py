@@ -10,12 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ..cli import kvp
 from ..conftest import REPO, clean_env
-
-
-def kvp(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], capture_output=True,
-                          text=True, env=env or clean_env(), cwd=REPO)
 
 
 def test_identity_show_json_and_namespace() -> None:

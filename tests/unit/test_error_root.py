@@ -10,7 +10,6 @@ import os
 import pkgutil
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,19 +18,13 @@ import pytest
 import kvpersist
 from kvpersist.errors import KvpError
 
+from ..cli import kvp
 from ..conftest import REPO, clean_env, free_port
 
 NS = "kvp-0123456789abcdef0123456789abcdef"
 NOBODY = 65534
-
-
-def kvp(*args: str, env: dict[str, str] | None = None,
-        as_nobody: bool = False) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "kvpersist.cli", *args]
-    if as_nobody:
-        argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv]
-    return subprocess.run(argv, capture_output=True, text=True, env=env or clean_env(),
-                          cwd=REPO, timeout=120)
+#: runs a command as uid/gid 65534 (no supplementary groups)
+AS_NOBODY = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
 
 
 def relocated_env(root: Path, **extra: str) -> dict[str, str]:
@@ -88,7 +81,7 @@ def test_root_commands_on_an_unreadable_root(paths: dict[str, Path], name: str,
                                              argv: Callable[[str], list[str]]) -> None:
     if shutil.which("setpriv") is None or os.geteuid() != 0:
         pytest.fail("this test runs as root with setpriv (util-linux) to act as another user")
-    res = kvp(*argv(str(paths["locked"])), as_nobody=True)
+    res = kvp(*argv(str(paths["locked"])), wrapper=AS_NOBODY)
     assert_clean_failure(res)
 
 
@@ -176,7 +169,7 @@ def test_unreadable_identity_file(paths: dict[str, Path]) -> None:
     d.mkdir()
     (d / "identity.env").write_text((REPO / "configs/cpu-demo/identity.env").read_text())
     os.chmod(paths["tmp"], 0o755)
-    res = kvp("identity", "show", str(d / "identity.env"), as_nobody=True)
+    res = kvp("identity", "show", str(d / "identity.env"), wrapper=AS_NOBODY)
     assert_clean_failure(res)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ..cli import kvp
 from ..conftest import REPO, clean_env, free_port
 from .hostile_inputs import HOSTILE_SETTINGS, Hostile
 
@@ -104,7 +105,5 @@ def _sample() -> list[Hostile]:
 def test_hostile_input_in_a_real_process(tmp_path: Path, case: Hostile) -> None:
     env = {**base_env(tmp_path, case), case.key: case.value, **case.extra}
     for before, after in COMMANDS:
-        res = subprocess.run([sys.executable, "-m", "kvpersist.cli", *before, "cpu-demo",
-                              *after], capture_output=True, text=True, env=env,
-                             cwd=REPO, timeout=120)
+        res = kvp(*before, "cpu-demo", *after, env=env)
         assert_config_error(res.returncode, res.stderr, "", case, "env")

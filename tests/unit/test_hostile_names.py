@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from ..conftest import REPO, clean_env, free_port
+from ..cli import kvp
+from ..conftest import clean_env, free_port
 from ..l2_roots import scan_at
 
 NS = "kvp-8a8877c212dbb9f802c2eb354e22b53a"  # cpu-demo's namespace
@@ -79,11 +79,6 @@ def test_scan_counts_hostile_names_as_foreign_and_equals_du(
     assert res.symlinks.files == len(HOSTILE_DIRS)
 
 
-def _kvp(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=120)
-
-
 COMMANDS: list[list[str]] = [
     ["report"], ["report", "--json"], ["report", "--config", "cpu-demo", "--json"],
     ["budget", "cpu-demo"], ["budget", "cpu-demo", "--json"], ["render", "cpu-demo"],
@@ -111,7 +106,7 @@ def test_every_command_reads_past_hostile_names(hostile_root: tuple[Path, list[b
     for argv in COMMANDS:
         if argv[0] in ("report", "prune") and "--config" not in argv:
             argv = [*argv, "--root", str(root)]
-        res = _kvp(env, *argv)
+        res = kvp(*argv, env=env)
         tried += 1
         out = res.stdout + res.stderr
         assert "Traceback" not in out, (argv, out)
@@ -125,5 +120,5 @@ def test_every_command_reads_past_hostile_names(hostile_root: tuple[Path, list[b
     # nothing foreign was touched, not even by --apply
     for p in made:
         assert os.path.lexists(p), p
-    doc = json.loads(_kvp(env, "report", "--root", str(root), "--json").stdout)
+    doc = json.loads(kvp("report", "--root", str(root), "--json", env=env).stdout)
     assert doc["foreign"]["files"] >= len(HOSTILE)

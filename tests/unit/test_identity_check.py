@@ -26,9 +26,9 @@ from kvpersist.config.envfile import parse_env
 from kvpersist.config.identity import IDENTITY_KEYS, identity_from_env
 from kvpersist.system.software import ImageInfo, Installed, version_of
 
+from ..cli import kvp_in_process
 from ..conftest import REPO, clean_env, free_port
 from ..model_dirs import cpu_demo_config, demo_files, hub_snapshot, local_dir, plain_dir
-from .test_derive import kvp
 
 CPU_DEMO = {k: v for k, v in parse_env((REPO / "configs/cpu-demo/identity.env").read_text())
             .items() if k in IDENTITY_KEYS.values()}
@@ -50,9 +50,9 @@ def env_for(tmp: Path, model: Path) -> dict[str, str]:
 
 
 def check_json(config: str, env: dict[str, str]) -> tuple[int, dict[str, object]]:
-    code, out, err = kvp("identity", "check", config, "--json", env=env)
-    assert out, err
-    return code, json.loads(out)
+    r = kvp_in_process("identity", "check", config, "--json", env=env)
+    assert r.stdout, r.stderr
+    return r.returncode, json.loads(r.stdout)
 
 
 def statuses(data: dict[str, object]) -> dict[str, str]:
@@ -72,11 +72,12 @@ def test_cpu_demo_on_its_weights_is_consistent(tmp_path: Path) -> None:
     st = statuses(data)
     assert {k for k, s in st.items() if s == RENDERED} == RENDERED_KEYS
     assert {k for k, s in st.items() if s == OK} == set(IDENTITY_KEYS.values()) - RENDERED_KEYS
-    code, out, err = kvp("identity", "check", "cpu-demo", env=env)
-    assert code == 0 and "consistent: no field mismatches (0 unchecked)" in out, err
-    code, out, err = kvp("launch", "cpu-demo", "--check", env=env)
-    assert code == 0, err
-    assert "identity: 10 field(s) agree" in err
+    r = kvp_in_process("identity", "check", "cpu-demo", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "consistent: no field mismatches (0 unchecked)" in r.stdout, r.stderr
+    r = kvp_in_process("launch", "cpu-demo", "--check", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "identity: 10 field(s) agree" in r.stderr
 
 
 # ----------------------------------------------------------------------------- mismatches
@@ -105,14 +106,14 @@ def test_each_field_mismatched_is_caught_and_refuses_a_launch(tmp_path: Path, ke
     code, data = check_json(config, env)
     assert code == 1 and data["consistent"] is False
     assert {k for k, s in statuses(data).items() if s == MISMATCH} == {key}
-    code, _, err = kvp("launch", config, "--check", env=env)
-    assert code == 2, err
-    assert f"At '{key}': config says {bad}, " in err and says in err, err
-    assert err.count("config says") == 1
+    r = kvp_in_process("launch", config, "--check", env=env)
+    assert r.returncode == 2, r.stderr
+    assert f"At '{key}': config says {bad}, " in r.stderr and says in r.stderr, r.stderr
+    assert r.stderr.count("config says") == 1
     assert not (tmp_path / "cache" / "lmcache-server.pid").exists()
     if key != "KVP_VLLM_BUILD":  # the cache server alone is refused too (weights present)
-        code, _, err = kvp("launch", config, "--check", "--no-vllm", env=env)
-        assert code == 2 and f"At '{key}'" in err
+        r = kvp_in_process("launch", config, "--check", "--no-vllm", env=env)
+        assert r.returncode == 2 and f"At '{key}'" in r.stderr
 
 
 @needs_pinned_software
@@ -124,19 +125,19 @@ def test_kv_dtype_mismatch_when_the_checkpoint_quantizes_the_kv_cache(tmp_path: 
     code, data = check_json("cpu-demo", env)
     assert code == 1
     assert {k for k, s in statuses(data).items() if s == MISMATCH} == {"KVP_KV_CACHE_DTYPE"}
-    code, _, err = kvp("launch", "cpu-demo", "--check", env=env)
-    assert code == 2 and "At 'KVP_KV_CACHE_DTYPE': config says bfloat16" in err
-    assert "kv_cache_scheme" in err and "fp8_e4m3" in err
+    r = kvp_in_process("launch", "cpu-demo", "--check", env=env)
+    assert r.returncode == 2 and "At 'KVP_KV_CACHE_DTYPE': config says bfloat16" in r.stderr
+    assert "kv_cache_scheme" in r.stderr and "fp8_e4m3" in r.stderr
 
 
 def test_every_mismatch_of_one_config_is_listed_at_once(tmp_path: Path) -> None:
     config = str(cpu_demo_config(tmp_path, KVP_NUM_KV_HEADS="8", KVP_HEAD_DIM="128",
                                  KVP_MODEL_REVISION="3" * 40))
     env = env_for(tmp_path, hub_snapshot(tmp_path / "hub"))
-    code, _, err = kvp("launch", config, "--check", env=env)
-    assert code == 2
+    r = kvp_in_process("launch", config, "--check", env=env)
+    assert r.returncode == 2
     for key in ("KVP_NUM_KV_HEADS", "KVP_HEAD_DIM", "KVP_MODEL_REVISION"):
-        assert f"At '{key}': config says" in err
+        assert f"At '{key}': config says" in r.stderr
 
 
 # ----------------------------------------------------------------------------- unchecked
@@ -156,8 +157,9 @@ def test_local_dir_and_plain_dirs_leave_what_they_do_not_record_unchecked(
     st = statuses(data)
     assert {k for k, s in st.items() if s == UNCHECKED} == {
         "KVP_MODEL_ID", "KVP_TOKENIZER_NAME", "KVP_MODEL_REVISION", "KVP_TOKENIZER_REVISION"}
-    code, out, _ = kvp("identity", "check", "cpu-demo", env=env_for(tmp_path, tmp_path / "plain"))
-    assert code == 0 and "(4 unchecked)" in out
+    r = kvp_in_process("identity", "check", "cpu-demo",
+                       env=env_for(tmp_path, tmp_path / "plain"))
+    assert r.returncode == 0 and "(4 unchecked)" in r.stdout
     # a local-dir file from another revision is a mismatch
     from huggingface_hub._local_folder import write_download_metadata
 
@@ -169,23 +171,23 @@ def test_local_dir_and_plain_dirs_leave_what_they_do_not_record_unchecked(
 
 def test_absent_weights(tmp_path: Path) -> None:
     env = env_for(tmp_path, tmp_path / "no-weights")
-    code, _, err = kvp("identity", "check", "cpu-demo", env=env)
-    assert code == 2 and "no-weights does not exist" in err
-    code, _, err = kvp("launch", "cpu-demo", "--check", "--no-vllm", env=env)
-    assert code == 0, err
-    assert "identity unchecked: no weights at KVP_MODEL_PATH" in err
-    assert "(vLLM does not start here)" in err
-    code, _, err = kvp("launch", "cpu-demo", "--check", env=env)
-    assert code == 2 and err.count("At 'KVP_MODEL_PATH'") == 1, err
+    r = kvp_in_process("identity", "check", "cpu-demo", env=env)
+    assert r.returncode == 2 and "no-weights does not exist" in r.stderr
+    r = kvp_in_process("launch", "cpu-demo", "--check", "--no-vllm", env=env)
+    assert r.returncode == 0, r.stderr
+    assert "identity unchecked: no weights at KVP_MODEL_PATH" in r.stderr
+    assert "(vLLM does not start here)" in r.stderr
+    r = kvp_in_process("launch", "cpu-demo", "--check", env=env)
+    assert r.returncode == 2 and r.stderr.count("At 'KVP_MODEL_PATH'") == 1, r.stderr
 
 
 def test_unreadable_weights_are_a_configuration_error(tmp_path: Path) -> None:
     model = plain_dir(tmp_path / "m", {"config.json": "[1]"})
     env = env_for(tmp_path, model)
-    code, _, err = kvp("identity", "check", "cpu-demo", env=env)
-    assert code == 2 and "is not a JSON object" in err
-    code, _, err = kvp("launch", "cpu-demo", "--check", "--no-vllm", env=env)
-    assert code == 2 and "KVP_MODEL_PATH" in err
+    r = kvp_in_process("identity", "check", "cpu-demo", env=env)
+    assert r.returncode == 2 and "is not a JSON object" in r.stderr
+    r = kvp_in_process("launch", "cpu-demo", "--check", "--no-vllm", env=env)
+    assert r.returncode == 2 and "KVP_MODEL_PATH" in r.stderr
 
 
 def _ctx(**kw: object) -> CheckContext:
@@ -304,6 +306,6 @@ def test_run_vllm_with_persist_refuses_a_mismatch(tmp_path: Path) -> None:
 
 def test_an_unpinned_identity_has_nothing_to_check(tmp_path: Path) -> None:
     config = cpu_demo_config(tmp_path, KVP_CHAT_TEMPLATE_SHA256="", KVP_ALLOW_UNPINNED="true")
-    code, _, err = kvp("identity", "check", str(config),
+    r = kvp_in_process("identity", "check", str(config),
                        env=env_for(tmp_path, hub_snapshot(tmp_path / "hub")))
-    assert code == 2 and "unpinned" in err
+    assert r.returncode == 2 and "unpinned" in r.stderr

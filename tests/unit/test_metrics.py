@@ -23,23 +23,13 @@ from kvpersist.l2 import runs
 from kvpersist.l2.layout import ChunkName, temp_name
 from kvpersist.stack.health import Check, component_of, component_status
 
+from ..cli import kvp
 from ..conftest import REPO, clean_env, free_port
 from ..l2_roots import read_runs_at, record_run_at
 
 NS = "kvp-" + "ab" * 16
 OTHER = "kvp-" + "cd" * 16
 DEMO_NS = "kvp-8a8877c212dbb9f802c2eb354e22b53a"  # configs/cpu-demo
-
-
-def kvp(*args: str, env: dict[str, str] | None = None,
-        umask: int | None = None) -> subprocess.CompletedProcess[str]:
-    def pre() -> None:
-        if umask is not None:
-            os.umask(umask)
-
-    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], capture_output=True,
-                          text=True, env=env or clean_env(), cwd=REPO, timeout=120,
-                          preexec_fn=pre)
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from ..conftest import REPO, clean_env
+from ..cli import kvp
+from ..conftest import REPO
 from ..promql_names import documented_names, metric_names
 
 RULES = REPO / "monitoring" / "kvpersist-rules.yml"
@@ -91,9 +91,7 @@ def sample_root(tmp_path: Path) -> Path:
 
 
 def test_kvp_admin_metrics_exposition_passes_promtool_check_metrics(sample_root: Path) -> None:
-    cp = subprocess.run([sys.executable, "-m", "kvpersist.cli", "metrics", "--root",
-                         str(sample_root)], capture_output=True, text=True, timeout=120,
-                        env=clean_env(), cwd=REPO)
+    cp = kvp("metrics", "--root", str(sample_root))
     assert cp.returncode == 0, cp.stderr
     text = cp.stdout
     assert f'kvpersist_namespace_files{{namespace="{NAMESPACE}"' in text

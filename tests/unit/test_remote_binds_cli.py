@@ -4,18 +4,12 @@ once opted in shown by render (text and --json), launch --check and health."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from ..conftest import REPO, clean_env, free_port
-
-
-def kvp(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=120)
+from ..cli import kvp
+from ..conftest import clean_env, free_port
 
 
 def relocated(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -4,15 +4,14 @@ user owns, or that sits under a directory others can write, is refused."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvpersist.system.files import trust_problems
 
-from ..conftest import REPO, clean_env, free_port
+from ..cli import kvp
+from ..conftest import clean_env, free_port
 
 OTHER = 65534
 
@@ -59,11 +58,6 @@ def test_a_symlink_is_reported_not_followed(tmp_path: Path) -> None:
     assert "symbolic link" in trust_problems(tmp_path / "link")[0]
 
 
-def _kvp(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=120)
-
-
 def _env(root: Path, **extra: str) -> dict[str, str]:
     env = clean_env()
     env.update({"KVP_CACHE_ROOT": str(root), "KVP_LMCACHE_PORT": str(free_port()),
@@ -82,11 +76,11 @@ def test_launch_refuses_a_root_and_key_planted_by_another_user(tmp_path: Path) -
     for p in (root, root / ".kvpersist", key.parent, key):
         os.chown(p, OTHER, OTHER)
     os.chmod(root, 0o700)
-    res = _kvp(_env(root), "launch", "cpu-demo", "--check", "--no-vllm")
+    res = kvp("launch", "cpu-demo", "--check", "--no-vllm", env=_env(root))
     assert res.returncode == 2, res.stdout + res.stderr
     assert "Traceback" not in res.stderr
     assert f"belongs to uid {OTHER}" in res.stderr and "KVP_SERDE_KEY_FILE" in res.stderr
-    res = _kvp(_env(root), "verify", "cpu-demo")
+    res = kvp("verify", "cpu-demo", env=_env(root))
     assert res.returncode == 1 and "cannot be trusted" in res.stderr, res.stderr
 
 
@@ -94,5 +88,5 @@ def test_launch_refuses_a_root_under_a_world_writable_parent(tmp_path: Path) -> 
     parent = tmp_path / "open"
     parent.mkdir()
     os.chmod(parent, 0o777)
-    res = _kvp(_env(parent / "cache"), "launch", "cpu-demo", "--check", "--no-vllm")
+    res = kvp("launch", "cpu-demo", "--check", "--no-vllm", env=_env(parent / "cache"))
     assert res.returncode == 2 and "writable by group or others" in res.stderr, res.stderr

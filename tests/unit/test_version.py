@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import tomllib
 
 import yaml
 
 import kvpersist
 
-from ..conftest import REPO, clean_env
+from ..cli import kvp
+from ..conftest import REPO
 
 
 def test_pyproject_reads_the_version_from_the_package() -> None:
@@ -38,7 +37,6 @@ def test_ansible_role_and_docs_install_this_version() -> None:
 
 
 def test_cli_version_option() -> None:
-    res = subprocess.run([sys.executable, "-m", "kvpersist.cli", "--version"], cwd=REPO,
-                         capture_output=True, text=True, env=clean_env())
+    res = kvp("--version")
     assert res.returncode == 0
     assert res.stdout.strip() == f"kvp-admin, version {kvpersist.__version__}"

@@ -19,6 +19,7 @@ from kvpersist.config.warmset import (
 )
 from kvpersist.errors import ConfigError
 
+from ..cli import kvp
 from ..conftest import REPO, clean_env, free_port
 from .test_cli_startup import HEAVY, WRAPPER, matching
 
@@ -102,10 +103,8 @@ def run_warmup(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     base = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"),
                 KVP_LMCACHE_PORT=str(free_port()), KVP_LMCACHE_HTTP_PORT=str(free_port()),
                 KVP_VLLM_PORT=str(free_port()), KVP_MODEL_PATH=str(tmp_path / "model"))
-    return subprocess.run([sys.executable, "-m", "kvpersist.cli", "warmup", "cpu-demo",
-                           "--wait", "1", *([] if "json" not in env else ["--json"])],
-                          capture_output=True, text=True, cwd=REPO, timeout=120,
-                          env={**base, **{k: v for k, v in env.items() if k != "json"}})
+    return kvp("warmup", "cpu-demo", "--wait", "1", *([] if "json" not in env else ["--json"]),
+               env={**base, **{k: v for k, v in env.items() if k != "json"}})
 
 
 def written(tmp_path: Path) -> list[str]:
@@ -160,8 +159,7 @@ def test_an_unpinned_namespace_has_nothing_to_warm(tmp_path: Path) -> None:
                      "KVP_ALLOW_UNPINNED=true\n")
     base = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"),
                 KVP_WARMUP_FILE=str(wf), KVP_MODEL_PATH=str(tmp_path / "model"))
-    r = subprocess.run([sys.executable, "-m", "kvpersist.cli", "warmup", str(ident)],
-                       capture_output=True, text=True, cwd=REPO, timeout=120, env=base)
+    r = kvp("warmup", str(ident), env=base)
     assert r.returncode == 2 and "unpinned" in r.stderr, r.stderr
     assert written(tmp_path) == ["cfg/identity.env"]
 

@@ -21,6 +21,7 @@ import pytest
 from kvpersist.stack import weights as w
 from kvpersist.stack.weights import WeightsError, fingerprint_weights, model_files
 
+from ..cli import kvp
 from ..conftest import REPO, clean_env
 
 FILES = {
@@ -399,26 +400,21 @@ def test_check_unreadable_weights_problem_with_vllm_note_without(
 
 
 # --------------------------------------------------------------------------- the CLI
-def kvp(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=300)
-
-
 def test_cli_weights_launch_check_and_foreground_refuse_changed_weights(tmp_path: Path) -> None:
     m = plain(tmp_path / "m")
     env = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"), KVP_MODEL_PATH=str(m))
-    first = kvp(env, "weights", "cpu-demo", "--json")
+    first = kvp("weights", "cpu-demo", "--json", env=env, timeout=300)
     assert first.returncode == 0, first.stderr
     data = json.loads(first.stdout)
     assert data["status"] == "first" and data["recorded_now"] == ""
     assert not Path(data["manifest"]).exists()  # only --record (or a launch) records
-    rec = kvp(env, "weights", "cpu-demo", "--record")
+    rec = kvp("weights", "cpu-demo", "--record", env=env, timeout=300)
     assert rec.returncode == 0 and "recorded in" in rec.stderr, rec.stderr
     manifest = json.loads(Path(data["manifest"]).read_text())
     assert manifest["weights"]["fingerprint"] == data["current"]["fingerprint"] == expected()
     assert manifest["namespace"] == data["namespace"]
 
-    ok = kvp(env, "launch", "cpu-demo", "--check", "--no-vllm")
+    ok = kvp("launch", "cpu-demo", "--check", "--no-vllm", env=env, timeout=300)
     assert ok.returncode == 0 and "matches" in ok.stderr, ok.stderr
 
     (m / "model-00002-of-00002.safetensors").write_bytes(os.urandom(1000))
@@ -426,7 +422,7 @@ def test_cli_weights_launch_check_and_foreground_refuse_changed_weights(tmp_path
                  ["launch", "cpu-demo", "--check", "--no-vllm"],
                  ["launch", "cpu-demo", "--foreground", "--no-vllm"],
                  ["launch", "cpu-demo", "--no-vllm"]):
-        res = kvp(env, *args)
+        res = kvp(*args, env=env, timeout=300)
         assert res.returncode == (1 if args[0] == "weights" else 2), (args, res.stderr)
         assert f"changed since {data['namespace']} was first served" in res.stderr, args
         assert "bump KVP_MODEL_REVISION, or restore them" in res.stderr
@@ -435,7 +431,7 @@ def test_cli_weights_launch_check_and_foreground_refuse_changed_weights(tmp_path
     assert json.loads(Path(data["manifest"]).read_text()) == manifest  # record unchanged
 
     missing = dict(env, KVP_MODEL_PATH=str(tmp_path / "none"))
-    assert kvp(missing, "weights", "cpu-demo").returncode == 2
+    assert kvp("weights", "cpu-demo", env=missing, timeout=300).returncode == 2
 
 
 def test_weights_command_imports_nothing_heavy(tmp_path: Path) -> None:
