@@ -121,7 +121,12 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> Any:
-    """Console entry point: run the CLI, turning kvpersist errors into messages + codes."""
+    """Console entry point: run the CLI, turning kvpersist errors into messages + codes.
+
+    Returns the exit status a command set (``kvpersist.commands.common.exit_with``: click
+    returns it under ``standalone_mode=False``), or None (status 0) when it returned; the
+    console script and :func:`run` exit with it. A :class:`KvpError` prints one
+    ``kvp-admin: ...`` message and exits with its ``exit_code``."""
     try:
         return cli.main(args=argv, prog_name="kvp-admin", standalone_mode=False)
     except KvpError as exc:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from kvpersist.commands.common import exit_with
+
 
 @click.command("demo")
 @click.option("--dir", "workdir", default="kvp-demo", show_default=True,
@@ -31,4 +33,4 @@ def demo(workdir: str, size: str, turns: int, keep_running: bool, as_json: bool)
                       progress=progress)
     click.echo(result_json(result) if as_json else format_result(result))
     if not result.identical or result.warm.tokens_from_disk <= 0:
-        raise SystemExit(1)
+        exit_with(1)

@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvpersist.commands.common import echo_json, end_progress, inventory_options, json_option
+from kvpersist.commands.common import (
+    echo_json,
+    end_progress,
+    exit_with,
+    inventory_options,
+    json_option,
+)
 from kvpersist.commands.common import progress_printer as _printer
 from kvpersist.config.values import format_size, parse_duration
 from kvpersist.errors import EXIT_PROBLEM, UsageError
@@ -148,4 +154,4 @@ def prune(root: str | None, configs: tuple[str, ...], namespaces: tuple[str, ...
         if tier == "all":
             click.echo(format_shared(shared))
     if out.result.errors:
-        click.get_current_context().exit(EXIT_PROBLEM)
+        exit_with(EXIT_PROBLEM)
