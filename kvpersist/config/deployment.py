@@ -9,6 +9,7 @@ or raise one :class:`ConfigError` listing every problem at once.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -348,7 +349,5 @@ def agreement_problems(identity: CacheIdentity | None, s: DeploymentSettings,
 
 
 def _closest(key: str, known: set[str]) -> str:
-    import difflib
-
     match = difflib.get_close_matches(key, sorted(known), n=1)
     return f"did you mean {match[0]}?" if match else "remove it (see README: configuration)"

@@ -154,8 +154,9 @@ def _count(root: str, prefix: str) -> tuple[int, int]:
 def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny",
              turns: int = 10, words_per_turn: int = 150, max_tokens: int = 24,
              keep_running: bool = False, progress: Progress = print) -> DemoResult:
-    """Run the demo (see module docstring). Raises KvpError if a process fails to start;
-    whatever it started is stopped in every case unless ``keep_running``."""
+    """Run the demo (see module docstring). Raises KvpError when a step fails (DemoFailed
+    naming the step and the fix, unless the step raised a KvpError of its own); whatever it
+    started is stopped in every case unless ``keep_running``."""
     from kvpersist.demo.chat import chat_completion, long_chat
     from kvpersist.demo.model import generate_model
     from kvpersist.stack import launch as lc
