@@ -124,10 +124,13 @@ def cli() -> None:
 def main(argv: list[str] | None = None) -> Any:
     """Console entry point: run the CLI, turning kvpersist errors into messages + codes.
 
-    With ``--json`` stdout carries exactly one JSON object whatever happens: the command's
-    document or, when it ends without one, the error document of
-    :class:`~kvpersist.json_mode.JsonRun` (the message still goes to stderr, the exit
-    code is unchanged)."""
+    Returns the exit status a command set (``kvpersist.commands.common.exit_with``: click
+    returns it under ``standalone_mode=False``), or None (status 0) when it returned; the
+    console script and :func:`run` exit with it. A :class:`KvpError` prints one
+    ``kvp-admin: ...`` message and exits with its ``exit_code``. With ``--json`` stdout
+    carries exactly one JSON object whatever happens: the command's document or, when it
+    ends without one, the error document of :class:`~kvpersist.json_mode.JsonRun` (the
+    message still goes to stderr, the exit code is unchanged)."""
     args = sys.argv[1:] if argv is None else list(argv)
     run = JsonRun(wants_json(args))
     try:

@@ -56,3 +56,14 @@ class CheckFailed(KvpError):
     """A check ran and found a problem (exit code 1)."""
 
     exit_code = EXIT_PROBLEM
+
+
+class DemoFailed(KvpError):
+    """A step of ``kvp-admin demo`` failed: which step, why (the underlying error on one
+    line), and what the user should do (exit code 1)."""
+
+    exit_code = EXIT_PROBLEM
+
+    def __init__(self, step: str, cause: str, fix: str) -> None:
+        self.step, self.cause, self.fix = step, cause, fix
+        super().__init__(f"demo: {step} failed: {cause} ({fix})")

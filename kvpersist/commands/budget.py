@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvpersist.commands.common import config_argument, echo_json, json_option
+from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option
 from kvpersist.config.values import GIB, format_size
 from kvpersist.errors import EXIT_PROBLEM
 from kvpersist.l2.budget import BudgetPlan
@@ -62,4 +62,4 @@ def budget(config: str, as_json: bool) -> None:
         click.echo("L2 read path:")
         click.echo("\n".join(f"  - {line}" for line in read_path.lines))
     if not plan.ok:
-        click.get_current_context().exit(EXIT_PROBLEM)
+        exit_with(EXIT_PROBLEM)

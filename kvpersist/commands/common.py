@@ -1,4 +1,4 @@
-"""Helpers shared by the click commands: output formatting and common options."""
+"""Helpers shared by the click commands: output formatting, common options, the exit status."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -15,6 +15,17 @@ from kvpersist.json_mode import mark_written
 F = TypeVar("F", bound=Callable[..., Any])
 
 config_argument = click.argument("config", metavar="CONFIG")
+
+
+def exit_with(code: int) -> NoReturn:
+    """End the command with exit status ``code``: the one way a command in commands/ sets
+    its status (an error is a :class:`~kvpersist.errors.KvpError` instead, which
+    ``kvpersist.cli.main`` prints and exits with).
+
+    Raises ``click.exceptions.Exit``: click closes the context, and ``cli.main`` (which runs
+    click with ``standalone_mode=False``) returns ``code`` for the console script to exit
+    with."""
+    raise click.exceptions.Exit(code)
 
 
 def json_option(func: F) -> F:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvpersist.commands.common import echo_json
+from kvpersist.commands.common import echo_json, exit_with
 
 
 @click.command("demo")
@@ -36,4 +36,4 @@ def demo(workdir: str, size: str, turns: int, keep_running: bool, as_json: bool)
     else:
         click.echo(format_result(result))
     if not result.identical or result.warm.tokens_from_disk <= 0:
-        raise SystemExit(1)
+        exit_with(1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvpersist.commands.common import config_argument, echo_json, json_option, table
+from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option, table
 
 
 @click.command("health")
@@ -33,4 +33,4 @@ def health(config: str, as_json: bool, wait: float, timeout: float, no_vllm: boo
         click.echo(f"{report.config}  namespace {report.namespace}: {report.status.upper()}")
         rows = [[c.name, c.status, c.detail] for c in report.checks]
         click.echo(table(rows, ["check", "status", "detail"]))
-    raise SystemExit(report.exit_code)
+    exit_with(report.exit_code)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 from kvpersist.actions import identity as actions
-from kvpersist.commands.common import config_argument, echo_json, json_option, table
+from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option, table
 from kvpersist.config.identity import (
     ALL_IDENTITY_KEYS,
     IDENTITY_KEYS,
@@ -73,7 +73,7 @@ def diff(config_a: str, config_b: str, as_json: bool) -> None:
             "different namespaces: no KV block is shared"
         click.echo(f"\n{a.namespace}  {a.name}\n{b.namespace}  {b.name}\n{verdict}")
     if not same:
-        raise click.exceptions.Exit(1)
+        exit_with(1)
 
 
 @identity.command("template-sha")
@@ -153,7 +153,7 @@ def derive(model_dir: Path, out: Path | None, force: bool, revision: str | None,
             click.echo(f"namespace: {ident.namespace()}", err=True)
         click.echo("set the PLACEHOLDER deployment keys before use", err=True)
     if not d.complete:
-        raise click.exceptions.Exit(1)
+        exit_with(1)
 
 
 @identity.command("check")
@@ -183,7 +183,7 @@ def check(config: str, as_json: bool) -> None:
     if res.problems:
         raise ConfigError(list(res.problems), "identity check")
     if res.mismatches:
-        raise click.exceptions.Exit(1)
+        exit_with(1)
     if not as_json:
         unchecked = len(res.by_status("unchecked"))
         click.echo(f"\nconsistent: no field mismatches ({unchecked} unchecked)")

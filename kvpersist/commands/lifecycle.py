@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvpersist.commands.common import config_argument, echo_json, json_option, table
+from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option, table
 
 
 def _progress(msg: str) -> None:
@@ -178,4 +178,4 @@ def status(config: str, as_json: bool) -> None:
         click.echo(f"{out.config}  namespace {out.namespace}")
         click.echo(table(rows, ["process", "state", "pid", "check", "detail"]))
     if not out.running:
-        raise SystemExit(1)
+        exit_with(1)

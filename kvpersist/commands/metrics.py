@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from kvpersist.commands.common import end_progress, progress_printer
+from kvpersist.commands.common import end_progress, exit_with, progress_printer
 
 #: Debian's node_exporter textfile-collector directory (prometheus-node-exporter package)
 DEFAULT_TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
@@ -58,4 +58,4 @@ def metrics(configs: tuple[str, ...], root: str | None, textfile_dir: str | None
     if outcome.unmeasured:
         # the health series (and a store's up 0) were written; exit 1 says that a root's or a
         # store's figures are missing
-        raise SystemExit(1)
+        exit_with(1)

@@ -11,10 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvpersist.commands.common import echo_json, end_progress, inventory_options, json_option
+from kvpersist.commands.common import (
+    echo_json,
+    end_progress,
+    exit_with,
+    inventory_options,
+    json_option,
+)
 from kvpersist.commands.common import progress_printer as _printer
 from kvpersist.config.values import format_size, parse_duration
-from kvpersist.errors import EXIT_PROBLEM, UsageError
+from kvpersist.errors import UsageError
 
 if TYPE_CHECKING:
     from kvpersist.l2.prune import PruneResult
@@ -104,22 +110,8 @@ def prune(root: str | None, configs: tuple[str, ...], namespaces: tuple[str, ...
     deleted. Warm-set pins (kvp-admin warmup) are deleted only by --namespace. A file that
     changed after it was planned is skipped. Exit 1 if a file could not be deleted.
     """
-    shared: dict[str, Any] = {}
-    if tier != "local":
-        if stale or unpinned or temp_older_than or to_budget or list_paths:
-            raise UsageError("--tier shared/all selects by --namespace only (no --stale, "
-                             "--unpinned, --temp-older-than, --to-budget or --list)")
-        from kvpersist.actions.shared import prune_shared
-
-        shared = prune_shared(configs, namespaces, apply=apply, force=force)
-    if tier == "shared":
-        if as_json:
-            echo_json(shared)
-        else:
-            click.echo(format_shared(shared))
-        return
-    from kvpersist.actions.prune import PruneRequest
-    from kvpersist.actions.prune import prune as prune_action
+    from kvpersist.actions.prune import PruneRequest  # lazy: `prune --help` stays light
+    from kvpersist.actions.tiers import prune_tiers
 
     older: float | None = None
     if temp_older_than is not None:
@@ -136,16 +128,16 @@ def prune(root: str | None, configs: tuple[str, ...], namespaces: tuple[str, ...
         return bars[-1]
 
     try:
-        out = prune_action(root, configs, req, apply=apply, list_paths=list_paths,
-                           progress=progress)
+        out = prune_tiers(tier, root, configs, req, apply=apply, list_paths=list_paths,
+                          progress=progress)
     finally:
         for cb in bars:
             end_progress(cb)
     if as_json:
-        echo_json({**out.to_dict(), "shared": shared} if tier == "all" else out.to_dict())
+        echo_json(out.to_dict())
     else:
-        click.echo(format_result(out.result, out.plan))
-        if tier == "all":
-            click.echo(format_shared(shared))
-    if out.result.errors:
-        click.get_current_context().exit(EXIT_PROBLEM)
+        if out.local is not None:
+            click.echo(format_result(out.local.result, out.local.plan))
+        if out.shared:
+            click.echo(format_shared(out.shared))
+    exit_with(out.exit_code)

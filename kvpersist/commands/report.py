@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -134,23 +135,22 @@ def report(root: str | None, configs: tuple[str, ...], tier: str, as_json: bool)
 
     On disk it is measured from the filesystem; on the shared tier counted by server-side
     iteration (SCAN on every node)."""
-    doc: dict[str, Any] = {}
-    if tier in ("local", "all"):
-        from kvpersist.actions.report import report as report_action
+    from kvpersist.actions.tiers import report_tiers  # lazy: `report --help` stays light
 
-        cb = progress_printer("scanned entries")
-        try:
-            doc = report_action(root, configs, progress=cb).to_dict()
-        finally:
+    bars: list[Callable[..., None] | None] = []
+
+    def progress(what: str) -> Callable[..., None] | None:
+        bars.append(progress_printer(what))
+        return bars[-1]
+
+    try:
+        out = report_tiers(tier, root, configs, progress=progress)
+    finally:
+        for cb in bars:
             end_progress(cb)
-    shared: dict[str, Any] | None = None
-    if tier in ("shared", "all"):
-        from kvpersist.actions.shared import report_shared
-
-        shared = report_shared(configs)
     if as_json:
-        echo_json(shared if tier == "shared" else ({**doc, "shared": shared} if shared
-                                                   else doc))
+        echo_json(out.to_dict())
         return
-    parts = ([format_report(doc)] if doc else []) + ([format_shared(shared)] if shared else [])
+    parts = ([format_report(out.local.to_dict())] if out.local is not None else []) + \
+        ([format_shared(out.shared)] if out.shared else [])
     click.echo("\n\n".join(parts))

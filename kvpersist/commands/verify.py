@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvpersist.commands.common import config_argument, echo_json, json_option, table
+from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option, table
 
 
 @click.command("verify")
@@ -57,4 +57,4 @@ def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
         for w in res.warnings:
             click.echo(f"warning: {w}", err=True)
     left = len(res.findings) - (len(res.quarantined) if apply else 0)
-    raise SystemExit(1 if left else 0)
+    exit_with(1 if left else 0)

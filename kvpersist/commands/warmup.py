@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvpersist.commands.common import config_argument, echo_json, json_option
+from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option
 
 
 @click.command("warmup")
@@ -51,4 +51,4 @@ def warmup(config: str, wait_s: float, as_json: bool) -> None:
             click.echo(f"error: {res.error}", err=True)
     for w in res.warnings:
         click.echo(f"warning: {w}", err=True)
-    raise SystemExit(res.exit_code)
+    exit_with(res.exit_code)

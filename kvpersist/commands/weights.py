@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvpersist.commands.common import config_argument, echo_json, json_option
+from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option
 
 
 @click.command("weights")
@@ -40,4 +40,4 @@ def weights(config: str, record: bool, rehash: bool, as_json: bool) -> None:
         for p in chk.problems:
             click.echo(f"kvp-admin weights: {p}", err=True)
     if out.changed:
-        raise SystemExit(1)
+        exit_with(1)

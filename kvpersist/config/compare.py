@@ -1,7 +1,7 @@
 """Compare a configured compatibility identity with what would run (pure).
 
 :func:`check_identity` compares a :class:`~kvpersist.config.identity.CacheIdentity` field by
-field with the facts of a model directory (:class:`~kvpersist.config.derive.ModelFacts`), the
+field with the facts of a model directory (:class:`~kvpersist.config.model_facts.ModelFacts`), the
 installed software and the image, with the rules of :mod:`kvpersist.config.derive`. Every
 field ends in one of four states:
 
@@ -20,19 +20,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpersist.config.derive import (
-    ModelFacts,
-    kv_geometry,
-    kv_quantization,
-    max_model_len,
-    origin,
-    template_digest,
-)
 from kvpersist.config.identity import (
     ALL_IDENTITY_KEYS,
     MODEL_KV_DTYPES,
     CacheIdentity,
 )
+from kvpersist.config.model_dtype import kv_quantization
+from kvpersist.config.model_facts import ModelFacts
+from kvpersist.config.model_geometry import kv_geometry, max_model_len
+from kvpersist.config.model_origin import origin
+from kvpersist.config.model_template import template_digest
 from kvpersist.errors import Problem
 from kvpersist.system.software import ImageInfo, Installed, normalize
 

@@ -14,14 +14,10 @@ from pathlib import Path
 
 import yaml
 
-from kvpersist.config.deployment import (
-    Deployment,
-    GenericConfig,
-    build_deployment,
-    config_name_problem,
-    generic_from_dict,
-)
+from kvpersist.config.deployment import Deployment, build_deployment
 from kvpersist.config.envfile import parse_env
+from kvpersist.config.generic import GenericConfig, generic_from_dict
+from kvpersist.config.settings import config_name_problem
 from kvpersist.errors import ConfigError, Problem
 from kvpersist.system import resources
 

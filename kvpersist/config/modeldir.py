@@ -5,7 +5,7 @@ chat template, a quantization config, and the download layout — a Hugging Face
 snapshot (``models--ORG--NAME/snapshots/<commit>/``, recognised with ``huggingface_hub``'s
 own cache-layout code) or a ``--local-dir`` download's records
 (``.cache/huggingface/download/<file>.metadata``) — into a plain
-:class:`~kvpersist.config.derive.ModelFacts`. Nothing here interprets them; nothing is
+:class:`~kvpersist.config.model_facts.ModelFacts`. Nothing here interprets them; nothing is
 written (huggingface_hub's own record reader creates lock files and deletes records it
 cannot parse, so the three-line record format is read here, read-only).
 """
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvpersist.config.derive import HEX40, DownloadRecord, ModelFacts
+from kvpersist.config.model_facts import HEX40, DownloadRecord, ModelFacts
 from kvpersist.errors import ConfigError, Problem
 
 #: where a --local-dir download keeps its records, relative to the directory

@@ -81,6 +81,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_problem(value: str) -> str:
+    """Why ``value`` is not a listen address kvpersist accepts, or ''."""
+    if value == "localhost":
+        return ""
+    if is_scoped(value):
+        return f"must be an IP address without a zone, got {value!r}"
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError:
+        return f"must be an IP address (e.g. 127.0.0.1), got {value!r}"
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return f"write the IPv4 address {address.ipv4_mapped}, not {value!r}"
+    if str(address) != value:
+        # one spelling per address: the loopback rule, systemd's IPAddressAllow= and the
+        # Ansible role compare addresses as text
+        return f"write the address in its canonical form {address}, not {value!r}"
+    return ""
+
+
 def reach_host(host: str) -> str:
     """The address a client on the same host uses to reach a server bound to ``host``: a
     wildcard bind is reached through loopback."""

@@ -1,7 +1,8 @@
 """A deterministic long multi-turn chat, and a streaming client that times the first token.
 
 ``long_chat`` is pure. ``chat_completion`` does HTTP (requests) against an
-OpenAI-compatible ``/v1/chat/completions`` endpoint.
+OpenAI-compatible ``/v1/chat/completions`` endpoint; every way it fails is a
+:class:`~kvpersist.errors.DemoFailed`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ import random
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import requests
+
+from kvpersist.errors import DemoFailed
 
 _TOPICS = (
     "the cache server", "the model weights", "the disk budget", "the restart order",
@@ -66,10 +71,23 @@ def chat_completion(base_url: str, model: str, messages: list[dict[str, str]], *
     """POST a greedy, streamed chat completion; return text and timings.
 
     Given: the server's base URL (``http://host:port``), the served model name and messages.
-    Raises requests.RequestException on HTTP failure, RuntimeError on an error payload.
+    Raises DemoFailed when the request fails (no answer, an HTTP error status, a timeout),
+    the server streams an error, or a streamed event is not a JSON object.
     """
-    import requests
+    what = f"chat completion at {base_url}"
+    fix = (f"check that vLLM serves the model {model!r} at {base_url} (its log says why it "
+           "failed)")
+    try:
+        return _stream(base_url, model, messages, max_tokens, timeout, what, fix)
+    except requests.RequestException as exc:
+        text = " ".join(str(exc).split())
+        raise DemoFailed(what, f"{type(exc).__name__}: {text[:300]}", fix) from exc
 
+
+def _stream(base_url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
+            timeout: float, what: str, fix: str) -> ChatResult:
+    """The request of :func:`chat_completion`. Raises DemoFailed for an error event or one
+    that is not a JSON object, requests.RequestException for HTTP failures."""
     body: dict[str, Any] = {
         "model": model, "messages": messages, "max_tokens": max_tokens,
         "temperature": 0.0, "seed": 0, "stream": True,
@@ -88,9 +106,17 @@ def chat_completion(base_url: str, model: str, messages: list[dict[str, str]], *
             data = raw[len(b"data: "):]
             if data == b"[DONE]":
                 break
-            event = json.loads(data)
+            try:
+                event = json.loads(data)
+            except ValueError:
+                event = None
+            if not isinstance(event, dict):
+                raise DemoFailed(what, f"a streamed event is not a JSON object: "
+                                 f"{data[:120]!r}", fix)
             if "error" in event:
-                raise RuntimeError(f"chat completion failed: {event['error']}")
+                error = " ".join(str(event["error"]).split())
+                raise DemoFailed(what, f"the server answered with an error: {error[:300]}",
+                                 fix)
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event.get("choices", []):

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpersist.errors import UsageError
+
 #: Bumped whenever the generator's output for a given spec changes.
 GENERATOR_VERSION = 1
 
@@ -82,11 +84,12 @@ SPECS: dict[str, ModelSpec] = {
 
 
 def get_spec(size: str) -> ModelSpec:
-    """Return the spec called ``size``; raises KeyError naming the known sizes."""
+    """Return the spec called ``size``; raises UsageError naming the known sizes."""
     try:
         return SPECS[size]
     except KeyError:
-        raise KeyError(f"unknown demo model size {size!r} (known: {', '.join(SPECS)})") from None
+        raise UsageError(f"unknown demo model size {size!r} (use one of "
+                         f"{', '.join(SPECS)})") from None
 
 
 def _canonical(obj: Any) -> bytes:
@@ -272,8 +275,8 @@ def generate_model(size: str, dest: str | os.PathLike[str], *, force: bool = Fal
     metadata file matches), nothing is written unless ``force``. The repository folder is
     built under a temporary name beside its final one and renamed into place, so an
     interrupted run never leaves a half model under the final name.
-    Raises KeyError for an unknown size, FileExistsError if the repository folder exists and
-    holds something else.
+    Raises UsageError for an unknown size, FileExistsError if the repository folder exists
+    and holds something else.
     """
     spec = get_spec(size)
     hub = Path(dest)

@@ -8,6 +8,11 @@ is on disk; then stops both. Everything lives under one working directory (defau
 
 Each run uses a fresh chat (a new seed), so the "cold" request is really cold even when the
 cache root already holds files from earlier runs; nothing is deleted.
+
+Every failure is a :class:`~kvpersist.errors.KvpError`: kvpersist's own errors as they are,
+any other error of a step (a directory that cannot be written, a model that cannot be
+generated, a process or a request that fails) a :class:`~kvpersist.errors.DemoFailed` naming
+the step, the error on one line and what to do (:func:`step`).
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ import os
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpersist.errors import DemoFailed, KvpError
 from kvpersist.system import procs
 
 Progress = Callable[[str], None]
@@ -61,6 +68,26 @@ class DemoResult:
         return d
 
 
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of ``exc`` on one line, at most ``limit`` characters."""
+    text = f"{type(exc).__name__}: {' '.join(str(exc).split()) or '(no message)'}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@contextmanager
+def step(what: str, fix: str) -> Iterator[None]:
+    """Run one step of the demo. A KvpError passes as it is; any other error (Exception:
+    a step runs torch, transformers, requests and processes, which raise many types)
+    becomes :class:`~kvpersist.errors.DemoFailed` naming ``what`` failed, the error on one
+    line and ``fix``, chained to the original."""
+    try:
+        yield
+    except KvpError:
+        raise
+    except Exception as exc:
+        raise DemoFailed(what, one_line(exc), fix) from exc
+
+
 def _identity_file(workdir: Path, size: str) -> str:
     """The deployment config for ``size``: configs/cpu-demo for tiny; for another size an
     identity.env written beside the model with that model's geometry and revisions."""
@@ -86,14 +113,21 @@ def _port(preferred: int) -> int:
     return preferred if procs.port_bindable("127.0.0.1", preferred) else procs.free_port()
 
 
-def _metric(url: str, name: str) -> float:
+def metric(url: str, name: str) -> float:
+    """The sum of the samples of counter ``name`` on the Prometheus endpoint ``url/metrics``.
+    Raises DemoFailed when it cannot be read or a sample is not a number."""
     import requests
 
-    total = 0.0
-    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    with step(f"read {name} from {url}/metrics",
+              "check that vLLM still runs and serves its /metrics endpoint (its log says why "
+              "not)"):
+        resp = requests.get(f"{url}/metrics", timeout=10)
+        resp.raise_for_status()
+        total = 0.0
+        for line in resp.text.splitlines():
+            if line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[-1])
+        return total
 
 
 def _l2_hits(log: str, since: int) -> int:
@@ -119,56 +153,70 @@ def _count(root: str, prefix: str) -> tuple[int, int]:
 def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny",
              turns: int = 10, words_per_turn: int = 150, max_tokens: int = 24,
              keep_running: bool = False, progress: Progress = print) -> DemoResult:
-    """Run the demo (see module docstring). Raises KvpError if a process fails to start;
-    whatever it started is stopped in every case unless ``keep_running``."""
+    """Run the demo (see module docstring). Raises KvpError when a step fails (DemoFailed
+    naming the step and the fix, unless the step raised a KvpError of its own); whatever it
+    started is stopped in every case unless ``keep_running``."""
     from kvpersist.demo.chat import chat_completion, long_chat
     from kvpersist.demo.model import generate_model
     from kvpersist.stack import launch as lc
 
     t_start = time.monotonic()
-    wd = Path(workdir).resolve()
-    wd.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with step(f"create the working directory {workdir}",
+              "give --dir a directory you can create and write to"):
+        wd = Path(workdir).resolve()
+        wd.mkdir(parents=True, exist_ok=True, mode=0o700)
     hub_dir = wd / "hub"
     progress(f"[1/6] demo model '{size}' in {hub_dir}")
     t = time.monotonic()
-    model_dir = generate_model(size, hub_dir)
+    with step(f"generate the '{size}' demo model in {hub_dir}",
+              f"move away what {hub_dir} holds (or give another --dir); generating needs "
+              "torch, transformers, tokenizers and safetensors (scripts/setup.sh)"):
+        model_dir = generate_model(size, hub_dir)
     progress(f"      ready in {time.monotonic() - t:.1f} s")
-    config = _identity_file(wd, size)
-    env = dict(os.environ)
-    env.update({
-        "KVP_CACHE_ROOT": str(wd / "cache"),
-        "KVP_MODEL_PATH": str(model_dir),
-        "KVP_LMCACHE_PORT": str(_port(5565)),
-        "KVP_LMCACHE_HTTP_PORT": str(_port(8090)),
-        "KVP_VLLM_PORT": str(_port(8010)),
-        "KVP_L1_SIZE_GB": env.get("KVP_L1_SIZE_GB", "1"),
-    })
-    if not (wd / "cache").exists():
-        (wd / "cache").mkdir(mode=0o700)
-    prepared = lc.prepare_launch(config, environ=env)
+    with step(f"write the demo's configuration in {wd}",
+              "give --dir a directory you can write to"):
+        config = _identity_file(wd, size)
+        env = dict(os.environ)
+        env.update({
+            "KVP_CACHE_ROOT": str(wd / "cache"),
+            "KVP_MODEL_PATH": str(model_dir),
+            "KVP_LMCACHE_PORT": str(_port(5565)),
+            "KVP_LMCACHE_HTTP_PORT": str(_port(8090)),
+            "KVP_VLLM_PORT": str(_port(8010)),
+            "KVP_L1_SIZE_GB": env.get("KVP_L1_SIZE_GB", "1"),
+        })
+        if not (wd / "cache").exists():
+            (wd / "cache").mkdir(mode=0o700)
+    with step("prepare the launch", f"check that {wd / 'cache'} and the demo model "
+              f"{model_dir} can be read"):
+        prepared = lc.prepare_launch(config, environ=env)
     dep, plan = prepared.dep, prepared.plan
+    logs = f"the cache server's log {plan.server_log} and vLLM's log {plan.vllm_log} say why"
     seed = random.SystemRandom().randrange(1, 1 << 30)
     chat = long_chat(turns=turns, words_per_turn=words_per_turn, seed=seed)
     warmup = [{"role": "user", "content": "Say hello."}]
     phases: list[Phase] = []
     try:
         for i, name in enumerate(("cold", "after restart")):
-            step = 2 + 2 * i
-            progress(f"[{step}/6] launching lmcache server + vLLM ({name}) for namespace "
+            n = 2 + 2 * i
+            progress(f"[{n}/6] launching lmcache server + vLLM ({name}) for namespace "
                      f"{dep.namespace}")
             t = time.monotonic()
-            lc.launch(prepared, with_vllm=True, server_timeout=90, vllm_timeout=600,
-                      progress=lambda m: progress(f"      {m}"))
+            with step(f"launch ({name})", logs):
+                lc.launch(prepared, with_vllm=True, server_timeout=90, vllm_timeout=600,
+                          progress=lambda m: progress(f"      {m}"))
             ph = Phase(name, launch_s=time.monotonic() - t)
-            log_offset = os.path.getsize(plan.server_log)
-            chat_completion(plan.vllm_url, dep.settings.served_model_name, warmup,
-                            max_tokens=2)
-            progress(f"[{step + 1}/6] long chat ({turns} turns) ...")
-            r = chat_completion(plan.vllm_url, dep.settings.served_model_name, chat,
-                                max_tokens=max_tokens)
+            with step(f"the first request ({name})", logs):
+                log_offset = os.path.getsize(plan.server_log)
+                chat_completion(plan.vllm_url, dep.settings.served_model_name, warmup,
+                                max_tokens=2)
+            progress(f"[{n + 1}/6] long chat ({turns} turns) ...")
+            with step(f"the long chat ({name})", logs):
+                r = chat_completion(plan.vllm_url, dep.settings.served_model_name, chat,
+                                    max_tokens=max_tokens)
             ph.ttft_s, ph.total_s, ph.text = r.ttft_s, r.total_s, r.text
             ph.prompt_tokens = r.prompt_tokens or 0
-            ph.tokens_from_disk = _metric(plan.vllm_url, HITS_METRIC)
+            ph.tokens_from_disk = metric(plan.vllm_url, HITS_METRIC)
             time.sleep(0.5)
             ph.l2_chunks_hit = _l2_hits(plan.server_log, log_offset)
             progress(f"      TTFT {ph.ttft_s * 1000:.0f} ms, {ph.prompt_tokens} prompt tokens, "
@@ -181,15 +229,21 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
                     def stored(w: int = want) -> bool:
                         return _count(plan.cache_root, dep.namespace)[0] >= w
 
-                    procs.wait_for(stored, 20, 0.5)
+                    with step(f"count the chunk files in {plan.cache_root}", logs):
+                        procs.wait_for(stored, 20, 0.5)
                 progress("      stopping vLLM, then the cache server (L2 files stay)")
-                lc.stop_deployment(plan)
+                with step("stop vLLM and the cache server", logs):
+                    lc.stop_deployment(plan)
     except BaseException:
         if not keep_running:
-            lc.stop_deployment(plan)
+            try:
+                lc.stop_deployment(plan)
+            except Exception as exc:  # noqa: BLE001 - the first error is the one reported
+                progress(f"      could not stop vLLM and the cache server: {one_line(exc)}")
         raise
     cold, warm = phases
-    n, b = _count(plan.cache_root, dep.namespace)
+    with step(f"count the chunk files in {plan.cache_root}", logs):
+        files, size_bytes = _count(plan.cache_root, dep.namespace)
     report: dict[str, Any] = {}
     try:
         from kvpersist.l2.scan import scan_root
@@ -205,7 +259,7 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
         workdir=str(wd), size=size, namespace=dep.namespace, cache_root=plan.cache_root,
         seed=seed, cold=cold, warm=warm, identical=cold.text == warm.text,
         ttft_ratio=(warm.ttft_s / cold.ttft_s) if cold.ttft_s else 0.0,
-        files=n, bytes=b, seconds=time.monotonic() - t_start, report=report)
+        files=files, bytes=size_bytes, seconds=time.monotonic() - t_start, report=report)
 
 
 def format_result(r: DemoResult) -> str:

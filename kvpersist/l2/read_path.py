@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpersist.config.deployment import Deployment, GenericConfig
+from kvpersist.config.deployment import Deployment
+from kvpersist.config.generic import GenericConfig
 from kvpersist.l2.preread import off_reason, preread_cap
 
 #: where the measurement behind the defaults is written up

@@ -25,7 +25,7 @@ from kvpersist.config.compare import (
     check_identity,
 )
 from kvpersist.config.deployment import Deployment
-from kvpersist.config.derive import ModelFacts
+from kvpersist.config.model_facts import ModelFacts
 from kvpersist.errors import ConfigError, Problem
 from kvpersist.stack.locate import vllm_mode
 from kvpersist.system import software

@@ -37,7 +37,8 @@ from typing import Any
 
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.engine_args import ENGINE_KEY, EXTRA_KEY, classify_dests, engine_argv
-from kvpersist.config.engine_flags import KV, NEUTRAL, VLLM_VERSION
+from kvpersist.config.engine_flag_table import VLLM_VERSION
+from kvpersist.config.engine_flags import KV, NEUTRAL
 from kvpersist.errors import Problem
 
 TIMEOUT_S = 180.0

@@ -28,8 +28,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpersist.config.deployment import GenericConfig, build_deployment
+from kvpersist.config.deployment import build_deployment
 from kvpersist.config.envfile import format_env, parse_env
+from kvpersist.config.generic import GenericConfig
 from kvpersist.config.values import forbidden_char
 from kvpersist.deploy.systemd import UnitRenderError, instance_for
 from kvpersist.errors import ConfigError

@@ -140,7 +140,8 @@ def test_dropins_per_instance():
 
 
 def _deployment(**settings: str):  # type: ignore[no-untyped-def]
-    from kvpersist.config.deployment import GenericConfig, build_deployment
+    from kvpersist.config.deployment import build_deployment
+    from kvpersist.config.generic import GenericConfig
 
     from ..unit.test_identity import BASE
 

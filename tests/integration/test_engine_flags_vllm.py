@@ -30,7 +30,8 @@ from kvpersist.config.engine_args import (
     engine_argv,
     parse,
 )
-from kvpersist.config.engine_flags import FLAGS, KV, VLLM_VERSION
+from kvpersist.config.engine_flag_table import VLLM_VERSION
+from kvpersist.config.engine_flags import FLAGS, KV
 from kvpersist.stack.vllm_args import COMPARE, check_vllm_args
 
 from ._vllm_parser import snapshot, vllm_parser
@@ -72,10 +73,11 @@ def test_every_flag_of_vllms_parser_is_classified() -> None:
     gone = sorted(set(FLAGS) - set(snap))
     changed = {d: (snap[d], (FLAGS[d].options, FLAGS[d].value)) for d in snap
                if d in FLAGS and snap[d] != (FLAGS[d].options, FLAGS[d].value)}
-    rows = "\n".join(f"    _f({d!r}, {' '.join(o for o in opts if not o.startswith('--no-'))!r}, "
+    rows = "\n".join(f"    ({d!r}, {' '.join(o for o in opts if not o.startswith('--no-'))!r}, "
                      f"{v!r}, ???, 'why'),"
                      for d, (opts, v) in unclassified.items())
-    assert not unclassified, f"classify these flags in kvpersist/config/engine_flags.py:\n{rows}"
+    assert not unclassified, ("classify these flags in kvpersist/config/engine_flag_table.py:\n"
+                              f"{rows}")
     assert not gone, f"no longer in vLLM's parser: {gone}"
     assert not changed, f"described differently by vLLM (vLLM, table): {changed}"
 

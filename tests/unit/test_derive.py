@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from kvpersist.config import derive
-from kvpersist.config.derive import DeriveOptions, ModelFacts, derive_identity
+from kvpersist.config import derive, model_dtype, model_geometry, model_template
+from kvpersist.config.derive import DeriveOptions, derive_identity
 from kvpersist.config.envfile import parse_env
 from kvpersist.config.identity import IDENTITY_KEYS
+from kvpersist.config.model_facts import ModelFacts
 from kvpersist.config.modeldir import read_model_dir
 from kvpersist.demo.model import CPU_DEMO_REPO, CPU_DEMO_REVISION
 from kvpersist.errors import ConfigError, UsageError
@@ -124,13 +125,13 @@ def facts(config: dict[str, Any], **kw: Any) -> ModelFacts:
 
 
 def test_geometry_plain_gqa_mha_and_nested_text_config() -> None:
-    kv, hd, notes = derive.kv_geometry({"num_attention_heads": 32, "num_key_value_heads": 8,
+    kv, hd, notes = model_geometry.kv_geometry({"num_attention_heads": 32, "num_key_value_heads": 8,
                                         "hidden_size": 4096}, "c")
     assert (kv.value, hd.value, notes) == (8, 128, [])
     assert hd.source == "c: hidden_size 4096 / num_attention_heads 32"
-    kv, hd, _ = derive.kv_geometry({"num_attention_heads": 16, "hidden_size": 2048}, "c")
+    kv, hd, _ = model_geometry.kv_geometry({"num_attention_heads": 16, "hidden_size": 2048}, "c")
     assert (kv.value, hd.value) == (16, 128) and "multi-head" in kv.source
-    kv, hd, _ = derive.kv_geometry({"model_type": "llava", "text_config": {
+    kv, hd, _ = model_geometry.kv_geometry({"model_type": "llava", "text_config": {
         "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128}}, "c")
     assert (kv.value, hd.value) == (8, 128)
     assert kv.source == "c: text_config.num_key_value_heads"
@@ -141,11 +142,11 @@ def test_geometry_of_mla_is_the_cached_latent() -> None:
     cfg = {"model_type": "deepseek_v3", "num_attention_heads": 128,
            "num_key_value_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
            "qk_nope_head_dim": 128, "v_head_dim": 128, "hidden_size": 7168}
-    kv, hd, notes = derive.kv_geometry(cfg, "c")
+    kv, hd, notes = model_geometry.kv_geometry(cfg, "c")
     assert (kv.value, hd.value) == (1, 576)
     assert "MLA" in kv.source and "kv_lora_rank 512 + qk_rope_head_dim 64" in hd.source
     assert any("VLLM_MLA_DISABLE" in n for n in notes)
-    kv, hd, _ = derive.kv_geometry({**cfg, "qk_rope_head_dim": None}, "c")
+    kv, hd, _ = model_geometry.kv_geometry({**cfg, "qk_rope_head_dim": None}, "c")
     assert kv.value is None and hd.value is None
 
 
@@ -155,31 +156,31 @@ def test_geometry_of_mimo_v2_records_the_full_attention_layers() -> None:
            "num_key_value_heads": 4, "head_dim": 192, "v_head_dim": 128,
            "swa_num_key_value_heads": 8, "swa_head_dim": 192, "swa_v_head_dim": 128,
            "hidden_size": 4096}
-    kv, hd, notes = derive.kv_geometry(cfg, "c")
+    kv, hd, notes = model_geometry.kv_geometry(cfg, "c")
     assert (kv.value, hd.value) == (4, 192)
     assert len(notes) == 1 and "swa_num_key_value_heads=8" in notes[0]
 
 
 def test_max_model_len_follows_vllms_rope_rule() -> None:
     base = {"max_position_embeddings": 32768}
-    assert derive.max_model_len(base, "c").value == 32768
+    assert model_geometry.max_model_len(base, "c").value == 32768
     llama3 = {"max_position_embeddings": 131072,
               "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
-    assert derive.max_model_len(llama3, "c").value == 131072
+    assert model_geometry.max_model_len(llama3, "c").value == 131072
     dynamic = {"max_position_embeddings": 4096, "rope_scaling": {"type": "dynamic",
                                                                   "factor": 2.0}}
-    got = derive.max_model_len(dynamic, "c")
+    got = model_geometry.max_model_len(dynamic, "c")
     assert got.value == 8192 and "RoPE factor 2" in got.source
     yarn = {"max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0}}
-    assert derive.max_model_len(yarn, "c").value == 32768
-    assert derive.max_model_len({}, "c").value is None
-    assert derive.max_model_len({"n_positions": 1024, "max_position_embeddings": 2048},
+    assert model_geometry.max_model_len(yarn, "c").value == 32768
+    assert model_geometry.max_model_len({}, "c").value is None
+    assert model_geometry.max_model_len({"n_positions": 1024, "max_position_embeddings": 2048},
                                 "c").value == 1024
 
 
 def test_kv_dtype_is_refused_when_ambiguous() -> None:
-    assert derive.model_dtype(facts({"torch_dtype": "bfloat16"})).value == "bfloat16"
-    assert derive.model_dtype(facts({"dtype": "float16"})).value == "float16"
+    assert model_dtype.model_dtype(facts({"torch_dtype": "bfloat16"})).value == "bfloat16"
+    assert model_dtype.model_dtype(facts({"dtype": "float16"})).value == "float16"
     for cfg, why in [({"torch_dtype": "float32"}, "half type"),
                      ({}, "no torch_dtype"),
                      ({"torch_dtype": "bfloat16", "dtype": "float16"}, "several dtypes"),
@@ -187,40 +188,40 @@ def test_kv_dtype_is_refused_when_ambiguous() -> None:
                          "quant_method": "compressed-tensors",
                          "kv_cache_scheme": {"num_bits": 8, "type": "float"}}},
                       "quantized KV cache")]:
-        got = derive.model_dtype(facts(cfg))
+        got = model_dtype.model_dtype(facts(cfg))
         assert got.value is None and why in got.note, (cfg, got)
     modelopt = facts({"torch_dtype": "bfloat16"}, hf_quant_config={
         "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}})
-    assert "hf_quant_config.json" in derive.model_dtype(modelopt).note
+    assert "hf_quant_config.json" in model_dtype.model_dtype(modelopt).note
     weight_only = facts({"torch_dtype": "bfloat16", "quantization_config": {
         "quant_method": "fp8", "weight_block_size": [128, 128]}})
-    assert derive.model_dtype(weight_only).value == "bfloat16"
+    assert model_dtype.model_dtype(weight_only).value == "bfloat16"
 
 
 def test_chat_template_in_the_order_transformers_and_vllm_load_it() -> None:
     a, b, c = "A{{ messages[0]['content'] }}", "B{{ messages[1]['content'] }}", "C"
     tok = {"chat_template": a}
-    assert derive.chat_template(facts({}, tokenizer_config=tok)).text == a
+    assert model_template.chat_template(facts({}, tokenizer_config=tok)).text == a
     # chat_template.jinja takes priority over tokenizer_config.json
-    choice = derive.chat_template(facts({}, tokenizer_config=tok, chat_template_jinja=b))
+    choice = model_template.chat_template(facts({}, tokenizer_config=tok, chat_template_jinja=b))
     assert choice.text == b and choice.source == "/m/chat_template.jinja"
     # named templates: the one named default
     named = {"chat_template": [{"name": "tool_use", "template": c},
                                {"name": "default", "template": a}]}
-    assert derive.chat_template(facts({}, tokenizer_config=named)).text == a
+    assert model_template.chat_template(facts({}, tokenizer_config=named)).text == a
     only_named = facts({}, additional_templates={"tool_use": c})
-    assert derive.chat_template(only_named).text is None
+    assert model_template.chat_template(only_named).text is None
     # a processor (processor_config.json): its legacy chat_template.json wins
     proc = facts({}, chat_template_jinja=b, chat_template_json={"chat_template": a},
                  processor_config={"processor_class": "LlavaProcessor"})
-    assert derive.chat_template(proc).text == a
+    assert model_template.chat_template(proc).text == a
     # chat_template.json without a processor config: which one vLLM loads is unknown
     maybe = facts({}, chat_template_jinja=b, chat_template_json={"chat_template": a})
-    got = derive.chat_template(maybe)
+    got = model_template.chat_template(maybe)
     assert got.text is None and "differ" in got.why
     same = facts({}, chat_template_jinja=a, chat_template_json={"chat_template": a})
-    assert derive.chat_template(same).text == a
-    none = derive.template_digest(facts({}))
+    assert model_template.chat_template(same).text == a
+    none = model_template.template_digest(facts({}))
     assert none.value is None and "template-sha" in none.note
 
 

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvpersist.config.deployment import (
-    GenericConfig,
-    build_deployment,
-    generic_from_dict,
-    listeners,
-    parse_peers,
-)
+from kvpersist.config.deployment import build_deployment, listeners
 from kvpersist.config.engine_args import extra_args_problems
+from kvpersist.config.generic import GenericConfig, generic_from_dict
+from kvpersist.config.settings import parse_peers
 from kvpersist.config.values import (
     describe_char,
     forbidden_char,

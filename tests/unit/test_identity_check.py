@@ -21,9 +21,9 @@ from kvpersist.config.compare import (
     CheckContext,
     check_identity,
 )
-from kvpersist.config.derive import ModelFacts
 from kvpersist.config.envfile import parse_env
 from kvpersist.config.identity import IDENTITY_KEYS, identity_from_env
+from kvpersist.config.model_facts import ModelFacts
 from kvpersist.system.software import ImageInfo, Installed, version_of
 
 from ..cli import kvp_in_process

@@ -190,7 +190,7 @@ def test_start_preread_never_raises(tmp_path: Path) -> None:
 def test_read_path_lines() -> None:
     import dataclasses
 
-    from kvpersist.config.deployment import GenericConfig
+    from kvpersist.config.generic import GenericConfig
 
     from .test_render import dep  # the deployment helper of the render tests
 
@@ -210,7 +210,7 @@ def test_read_path_lines() -> None:
 def test_read_path_names_settings_that_leave_the_defaults() -> None:
     import dataclasses
 
-    from kvpersist.config.deployment import GenericConfig
+    from kvpersist.config.generic import GenericConfig
     from kvpersist.stack.render import render
 
     from .test_render import TEMPLATES, dep

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from kvpersist.config.deployment import GenericConfig, build_deployment
+from kvpersist.config.deployment import build_deployment
+from kvpersist.config.generic import GenericConfig
 from kvpersist.errors import ConfigError
 from kvpersist.stack.render import TEMPLATE_NAMES, render
 

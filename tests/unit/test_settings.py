@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from kvpersist.config.deployment import GenericConfig, build_deployment, generic_from_dict
+from kvpersist.config.deployment import build_deployment
+from kvpersist.config.generic import GenericConfig, generic_from_dict
 from kvpersist.config.loader import load_deployment
 from kvpersist.errors import ConfigError
 
