@@ -18,25 +18,29 @@ echo "[test] mypy (strict, see [tool.mypy] in pyproject.toml)" >&2
 echo "[test] promtool check rules / test rules (monitoring/)" >&2
 promtool check rules monitoring/kvpersist-rules.yml
 promtool test rules monitoring/tests/*.yml
-# TEST_LANES=2 runs two pytest processes at once on a machine with two idle cores: the full
-# stack and the deployment gates in one (output shown when both are done), unit and
-# integration in the other. The suite spends most of its time starting processes one at a
-# time, so the second lane uses the second core. Pass no test paths then (both lanes get
-# "$@"). The default, 1, is one pytest process over testpaths, as before.
-if [ "${TEST_LANES:-1}" = 1 ]; then
+# Two lanes by default (TEST_LANES=2): two pytest processes at once, one for the full-stack
+# persistence module (the suite's longest: vLLM started and restarted again and again), one
+# for everything else; the suite spends most of its time starting processes one at a time,
+# so the second lane uses the second core. Each lane hands out ports from its own range below
+# the kernel's ephemeral range (tests/conftest.py free_port), so the lanes never pick the same
+# port. TEST_LANES=1 runs one pytest process over testpaths (use it to pass test paths).
+if [ "${TEST_LANES:-2}" = 1 ]; then
     exec "$VENV/bin/python" -m pytest -p no:cacheprovider "$@"
 fi
-lane2=(tests/fullstack tests/deploy tests/infra)
-log=$(mktemp -t kvp-test-lane2.XXXXXX)
-echo "[test] two lanes: ${lane2[*]} (to $log) beside tests/unit tests/integration" >&2
-"$VENV/bin/python" -m pytest -p no:cacheprovider "$@" "${lane2[@]}" >"$log" 2>&1 &
-pid2=$!
-rc1=0
-"$VENV/bin/python" -m pytest -p no:cacheprovider "$@" tests/unit tests/integration || rc1=$?
-rc2=0
-wait "$pid2" || rc2=$?
-echo "[test] lane ${lane2[*]} (exit $rc2):" >&2
+lane_a=(tests/fullstack/test_persistence_e2e.py)
+tmp=$(mktemp -d -t kvp-test-lanes.XXXXXX)
+log="$tmp/lane-a.log"
+echo "[test] two lanes: ${lane_a[*]} (output at the end) beside the rest of the suite" >&2
+TEST_PORT_RANGE=20000-25999 "$VENV/bin/python" -m pytest -p no:cacheprovider \
+    --basetemp="$tmp/a" "$@" "${lane_a[@]}" >"$log" 2>&1 &
+pid_a=$!
+rc_b=0
+TEST_PORT_RANGE=26000-31999 "$VENV/bin/python" -m pytest -p no:cacheprovider \
+    --basetemp="$tmp/b" "$@" --ignore="${lane_a[0]}" || rc_b=$?
+rc_a=0
+wait "$pid_a" || rc_a=$?
+echo "[test] lane ${lane_a[*]} (exit $rc_a):" >&2
 cat "$log"
-echo "[test] exit: unit+integration $rc1, ${lane2[*]} $rc2" >&2
-[ "$rc1" = 0 ] || exit "$rc1"
-exit "$rc2"
+echo "[test] exit: ${lane_a[*]} $rc_a, the rest of the suite $rc_b" >&2
+[ "$rc_a" = 0 ] || exit "$rc_a"
+exit "$rc_b"

@@ -19,11 +19,29 @@ REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 
 
+#: ``LO-HI``: the ports this pytest process may hand out (scripts/test.sh gives each of its
+#: lanes its own range, below the kernel's ephemeral range, so that two lanes never pick the
+#: same port and no bind to port 0 anywhere can land on one); unset: any free port
+PORT_RANGE = os.environ.get("TEST_PORT_RANGE", "")
+_range_next: list[int] = []
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now, never one handed out before in this test
     session (:func:`kvpersist.system.procs.free_port`): two listeners of one relocated
-    deployment given the same port make its config invalid (exit 2)."""
-    return procs.free_port("127.0.0.1")
+    deployment given the same port make its config invalid (exit 2). Under
+    ``TEST_PORT_RANGE`` the port comes from that range only (probed by a bind)."""
+    if not PORT_RANGE:
+        return procs.free_port("127.0.0.1")
+    lo, hi = (int(x) for x in PORT_RANGE.split("-"))
+    if not _range_next:
+        _range_next.append(lo)
+    while _range_next[0] <= hi:
+        port = _range_next[0]
+        _range_next[0] += 1
+        if procs.port_bindable("127.0.0.1", port):
+            return port
+    raise RuntimeError(f"TEST_PORT_RANGE {PORT_RANGE} is used up")
 
 
 @pytest.fixture

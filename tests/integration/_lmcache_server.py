@@ -30,13 +30,6 @@ VENV_BIN = Path(sys.executable).parent
 LMCACHE = str(VENV_BIN / "lmcache")
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
     env["LMCACHE_DISABLE_BANNER"] = "1"
