@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import requests
+
+from ..conftest import free_port
 
 VENV_BIN = Path(sys.executable).parent
 LMCACHE = str(VENV_BIN / "lmcache")
