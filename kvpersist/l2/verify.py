@@ -3,8 +3,9 @@
 Stock LMCache never rewrites a key whose file exists, so a damaged chunk file is a miss
 after every restart, forever. ``verify`` finds:
 
-* ``size``: a chunk file whose size differs from its namespace's usual size for the same
-  kv_rank world (truncated or extended), or too small to hold an aesgcm frame;
+* ``size``: a chunk file too small to hold an aesgcm frame, or whose size differs from its
+  namespace's usual size for the same kv_rank world (truncated or extended) and, with the
+  ``aesgcm`` serde and a key, whose frame also fails authentication;
 * ``auth``: with the ``aesgcm`` serde, a file of the deployment's namespace whose frame fails
   AES-GCM authentication with the deployment's key (tampered, corrupted, written under another
   key) — LMCache would treat it as a miss every time;
@@ -24,11 +25,22 @@ docs/lmcache-publish-path.md), so the end of a frame cannot be told from trailin
 The plaintext length of a namespace's chunks is fixed by its KV geometry: verify learns it
 from the first file that authenticates, and a file that failed before it was known is tried
 again with it (reading, if needed, a few other files of the namespace to learn it). Only a file
-that fails with the learned length is an ``auth`` finding.
+that fails with the learned length is a finding, or, when no file of its group authenticates,
+one that fails every length that fits.
+
+A file that authenticates is never a finding. With the ``aesgcm`` serde and a key, every
+chunk file of the namespace is read and authenticated before it is condemned; its size is only
+a hint: the usual size of the files that authenticated says which size to read first and
+whether a failing file is a ``size`` or an ``auth`` finding. (Files of another namespace are
+not authenticated, only compared with their group's most common size; with a key, one of
+another size is read and kept if it authenticates. With ``serde: none`` the size is all there
+is.) The order of reading (:mod:`kvpersist.l2.verify_order`: the warm-set pins first, then
+authentic sizes before sizes seen to fail) is what keeps a flood of garbage files named like
+the namespace's chunks from using up a time bound before the authentic files are read.
 
 Crash-window checks (:func:`verify_root` with ``since_ns``) check only the files modified at or
-after that instant, and ``deadline_s`` bounds the time spent reading (the rest is counted as
-``unchecked``).
+after that instant, and ``deadline_s`` bounds the time spent reading (the rest, and the failed
+files whose verdict waits for a frame length still to learn, are counted as ``unchecked``).
 
 I/O is bounded: ``rate_mb_s`` caps read bandwidth; ``progress`` is called as files go by.
 Pure helpers: ``expected_sizes``, ``frame_candidates``; the rest reads files.
@@ -48,6 +60,7 @@ from typing import Any
 from kvpersist.l2 import layout
 from kvpersist.l2.layout import QUARANTINE_DIR, display_name
 from kvpersist.l2.tree import FILE_FLAGS, RootDir, chunk_dirs, meta_dir, open_rel
+from kvpersist.l2.verify_order import Group, ReadOrder, failed_verdict
 
 SCHEMA = "kvpersist.verify/1"
 _HKDF_INFO_PREFIX = b"lmcache-l2-aesgcm-v1"  # lmcache/v1/distributed/serde/aesgcm.py
@@ -316,16 +329,29 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
             except OSError as exc:  # the listing itself failed
                 note(d.rel or ".", exc)
     if first:
-        # the warm set first (a stable sort keeps the walk's order otherwise)
-        chunks.sort(key=lambda sp: sp[0].name not in first)
         res.pinned = sum(1 for seen, _ in chunks if seen.name in first)
     usual = expected_sizes(sizes)
     keys: dict[str, bytes] = {}
-    known_plain: dict[tuple[str, int], int] = {}
+    known_plain: dict[Group, int] = {}
+    #: the sizes of each group's files that authenticated: what an authentic file looks like
+    authentic: dict[Group, Counter[int]] = {}
     #: files that failed before their group's frame length was known: tried again after
-    pending: dict[tuple[str, int], list[tuple[_Seen, layout.ChunkName]]] = {}
+    pending: dict[Group, list[tuple[_Seen, layout.ChunkName]]] = {}
+    referenced: set[Group] = set()  # groups whose older files were read to learn the length
     throttle = _Throttle(rate_mb_s)
     dirs_open = _DirCache(r.fd)
+
+    def authenticates(parsed: layout.ChunkName) -> bool:
+        """Whether every file of ``parsed``'s group is read and authenticated."""
+        return (serde == "aesgcm" and key is not None
+                and (all_namespaces or parsed.prefix == namespace))
+
+    # the warm set first, then authentic sizes before sizes seen to fail (verify_order)
+    order: ReadOrder[tuple[_Seen, layout.ChunkName]] = ReadOrder()
+    for seen, parsed in chunks:
+        group = (parsed.prefix, parsed.rank.world_size)
+        order.add((seen, parsed), (group, seen.size) if authenticates(parsed) else None,
+                  pinned=seen.name in first)
 
     def read_auth(seen: _Seen, parsed: layout.ChunkName,
                   known: int | None) -> tuple[bool, int | None]:
@@ -349,50 +375,88 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
         res.bytes_read += len(blob)
         return True, authenticate(blob, keys[salt], known)
 
-    def auth_finding(seen: _Seen) -> None:
-        finding(seen, "auth", "frame fails AES-GCM authentication with the "
-                              "deployment's key (corrupt, or another key)")
+    def passed(seen: _Seen, group: Group, n: int, counted: bool = True) -> None:
+        """``seen`` authenticated with plaintext length ``n``: never a finding."""
+        known_plain[group] = n
+        authentic.setdefault(group, Counter())[seen.size] += 1
+        order.learned((group, seen.size), True)
+        if counted:
+            res.authenticated += 1
+
+    def condemn(seen: _Seen, group: Group) -> None:
+        """``seen`` was read and fails authentication with every length to try."""
+        finding(seen, *failed_verdict(seen.size, authentic.get(group, Counter()),
+                                      usual.get(group)))
+
+    def judge(seen: _Seen, parsed: layout.ChunkName, group: Group) -> None:
+        """A file of a group verify authenticates: read, and condemned only if it fails."""
+        if seen.size < FRAME_OVERHEAD:
+            finding(seen, "size", "too small for an aesgcm frame")
+            return
+        ok, n = read_auth(seen, parsed, known_plain.get(group))
+        if not ok:
+            return
+        if n is not None:
+            passed(seen, group, n)
+            return
+        order.learned((group, seen.size), False)
+        if group in known_plain:
+            condemn(seen, group)
+            return
+        pending.setdefault(group, []).append((seen, parsed))
+        if group not in referenced:  # learn the length now: it says which size to read next
+            referenced.add(group)
+            ref = _learn_length(group, others, read_auth, res)
+            if ref is not None:
+                passed(ref[0], group, ref[1], counted=False)
+
+    def judge_plain(seen: _Seen, parsed: layout.ChunkName, group: Group) -> None:
+        """A file verify does not authenticate (serde none, no key, another namespace): its
+        size against its group's usual size; with a key, an outlier is read and kept if it
+        authenticates."""
+        size, want = seen.size, usual.get(group)
+        if want is not None and size != want:
+            detail = f"{size} bytes where this namespace's chunks have {want}"
+            if serde == "aesgcm" and key is not None and size >= FRAME_OVERHEAD:
+                ok, n = read_auth(seen, parsed, known_plain.get(group))
+                if not ok:
+                    return
+                if n is not None:
+                    passed(seen, group, n)
+                    return
+                detail += ", and its frame fails AES-GCM authentication with the key"
+            finding(seen, "size", detail)
+        elif serde == "aesgcm" and size < FRAME_OVERHEAD:
+            finding(seen, "size", "too small for an aesgcm frame")
 
     try:
-        for i, (seen, parsed) in enumerate(chunks):
+        i = 0
+        while (item := order.pop()) is not None:
             if progress is not None and (i % 64 == 0 or i == len(chunks) - 1):
                 progress(i + 1, len(chunks))
+            i += 1
             if deadline is not None and time.monotonic() >= deadline:
-                res.unchecked = len(chunks) - i
+                # undecided: the rest, and the failures that a length still to learn decides
+                res.unchecked = 1 + len(order) + sum(len(f) for f in pending.values())
+                pending.clear()
                 break
-            size = seen.size
+            seen, parsed = item
             group = (parsed.prefix, parsed.rank.world_size)
-            want = usual.get(group)
-            if want is not None and size != want:
-                finding(seen, "size", f"{size} bytes where this namespace's chunks have {want}")
-                continue
-            if serde != "aesgcm":
-                continue
-            if size < FRAME_OVERHEAD:
-                finding(seen, "size", "too small for an aesgcm frame")
-                continue
-            if key is None or not (all_namespaces or parsed.prefix == namespace):
-                continue
-            ok, n = read_auth(seen, parsed, known_plain.get(group))
-            if not ok:
-                continue
-            if n is not None:
-                known_plain[group] = n
-                res.authenticated += 1
-            elif group in known_plain:
-                auth_finding(seen)
-            else:
-                pending.setdefault(group, []).append((seen, parsed))
-        for group, failed in pending.items():
-            if group not in known_plain:
-                _learn_length(group, others, known_plain, read_auth, res)
+            (judge if authenticates(parsed) else judge_plain)(seen, parsed, group)
+        retries = [(g, seen, parsed) for g, failed in pending.items() for seen, parsed in failed]
+        for j, (group, seen, parsed) in enumerate(retries):
             known = known_plain.get(group)
-            for seen, parsed in failed:
-                ok, n = (False, None) if known is None else read_auth(seen, parsed, known)
-                if n is not None:
-                    res.authenticated += 1
-                elif ok or known is None:
-                    auth_finding(seen)
+            if known is None or seen.size < _HDR_LEN + known + _TAG_LEN:
+                condemn(seen, group)  # nothing more to try: it failed every length that fits
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                res.unchecked += len(retries) - j
+                break
+            ok, n = read_auth(seen, parsed, known)
+            if n is not None:
+                passed(seen, group, n)
+            elif ok:
+                condemn(seen, group)
     finally:
         dirs_open.close()
     return targets
@@ -402,21 +466,21 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
 REFERENCE_READS = 8
 
 
-def _learn_length(group: tuple[str, int], others: list[tuple[_Seen, layout.ChunkName]],
-                  known_plain: dict[tuple[str, int], int],
+def _learn_length(group: Group, others: list[tuple[_Seen, layout.ChunkName]],
                   read_auth: Callable[[_Seen, layout.ChunkName, int | None],
                                       tuple[bool, int | None]],
-                  res: VerifyResult) -> None:
-    """Learn ``group``'s plaintext length from up to :data:`REFERENCE_READS` of its files
-    outside the window (newest first: most likely written under the current key)."""
+                  res: VerifyResult) -> tuple[_Seen, int] | None:
+    """The first of up to :data:`REFERENCE_READS` of ``group``'s files outside the window
+    (newest first: most likely written under the current key) that authenticates, with its
+    plaintext length; None if none does."""
     same = sorted((o for o in others if (o[1].prefix, o[1].rank.world_size) == group),
                   key=lambda o: o[0].mtime_ns, reverse=True)
     for seen, parsed in same[:REFERENCE_READS]:
         res.reference_reads += 1
         _, n = read_auth(seen, parsed, None)
         if n is not None:
-            known_plain[group] = n
-            return
+            return seen, n
+    return None
 
 
 def _quarantine(r: RootDir, res: VerifyResult, targets: list[_Seen]) -> None:
