@@ -125,6 +125,8 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
     from kvpersist.demo.chat import chat_completion, long_chat
     from kvpersist.demo.model import generate_model
     from kvpersist.stack import launch as lc
+    from kvpersist.stack.plan import prepare_launch
+    from kvpersist.stack.processes import stop_deployment
 
     t_start = time.monotonic()
     wd = Path(workdir).resolve()
@@ -146,7 +148,7 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
     })
     if not (wd / "cache").exists():
         (wd / "cache").mkdir(mode=0o700)
-    prepared = lc.prepare_launch(config, environ=env)
+    prepared = prepare_launch(config, environ=env)
     dep, plan = prepared.dep, prepared.plan
     seed = random.SystemRandom().randrange(1, 1 << 30)
     chat = long_chat(turns=turns, words_per_turn=words_per_turn, seed=seed)
@@ -184,10 +186,10 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
 
                     procs.wait_for(stored, 20, 0.5)
                 progress("      stopping vLLM, then the cache server (L2 files stay)")
-                lc.stop_deployment(plan)
+                stop_deployment(plan)
     except BaseException:
         if not keep_running:
-            lc.stop_deployment(plan)
+            stop_deployment(plan)
         raise
     cold, warm = phases
     n, b = _count(plan.cache_root, dep.namespace)
