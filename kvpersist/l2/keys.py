@@ -49,8 +49,9 @@ def fingerprint(key: bytes) -> str:
     return hashlib.sha256(b"kvpersist-l2-key-fingerprint\0" + key).hexdigest()[:16]
 
 
-#: the most a key file may hold (LMCache's key is 32 bytes; a credential is a few more)
-KEY_MAX_BYTES = 4096
+#: the most of a key file that is read (LMCache's own key is 32 bytes; a larger file is
+#: refused rather than read without bound)
+KEY_MAX_BYTES = 1 << 20
 
 
 def read_key(path: str | os.PathLike[str], also: tuple[int, ...] = ()) -> bytes:
