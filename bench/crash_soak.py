@@ -7,7 +7,7 @@ loopback ports; lanes run side by side to fit the run into the time available):
 1. the crash-window check exactly as ``kvp-admin launch`` runs it
    (:func:`kvpersist.stack.launch.check_crash_window`: unclean stop → verify the files written
    since the last launch, quarantine those that fail), then the server is started
-   (:func:`kvpersist.stack.launch.start_server`);
+   (:func:`kvpersist.stack.processes.start_server`);
 2. a store-burst client (LMCache's own multiprocess client, ``bench/_soak_client.py``, started
    ahead) stores sequences; after a random 0.1-0.8 s the server gets SIGKILL;
 3. audit: every chunk file published since the cycle started is authenticated with the
@@ -70,15 +70,18 @@ def lane(idx: int, cycles: int, tmp: Path, seed: int, out: dict[str, Any],
     from kvpersist.l2.tree import open_root
     from kvpersist.l2.verify import verify_root
     from kvpersist.stack import launch as lc
+    from kvpersist.stack import processes as proc
+    from kvpersist.stack.plan import prepare_launch
+    from kvpersist.stack.preflight import preflight
     from kvpersist.system import procs
 
     root = tmp / f"lane{idx}" / "cache"
     root.parent.mkdir(parents=True)
     root.mkdir(mode=0o700)
     env = _env(root)
-    p = lc.prepare_launch("cpu-demo", environ=env)
+    p = prepare_launch("cpu-demo", environ=env)
     plan = p.plan
-    pre = lc.preflight(p.dep, plan, p.sizing, with_vllm=False)
+    pre = preflight(p.dep, plan, p.sizing, with_vllm=False)
     assert not pre.problems, pre.problems
     lc.prepare_state(plan, p.rendered, p.sizing, weights=pre.weights)
     key = keys.read_key(plan.serde_key_file)
@@ -92,13 +95,13 @@ def lane(idx: int, cycles: int, tmp: Path, seed: int, out: dict[str, Any],
     try:
         for cyc in range(cycles):
             since = time.time_ns()
-            crash = lc.check_crash_window(plan, lc.server_state(plan), how="soak")
+            crash = lc.check_crash_window(plan, proc.server_state(plan), how="soak")
             if crash.ran:
                 t["crash_checks"] += 1
                 t["crash_check_files"] += crash.files
                 t["crash_check_seconds"] += crash.seconds
             t["quarantined_at_launch"] += len(crash.quarantined)
-            srv = lc.start_server(plan, timeout=120)
+            srv = proc.start_server(plan, timeout=120)
             assert client.stdin is not None and client.stdout is not None
             client.stdin.write(f"tcp://127.0.0.1:{plan.listen['lmcache'][1]} "
                                f"{plan.server_http_url} {plan.namespace} {100000 * cyc}\n")
@@ -130,9 +133,9 @@ def lane(idx: int, cycles: int, tmp: Path, seed: int, out: dict[str, Any],
         client.kill()
         client.wait()
         # the end: launch (crash check), every completed sequence looked up, a clean stop
-        crash = lc.check_crash_window(plan, lc.server_state(plan), how="soak-final")
+        crash = lc.check_crash_window(plan, proc.server_state(plan), how="soak-final")
         t["quarantined_at_launch"] += len(crash.quarantined)
-        lc.start_server(plan, timeout=120)
+        proc.start_server(plan, timeout=120)
         full = same = 0
         with connect(f"tcp://127.0.0.1:{plan.listen['lmcache'][1]}", plan.server_http_url,
                      plan.namespace) as d:
@@ -141,7 +144,7 @@ def lane(idx: int, cycles: int, tmp: Path, seed: int, out: dict[str, Any],
                 if lk.hit_chunks == lk.total_chunks:
                     full += 1
                     same += got == digests
-        stop = lc.stop_server(plan, timeout=60)
+        stop = proc.stop_server(plan, timeout=60)
         with open_root(root, purpose="verify") as handle:
             final = verify_root(handle, plan.namespace, key=key, rate_mb_s=None)
         t.update({"lookups": len(stored), "full_hits": full, "full_hits_identical": same,
@@ -153,7 +156,7 @@ def lane(idx: int, cycles: int, tmp: Path, seed: int, out: dict[str, Any],
                   "seconds": round(time.monotonic() - t0, 1)})
     finally:
         client.kill()
-        st = lc.server_state(plan)
+        st = proc.server_state(plan)
         if st.running and st.pid:
             procs.stop_process(st.pid, timeout=30)
         out[f"lane{idx}"] = t

@@ -102,7 +102,8 @@ def main() -> int:
     ap.add_argument("--workdir", default="")
     args = ap.parse_args()
 
-    from kvpersist.stack import launch as lc
+    from kvpersist.stack import processes as proc
+    from kvpersist.stack.plan import prepare_launch
 
     wd = Path(args.workdir or tempfile.mkdtemp(prefix="kvp-warm-bench-"))
     wd.mkdir(parents=True, exist_ok=True)
@@ -120,7 +121,7 @@ def main() -> int:
         "KVP_WARMUP_FILE": str(warm_file), "LMCACHE_DISABLE_BANNER": "1",
     })
     (wd / "cache").mkdir(mode=0o700, exist_ok=True)
-    prepared = lc.prepare_launch(config, environ=env)
+    prepared = prepare_launch(config, environ=env)
     dep, plan = prepared.dep, prepared.plan
     served = dep.settings.served_model_name
     rounds: list[dict[str, Any]] = []
@@ -152,8 +153,8 @@ def main() -> int:
 
             procs.wait_for(stored, 30, 0.5)
             print(f"[round {i + 1}] L1 reference (vLLM alone restarted)", file=sys.stderr)
-            lc.stop_vllm(plan)
-            lc.start_vllm(plan, timeout=600)
+            proc.stop_vllm(plan)
+            proc.start_vllm(plan, timeout=600)
             rnd["l1"] = ask(chat)
             order = ["restart_no_warmup", "restart_warmup"]
             if i % 2:

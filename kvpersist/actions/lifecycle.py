@@ -13,9 +13,12 @@ from kvpersist.config.deployment import Deployment
 from kvpersist.errors import Problem
 from kvpersist.stack import fleet
 from kvpersist.stack import launch as lc
+from kvpersist.stack import processes as proc
 from kvpersist.stack.fleet import RecordOutcome
-from kvpersist.stack.launch import Progress, quiet
 from kvpersist.stack.locate import Location, locate
+from kvpersist.stack.plan import LaunchPlan, prepare_launch
+from kvpersist.stack.preflight import preflight
+from kvpersist.stack.processes import Progress, Stopped, quiet
 from kvpersist.stack.readiness import WarmupRun
 from kvpersist.system.procs import PidState
 
@@ -52,17 +55,18 @@ class CheckResult:
 
 
 def check_launch(config: str, *, with_vllm: bool, allow_unpinned: bool = False) -> CheckResult:
-    """Preflight only: size once, render, check; start nothing. Configuration problems
-    (including the budget's) raise ConfigError; preflight problems are in the result."""
-    p = lc.prepare_launch(config, allow_unpinned=allow_unpinned)
-    pre = lc.preflight(p.dep, p.plan, p.sizing, with_vllm=with_vllm)
+    """Preflight only: size once, render, check; start nothing, write nothing (a cache root
+    to be created is a note). Configuration problems (including the budget's) raise
+    ConfigError; preflight problems are in the result."""
+    p = prepare_launch(config, allow_unpinned=allow_unpinned)
+    pre = preflight(p.dep, p.plan, p.sizing, with_vllm=with_vllm)
     return CheckResult(p.dep.name, p.dep.namespace, pre.problems, pre.notes)
 
 
 def launch_foreground(config: str, *, allow_unpinned: bool = False,
                       progress: Progress = quiet) -> None:
     """Exec the cache server in this process (systemd); returns only by raising."""
-    p = lc.prepare_launch(config, allow_unpinned=allow_unpinned)
+    p = prepare_launch(config, allow_unpinned=allow_unpinned)
     lc.launch_foreground(p.dep, p.rendered, p.plan, p.sizing, progress=progress)
 
 
@@ -72,7 +76,7 @@ class LaunchOutcome:
 
     config: str
     namespace: str
-    plan: lc.LaunchPlan
+    plan: LaunchPlan
     result: lc.LaunchResult
 
     def to_dict(self) -> dict[str, Any]:
@@ -110,7 +114,7 @@ def launch(config: str, *, with_vllm: bool = True, server_timeout: float = 60.0,
            warmup_wait: float | None = None) -> LaunchOutcome:
     """Size, render, preflight, check the crash window after an unclean stop, start the
     deployment and warm it up (see :func:`lc.launch`)."""
-    p = lc.prepare_launch(config, allow_unpinned=allow_unpinned)
+    p = prepare_launch(config, allow_unpinned=allow_unpinned)
     progress(f"launching {p.dep.name} (namespace {p.dep.namespace})")
     result = lc.launch(p, with_vllm=with_vllm, server_timeout=server_timeout,
                        vllm_timeout=vllm_timeout, progress=progress,
@@ -156,7 +160,7 @@ def warmup_only(config: str, *, deadline_s: float = 1800.0,
 class StopOutcome:
     config: str
     namespace: str
-    stopped: tuple[lc.Stopped, ...]
+    stopped: tuple[Stopped, ...]
     #: this host's fleet record (None: no shared tier)
     fleet_record: RecordOutcome | None = None
 
@@ -172,7 +176,7 @@ def stop(config: str, *, timeout: float = 30.0, vllm: bool = True) -> StopOutcom
     fleet record on the shared tier (the host no longer serves the namespace; a record that
     cannot be deleted lapses after its TTL). Never scans or sizes."""
     dep, loc = load_located(config)
-    stopped = tuple(lc.stop_deployment(loc, timeout=timeout, vllm=vllm))
+    stopped = tuple(proc.stop_deployment(loc, timeout=timeout, vllm=vllm))
     record = fleet.delete(dep) if dep.settings.shared_tier else None
     return StopOutcome(dep.name, dep.namespace, stopped, record)
 
@@ -249,11 +253,11 @@ class StatusOutcome:
 def status(config: str) -> StatusOutcome:
     """Whether the deployment's cache server and vLLM run (pid files checked, not trusted)."""
     dep, loc = load_located(config)
-    srv = lc.server_state(loc)
-    srv_ok = lc.http_ok(f"{loc.server_http_url}/healthcheck", 2.0) if srv.running else False
-    vst = lc.vllm_state(loc) if loc.vllm_mode == "process" else None
+    srv = proc.server_state(loc)
+    srv_ok = proc.http_ok(f"{loc.server_http_url}/healthcheck", 2.0) if srv.running else False
+    vst = proc.vllm_state(loc) if loc.vllm_mode == "process" else None
     return StatusOutcome(dep.name, dep.namespace, loc, srv, srv_ok, vst,
-                         lc.vllm_ready(loc, 2.0))
+                         proc.vllm_ready(loc, 2.0))
 
 
 def health(config: str, *, timeout: float = 3.0, expect_vllm: bool = True,

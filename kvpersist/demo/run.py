@@ -159,6 +159,8 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
     from kvpersist.demo.chat import chat_completion, long_chat
     from kvpersist.demo.model import generate_model
     from kvpersist.stack import launch as lc
+    from kvpersist.stack.plan import prepare_launch
+    from kvpersist.stack.processes import stop_deployment
 
     t_start = time.monotonic()
     with step(f"create the working directory {workdir}",
@@ -189,7 +191,7 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
             (wd / "cache").mkdir(mode=0o700)
     with step("prepare the launch", f"check that {wd / 'cache'} and the demo model "
               f"{model_dir} can be read"):
-        prepared = lc.prepare_launch(config, environ=env)
+        prepared = prepare_launch(config, environ=env)
     dep, plan = prepared.dep, prepared.plan
     logs = f"the cache server's log {plan.server_log} and vLLM's log {plan.vllm_log} say why"
     seed = random.SystemRandom().randrange(1, 1 << 30)
@@ -233,11 +235,11 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
                         procs.wait_for(stored, 20, 0.5)
                 progress("      stopping vLLM, then the cache server (L2 files stay)")
                 with step("stop vLLM and the cache server", logs):
-                    lc.stop_deployment(plan)
+                    stop_deployment(plan)
     except BaseException:
         if not keep_running:
             try:
-                lc.stop_deployment(plan)
+                stop_deployment(plan)
             except Exception as exc:  # noqa: BLE001 - the first error is the one reported
                 progress(f"      could not stop vLLM and the cache server: {one_line(exc)}")
         raise

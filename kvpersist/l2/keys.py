@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvpersist.errors import KvpError
-from kvpersist.system.files import atomic_write, trust_problems
+from kvpersist.system.files import atomic_write, read_owner_only, trust_problems
 
 KEY_BYTES = 32
 FINGERPRINT_FILE = "l2-master.key.fingerprint"
@@ -50,29 +49,25 @@ def fingerprint(key: bytes) -> str:
     return hashlib.sha256(b"kvpersist-l2-key-fingerprint\0" + key).hexdigest()[:16]
 
 
-def _check_mode(path: Path, also: tuple[int, ...] = ()) -> None:
-    trust = trust_problems(path, also=also)
-    if trust:
-        raise KeyError_(f"key file {path} cannot be trusted: " + "; ".join(trust))
-    st = path.stat()
-    if not stat.S_ISREG(st.st_mode):
-        raise KeyError_(f"key file {path} is not a regular file")
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise KeyError_(f"key file {path} is accessible to group/others "
-                        f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}")
+#: the most of a key file that is read (LMCache's own key is 32 bytes; a larger file is
+#: refused rather than read without bound)
+KEY_MAX_BYTES = 1 << 20
 
 
 def read_key(path: str | os.PathLike[str], also: tuple[int, ...] = ()) -> bytes:
     """The key bytes at ``path``; raises KeyError_ if missing, short, not owner-only, or not
-    owned by this user (or the service user's uid in ``also``) under trusted directories."""
+    owned by this user (or the service user's uid in ``also``) under trusted directories
+    (:func:`~kvpersist.system.files.trust_problems`, then
+    :func:`~kvpersist.system.files.read_owner_only`)."""
     p = Path(path)
+    trust = trust_problems(p, also=also)
+    if trust:
+        raise KeyError_(f"key file {p} cannot be trusted: " + "; ".join(trust))
     try:
-        _check_mode(p, also)
-        data = p.read_bytes()
-    except FileNotFoundError as exc:
-        raise KeyError_(f"key file {p} does not exist") from exc
-    except OSError as exc:
-        raise KeyError_(f"cannot read key file {p}: {exc}") from exc
+        data = read_owner_only(p, what="key file", max_bytes=KEY_MAX_BYTES, also=also,
+                               fix="check KVP_SERDE_KEY_FILE (launch creates the key)")
+    except KvpError as exc:
+        raise KeyError_(str(exc)) from exc
     if len(data) < 16:
         raise KeyError_(f"key file {p} holds {len(data)} bytes; at least 16 are needed")
     return data

@@ -29,10 +29,11 @@ from kvpersist.config.values import is_loopback
 from kvpersist.errors import KvpError
 from kvpersist.l2.budget import resolve_size
 from kvpersist.stack.locate import Location
+from kvpersist.stack.processes import server_state, vllm_state
 from kvpersist.stack.readiness import WarmupFacts, judge
 from kvpersist.stack.render import serde_warnings
 from kvpersist.system import procs
-from kvpersist.system.files import fs_info
+from kvpersist.system.files import accessible_to_others, fs_info
 
 SCHEMA = "kvpersist.health/1"
 EXIT = {"healthy": 0, "degraded": 1, "down": 2, "warming": 3}
@@ -128,8 +129,6 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
     """Probe the cache server, the cache root and vLLM of a deployment (its location).
 
     Never scans the cache root; every network call is bounded by ``timeout``."""
-    from kvpersist.stack import launch as lc
-
     s = dep.settings
     f = Facts(expect_vllm=expect_vllm, served_model_name=s.served_model_name,
               namespace=dep.namespace, lmcache_port=s.lmcache_port, serde=s.serde,
@@ -137,7 +136,7 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
               remote_binds=[{"component": lst.component, "allow_key": lst.allow_key,
                              "detail": lst.describe()}
                             for lst in listeners(s) if lst.remote])
-    st = lc.server_state(plan)
+    st = server_state(plan)
     f.server_pid_state, f.server_pid = st.state, st.pid
     code, _ = _get(f"{plan.server_http_url}/healthcheck", timeout)
     f.server_healthcheck = code == 200
@@ -184,7 +183,7 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
                                  for m in (data if isinstance(data, list) else [])
                                  if isinstance(m, dict)]
         if plan.vllm_mode == "process":
-            vst = lc.vllm_state(plan)
+            vst = vllm_state(plan)
             if vst.running and vst.pid:
                 f.vllm_kv_checked, f.vllm_kv_port = True, _kv_port_of(vst.pid)
         from kvpersist.stack.readiness import gather
@@ -404,7 +403,7 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
         checks.append(Check("cache_root", "down", "cache root missing"))
     else:
         problems = []
-        if f.root_mode is not None and f.root_mode & 0o007:
+        if f.root_mode is not None and accessible_to_others(f.root_mode):
             problems.append(f"accessible to others (mode {f.root_mode:04o})")
         if not f.root_writable:
             problems.append("not writable")

@@ -4,7 +4,7 @@
 :func:`check_deployment` gathers the facts (:mod:`kvpersist.config.modeldir`,
 :mod:`kvpersist.system.software`) and compares them (:func:`~kvpersist.config.compare.
 check_identity`). ``launch``, ``launch --check``, ``launch --foreground`` (through
-:func:`~kvpersist.stack.launch.preflight`), ``kvp-admin identity check`` and, through it,
+:func:`~kvpersist.stack.preflight.preflight`), ``kvp-admin identity check`` and, through it,
 the ``KV_PERSIST=1`` hook and ``run-vllm-with-persist.sh`` all run it.
 """
 

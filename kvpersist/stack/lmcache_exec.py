@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import sys
 from collections.abc import Sequence
 
@@ -42,12 +41,17 @@ from kvpersist.config.shared_tier import (
     parse_secret,
 )
 from kvpersist.errors import KvpError
+from kvpersist.system.files import read_checked, read_owner_only, trust_problems
 
 MODULE = "kvpersist.stack.lmcache_exec"
 SHARED_TYPES = ("resp", "valkey")
 #: the swapped call in LMCache 0.5.6's ValkeyWorkerPool._get_client
 _SWAPPED_CALL = "ServerCredentials(self._username, self._password)"
 _WORKER_POOL = "lmcache.v1.storage_backend.valkey.worker_pool"
+#: the most of a secret file that is read (a username and a password line)
+SECRET_MAX_BYTES = 65536
+#: how much of a CA file is read to find its PEM certificate
+CA_HEAD_BYTES = 1 << 20
 
 
 def exec_argv(python: str, secret_file: str, server_argv: Sequence[str],
@@ -64,26 +68,12 @@ def check_ca_file(path: str, also: tuple[int, ...] = ()) -> None:
     (:func:`kvpersist.system.files.trust_problems`), holding a PEM certificate. Whoever can
     change it can make the cache server trust their own store. Raises KvpError naming every
     problem (a CA file is not secret: it may be readable by anyone)."""
-    from kvpersist.system.files import trust_problems
-
     if not os.path.isabs(path):
         raise KvpError(f"shared tier CA file {path!r} must be an absolute path (tls_ca=)")
     problems = trust_problems(path, also=(*also, 0))
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise KvpError(f"shared tier CA file {path}: {exc.strerror}; check tls_ca= in "
-                       "KVP_SHARED_TIER") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            problems.append(f"{path} is not a regular file")
-        if stat.S_IMODE(st.st_mode) & 0o022:
-            problems.append(f"{path} is writable by group or others (mode "
-                            f"{stat.S_IMODE(st.st_mode):04o}); chmod go-w {path}")
-        head = os.read(fd, 1 << 20)
-    finally:
-        os.close(fd)
+    head, found = read_checked(path, what="shared tier CA file", max_bytes=CA_HEAD_BYTES,
+                               fix="check tls_ca= in KVP_SHARED_TIER", secret=False)
+    problems += found
     if b"-----BEGIN CERTIFICATE-----" not in head:
         problems.append(f"{path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
     if problems:
@@ -93,30 +83,14 @@ def check_ca_file(path: str, also: tuple[int, ...] = ()) -> None:
 def read_secret_file(path: str, also: tuple[int, ...] = ()) -> SharedSecret:
     """Read the shared tier's secret file: a regular file (no symlink) owned by this user (or
     one of ``also``: the service user, when root administers for it) and readable by nobody
-    else. Raises KvpError naming the problem (never the content)."""
+    else (:func:`kvpersist.system.files.read_owner_only`). Raises KvpError naming the problem
+    (never the content)."""
+    raw = read_owner_only(path, what="shared tier secret file", max_bytes=SECRET_MAX_BYTES,
+                          also=also, fix="check KVP_SHARED_TIER_SECRET_FILE")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise KvpError(f"shared tier secret file {path}: {exc.strerror}; check "
-                       "KVP_SHARED_TIER_SECRET_FILE") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise KvpError(f"shared tier secret file {path} is not a regular file")
-        if st.st_uid != os.geteuid() and st.st_uid not in also:
-            raise KvpError(f"shared tier secret file {path} belongs to uid {st.st_uid}, not "
-                           f"to the cache server's user (uid {os.geteuid()}); chown it")
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            raise KvpError(f"shared tier secret file {path} is readable by others (mode "
-                           f"{stat.S_IMODE(st.st_mode):04o}); chmod 600 {path}")
-        with os.fdopen(fd, "r", encoding="utf-8", errors="strict") as f:
-            fd = -1
-            text = f.read(65536)
+        text = raw.decode("utf-8", errors="strict")
     except UnicodeDecodeError as exc:
         raise KvpError(f"shared tier secret file {path} is not UTF-8 text") from exc
-    finally:
-        if fd >= 0:
-            os.close(fd)
     secret, problem = parse_secret(text)
     if secret is None:
         raise KvpError(f"shared tier secret file {path}: {problem}")

@@ -35,6 +35,7 @@ from typing import Any
 
 from kvpersist.errors import KvpError
 from kvpersist.stack.locate import Location
+from kvpersist.stack.processes import vllm_ready
 from kvpersist.system import procs
 
 #: the warm-up child's module (``python -m``; the engine and its ``main``)
@@ -345,8 +346,6 @@ def warmup_after_vllm(loc: Location, config: str, *, warm_file: str,
     unit's start timeout must not expire under it): the warm-up gets KVP_WARMUP_WAIT or what
     is left, whichever is less. Without a warm set (``warm_file`` empty) it returns at once.
     Never raises for a vLLM that does not come up in time (the result says so)."""
-    from kvpersist.stack.launch import vllm_ready
-
     if not warm_file:
         return NO_WARM_SET
     t0 = time.monotonic()

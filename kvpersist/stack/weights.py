@@ -13,6 +13,8 @@ What counts and how digests combine is in :mod:`kvpersist.config.fingerprint` (p
 * :func:`check_weights` is the preflight step: fingerprint, then compare with the record
   in the namespace's manifest; a different fingerprint is a :class:`Problem` (the launch is
   refused before anything starts, nothing under the cache root is touched).
+  Preflight writes nothing: it asks for the digest cache to be kept unsaved
+  (``write_cache=False``), and :func:`save_digests` writes it when the launch goes ahead.
 * :func:`manifest_with_weights` is what :func:`~kvpersist.stack.launch.prepare_state` writes:
   the manifest with the record kept from the first launch (or made now, at the first).
 
@@ -240,6 +242,16 @@ def save_cache(path: str, entries: dict[str, Cached], used: set[str]) -> list[st
 
 
 @dataclass(frozen=True)
+class DigestCache:
+    """A digest cache to write (:func:`save_cache`'s arguments): what a fingerprint taken with
+    ``write_cache=False`` would have saved."""
+
+    path: str
+    entries: dict[str, Cached]
+    used: frozenset[str]
+
+
+@dataclass(frozen=True)
 class Fingerprinted:
     """The current weights: their record, where each digest came from, what it cost."""
 
@@ -248,6 +260,8 @@ class Fingerprinted:
     bytes_read: int
     seconds: float
     notes: tuple[str, ...] = ()
+    #: the digest cache left to write (``write_cache=False`` and something new was learnt)
+    unsaved: DigestCache | None = field(default=None, compare=False, repr=False)
 
     def describe(self) -> str:
         how = ", ".join(f"{n} {s}" for s, n in sorted(self.sources.items()) if n)
@@ -266,8 +280,9 @@ def fingerprint_weights(model_path: str, cache_file: str, *, rehash: bool = Fals
     """Fingerprint the weights at ``model_path`` using (and updating) the digest cache.
 
     ``rehash`` reads every file, ignoring cache and names (an audit; a name that does not
-    match the content is noted). Raises WeightsError (see :func:`model_files`,
-    :func:`read_sha256`)."""
+    match the content is noted). ``write_cache=False`` writes nothing: what the cache would
+    be given is returned as ``unsaved`` (:func:`save_digests`). Raises WeightsError (see
+    :func:`model_files`, :func:`read_sha256`)."""
     t0 = time.monotonic()
     files = model_files(model_path)
     cache, notes = load_cache(cache_file)
@@ -303,14 +318,27 @@ def fingerprint_weights(model_path: str, cache_file: str, *, rehash: bool = Fals
         cache[cache_id(key)] = Cached(CacheEntry(key, sha, source, named), real, now)
         used.add(cache_id(key))
         digests.append(FileDigest(name, key.size, sha))
-    if write_cache and (sources["read"] or sources["hub-blob"] or sources["hf-metadata"]
-                        or any(cache[i].path != old_paths.get(i) for i in used)):
-        notes += save_cache(cache_file, cache, used)
+    unsaved = None
+    if (sources["read"] or sources["hub-blob"] or sources["hf-metadata"]
+            or any(cache[i].path != old_paths.get(i) for i in used)):
+        if write_cache:
+            notes += save_cache(cache_file, cache, used)
+        else:
+            unsaved = DigestCache(cache_file, cache, frozenset(used))
     record = make_record(digests, os.path.abspath(model_path),
                          recorded_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                          recorded_by=f"kvpersist {__version__}")
     return Fingerprinted(record, {s: sources[s] for s in sorted(sources)}, bytes_read,
-                         time.monotonic() - t0, tuple(notes))
+                         time.monotonic() - t0, tuple(notes), unsaved)
+
+
+def save_digests(check: WeightsCheck | None) -> list[str]:
+    """Write the digest cache a check taken with ``write_cache=False`` left unsaved (nothing
+    when there is none). Returns notes; never raises (see :func:`save_cache`)."""
+    unsaved = check.current.unsaved if check is not None and check.current else None
+    if unsaved is None:
+        return []
+    return save_cache(unsaved.path, unsaved.entries, set(unsaved.used))
 
 
 # --------------------------------------------------------------------------- the check
@@ -357,14 +385,15 @@ class WeightsCheck:
 
 
 def check_weights(loc: Location, *, pinned: bool, with_vllm: bool,
-                  rehash: bool = False) -> WeightsCheck:
+                  rehash: bool = False, write_cache: bool = True) -> WeightsCheck:
     """Fingerprint ``loc``'s weights and compare them with its namespace's record.
 
     Unchecked (a note, no problem): an unpinned namespace (nothing is reused), or weights
     missing on this host (preflight reports that itself when vLLM starts here; without vLLM
     the check runs again before vLLM starts). Weights that cannot be read are a problem
     when vLLM starts here, a note otherwise. A record that cannot be read, or a different
-    fingerprint, is a problem."""
+    fingerprint, is a problem. ``write_cache=False`` (preflight) leaves the digest cache
+    unsaved (:func:`save_digests`)."""
     ns, path = loc.namespace, loc.model_target
     if not pinned:
         return WeightsCheck("unchecked", notes=(
@@ -382,7 +411,8 @@ def check_weights(loc: Location, *, pinned: bool, with_vllm: bool,
             "served with", "restore the manifest, or remove it to record the weights now "
             "as the namespace's"),))
     try:
-        cur = fingerprint_weights(path, loc.weights_cache, rehash=rehash)
+        cur = fingerprint_weights(path, loc.weights_cache, rehash=rehash,
+                                  write_cache=write_cache)
     except WeightsError as exc:
         if with_vllm:
             return WeightsCheck("unchecked", problems=(Problem(

@@ -1,4 +1,5 @@
-"""Small filesystem helpers for the I/O layer: one atomic writer, one statvfs reader.
+"""Small filesystem helpers for the I/O layer: one atomic writer, one statvfs reader, one
+checked reader of small files that must not be changed (or, secrets, read) by others.
 
 Every error is raised as :class:`~kvpersist.errors.KvpError` with the path and a fix, so a
 caller never lets an ``OSError`` reach the user as a traceback.
@@ -11,11 +12,32 @@ import json
 import os
 import stat
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvpersist.errors import KvpError
+
+#: mode bits that let users other than the owner and its group into a directory (the cache
+#: root: the KV data it holds reveals prompts)
+OTHERS_BITS = 0o007
+#: mode bits that make a secret (the L2 master key, the shared tier's password file) readable
+#: by someone other than its owner
+SECRET_BITS = 0o077
+#: mode bits that let group or others change a file anyone may read (a CA certificate)
+WRITE_BITS = 0o022
+
+
+def accessible_to_others(mode: int) -> bool:
+    """True when a directory of ``mode`` lets users other than its owner and group in (pure):
+    the cache root must not."""
+    return bool(stat.S_IMODE(mode) & OTHERS_BITS)
+
+
+def readable_by_others(mode: int) -> bool:
+    """True when a secret file of ``mode`` is not owner-only (pure)."""
+    return bool(stat.S_IMODE(mode) & SECRET_BITS)
 
 
 def atomic_write(path: str | os.PathLike[str], text: str, mode: int = 0o600) -> None:
@@ -183,3 +205,80 @@ def direct_io_problem(directory: str | os.PathLike[str]) -> str:
         return ""  # no O_TMPFILE support (EISDIR, EOPNOTSUPP), no permission...: unknown
     os.close(fd)
     return ""
+
+
+def file_problems(path: str | os.PathLike[str], st: os.stat_result, *,
+                  owners: Collection[int] | None, me: int, secret: bool) -> list[str]:
+    """Why the file that ``st`` describes (an ``fstat`` of the open ``path``) cannot be trusted
+    (pure): not a regular file; owned by a uid not in ``owners`` (None: not checked here);
+    with ``secret``, readable by others (:data:`SECRET_BITS`); without (a file that is no
+    secret, e.g. a CA certificate), writable by group or others (:data:`WRITE_BITS`). Each
+    problem names ``path`` and its fix."""
+    p = os.fspath(path)
+    if not stat.S_ISREG(st.st_mode):
+        return [f"{p} is not a regular file"]
+    out = []
+    if owners is not None and st.st_uid not in owners:
+        out.append(f"{p} belongs to uid {st.st_uid}, not to the cache server's user (uid "
+                   f"{me}); chown it")
+    mode = stat.S_IMODE(st.st_mode)
+    if secret and readable_by_others(mode):
+        out.append(f"{p} is readable by others (mode {mode:04o}); chmod 600 {p}")
+    elif not secret and mode & WRITE_BITS:
+        out.append(f"{p} is writable by group or others (mode {mode:04o}); chmod go-w {p}")
+    return out
+
+
+def read_checked(path: str | os.PathLike[str], *, what: str, fix: str, max_bytes: int,
+                 also: tuple[int, ...] = (), secret: bool = True) -> tuple[bytes, list[str]]:
+    """Open ``path`` without following a symbolic link and without blocking (a FIFO), check
+    what was opened (:func:`file_problems`: with ``secret`` it must belong to this user or one
+    of ``also`` and be readable by nobody else) and read at most ``max_bytes`` of it.
+
+    Returns (the bytes read: none when it is not a regular file or, ``secret``, when it has a
+    problem; every problem found). Raises KvpError ("``what`` ``path``: why; ``fix``") when it
+    cannot be opened or read."""
+    p = os.fspath(path)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(p, flags)
+    except OSError as exc:
+        raise KvpError(f"{what} {p}: {exc.strerror}" + (f"; {fix}" if fix else "")) from exc
+    try:
+        st = os.fstat(fd)
+        me = os.geteuid()
+        problems = file_problems(p, st, owners={me, *also} if secret else None, me=me,
+                                 secret=secret)
+        if not stat.S_ISREG(st.st_mode) or (secret and problems):
+            return b"", problems
+        chunks: list[bytes] = []
+        left = max_bytes
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks), problems
+    except OSError as exc:
+        raise KvpError(f"cannot read {what} {p}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def read_owner_only(path: str | os.PathLike[str], *, what: str, max_bytes: int,
+                    also: tuple[int, ...] = (), fix: str = "") -> bytes:
+    """The content of the secret file ``path``: a regular file (no symbolic link, no FIFO)
+    that belongs to this user (or one of ``also``: the service user, when root acts for it),
+    readable by nobody else, of at most ``max_bytes`` bytes. ``what`` names it in errors
+    ("shared tier secret file"), ``fix`` says what to check when it cannot be opened.
+
+    Raises KvpError naming the file, the first problem and its fix (never the content)."""
+    data, problems = read_checked(path, what=what, fix=fix, max_bytes=max_bytes + 1,
+                                  also=also, secret=True)
+    if problems:
+        raise KvpError(f"{what} {problems[0]}")
+    if len(data) > max_bytes:
+        raise KvpError(f"{what} {os.fspath(path)} holds more than {max_bytes} bytes; point "
+                       "the setting at the right file")
+    return data

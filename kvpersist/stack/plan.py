@@ -1,0 +1,122 @@
+"""What a launch will run: the argv and environments of the cache server, vLLM and the
+hot-files pre-read (:class:`LaunchPlan`, frozen), and the deployment they come from.
+
+:func:`plan_launch` is pure apart from the values passed in; :func:`prepare_launch` loads the
+config, sizes it once (one scan of the cache root, never a write), renders it and plans it.
+Nothing here starts, writes or judges anything: :mod:`kvpersist.stack.preflight` checks the
+plan, :mod:`kvpersist.stack.launch` carries it out.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.loader import load_deployment
+from kvpersist.l2.inventory import Sizing, size_deployment
+from kvpersist.l2.preread import off_reason
+from kvpersist.stack.lmcache_exec import exec_argv
+from kvpersist.stack.locate import Location, locate, vllm_mode
+from kvpersist.stack.preread import preread_argv
+from kvpersist.stack.render import TEMPLATE_NAMES, Rendered, render
+from kvpersist.system.templates import read_templates
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+@dataclass(frozen=True)
+class LaunchPlan(Location):
+    """A :class:`Location` plus the argv and environments to start the processes with."""
+
+    server_argv: list[str] = field(default_factory=list)
+    server_env: dict[str, str] = field(default_factory=dict)
+    vllm_argv: list[str] = field(default_factory=list)
+    vllm_env: dict[str, str] = field(default_factory=dict)
+    #: the hot-files pre-read child (kvpersist/stack/preread.py); empty when it is off
+    preread_argv: list[str] = field(default_factory=list)
+    #: why there is no pre-read ('' when there is one)
+    preread_skip: str = ""
+    preread_log: str = ""
+
+
+def lmcache_bin() -> str:
+    """The ``lmcache`` executable: next to this Python (a venv), else on PATH."""
+    sibling = Path(sys.executable).parent / "lmcache"
+    if sibling.exists():
+        return str(sibling)
+    return shutil.which("lmcache") or "lmcache"
+
+
+def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
+                *, python: str | None = None, server_bin: str | None = None) -> LaunchPlan:
+    """Build the launch plan of ``dep`` from its rendering (pure apart from the values
+    passed in: ``environ`` is the environment to start children with)."""
+    s = dep.settings
+    server_argv = list(rendered.lmcache_server_argv)
+    server_argv[0] = server_bin or server_argv[0]
+    server_env = dict(environ)
+    server_env.setdefault("LMCACHE_DISABLE_BANNER", "1")
+    vllm_env = dict(environ)
+    container = vllm_mode(dep) == "container" and bool(rendered.container_argv)
+    if s.device == "cpu":
+        vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        vllm_env.setdefault("HF_HUB_OFFLINE", "1")
+        vllm_env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if container:
+        vllm_argv = list(rendered.container_argv)
+    else:
+        vllm_argv = [python or sys.executable, "-m", VLLM_MODULE, *rendered.vllm_argv]
+    if s.shared_tier:
+        # the shared tier's credentials enter in the server's own process (lmcache_exec)
+        tier = shared_tier_of(s)
+        server_argv = exec_argv(python or sys.executable, s.shared_tier_secret_file,
+                                server_argv, tls_ca=tier.tls_ca if tier else "")
+        # the launcher must be this very kvpersist (the server's cwd is the state dir)
+        here = str(Path(__file__).resolve().parents[2])
+        server_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (here, server_env.get("PYTHONPATH", "")) if p)
+    loc = locate(dep)
+    skip = off_reason(s.preread_ram_share, dep.generic.l2_use_direct_io)
+    pre_argv = [] if skip else preread_argv(python or sys.executable, loc.cache_root,
+                                            loc.namespace, s.preread_ram_share)
+    return LaunchPlan(**{f.name: getattr(loc, f.name) for f in fields(Location)},
+                      server_argv=server_argv, server_env=server_env,
+                      vllm_argv=vllm_argv, vllm_env=vllm_env, preread_argv=pre_argv,
+                      preread_skip=skip,
+                      preread_log=os.path.join(os.path.dirname(loc.server_log), "preread.log"))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A deployment ready to launch: loaded, sized once, rendered and planned."""
+
+    dep: Deployment
+    sizing: Sizing
+    rendered: Rendered
+    plan: LaunchPlan
+    #: the config argument as given and the environment it was loaded with (the warm-up
+    #: child loads the same deployment from them)
+    config: str = ""
+    environ: Mapping[str, str] = field(default_factory=dict)
+
+
+def prepare_launch(config: str, *, environ: Mapping[str, str] | None = None,
+                   allow_unpinned: bool = False) -> Prepared:
+    """Load ``config``, size it once (scan + other deployments on its root), render it and
+    build its launch plan. Writes nothing. Raises ConfigError for configuration or budget
+    problems."""
+    env = dict(os.environ if environ is None else environ)
+    dep = load_deployment(config, env, allow_unpinned=allow_unpinned)
+    sizing = size_deployment(dep, environ=env)
+    rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=sizing.l1_size_gb,
+                      l2_capacity_gb=sizing.l2_capacity_gb, lmcache_bin=lmcache_bin())
+    return Prepared(dep, sizing, rendered, plan_launch(dep, rendered, env), config, env)
+
+
+__all__ = ["VLLM_MODULE", "LaunchPlan", "Prepared", "lmcache_bin", "plan_launch",
+           "prepare_launch"]

@@ -1,0 +1,428 @@
+"""The checks before a launch: facts gathered with I/O, a pure verdict.
+
+Shaped like :mod:`kvpersist.stack.health`: :func:`gather` reads what a launch needs into a
+frozen :class:`PreflightFacts` — the cache root and its parent (stat, access, free space,
+``O_DIRECT``), who owns the cache, state, log and key paths, the shared tier's secret and CA
+files and its store, the ports, the executables, the identity against the weights and the
+installed software (:mod:`kvpersist.stack.identity_check`), the weights' fingerprint against
+the namespace's record (:func:`~kvpersist.stack.weights.check_weights`) and, only when all of
+that passed, the extra and engine arguments as vLLM's own parser reads them
+(:mod:`kvpersist.stack.vllm_args`: it costs a vLLM import) — and :func:`judge` (pure) turns
+them into a :class:`Preflight`: every problem at once, and notes.
+
+Preflight writes nothing: not the cache root (a missing root whose parent is a directory is
+"to be created", by the launch, after a clean verdict), not the state dir, not the weights'
+digest cache (the launch saves it, :func:`~kvpersist.stack.weights.save_digests`). So
+``kvp-admin launch --check`` leaves the filesystem as it found it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+from dataclasses import dataclass, replace
+
+from kvpersist.config.deployment import Deployment, listeners, shared_tier_of
+from kvpersist.errors import KvpError, Problem
+from kvpersist.l2.inventory import Sizing
+from kvpersist.l2.shared_store import TLS_UNTRUSTED, probe
+from kvpersist.stack import identity_check, vllm_args
+from kvpersist.stack.lmcache_exec import check_ca_file, read_secret_file
+from kvpersist.stack.plan import LaunchPlan
+from kvpersist.stack.render import serde_warnings
+from kvpersist.stack.weights import WeightsCheck, check_weights
+from kvpersist.system import procs
+from kvpersist.system.files import (
+    accessible_to_others,
+    direct_io_problem,
+    fs_info,
+    service_uids,
+    trust_problems,
+)
+
+#: less free space than this on the cache root's filesystem refuses a launch
+MIN_FREE_BYTES = 256 << 20
+TRUST_FIX = ("the service user must own its cache, state and key, and no other user may be "
+             "able to replace them")
+CA_FIX = ("point tls_ca= at the PEM file of the CA that signed the store's certificate, owned "
+          "by root or the service user, mode 0644 or stricter")
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """Result of the checks before a launch: problems block it, notes are informational."""
+
+    problems: tuple[Problem, ...]
+    notes: tuple[str, ...]
+    #: the weights fingerprint check (what prepare_state records in the manifest)
+    weights: WeightsCheck | None = None
+    #: the cache root the launch creates (0700) before anything else ('' : it exists)
+    create_root: str = ""
+
+
+# --------------------------------------------------------------------------- facts
+
+
+@dataclass(frozen=True)
+class RootFacts:
+    """The cache root as found. ``kind``: ``dir``, ``absent`` or ``other`` (it exists and is
+    no directory)."""
+
+    path: str
+    kind: str
+    parent_is_dir: bool = False
+    #: its mode (a directory)
+    mode: int | None = None
+    #: this user can write and enter the root (``dir``) or, ``absent``, its parent
+    writable: bool = False
+    #: bytes free for unprivileged users where it is (or will be); None: not looked at
+    avail_bytes: int | None = None
+    #: why files there cannot be opened with O_DIRECT ('' : they can, or not checked)
+    direct_io_problem: str = ""
+
+
+@dataclass(frozen=True)
+class PortFacts:
+    key: str
+    host: str
+    port: int
+    bindable: bool
+
+
+@dataclass(frozen=True)
+class SharedFacts:
+    """The shared tier's secret file, CA file and store."""
+
+    secret_file: str
+    endpoint: str
+    #: why the secret file's path cannot be trusted (owner, directories above it)
+    trust: tuple[str, ...] = ()
+    #: why the secret file cannot be read ('' : read, or not tried for a path not trusted)
+    secret_error: str = ""
+    #: why the CA file (``tls_ca=``) is refused ('' : fine, or none)
+    ca_error: str = ""
+    #: the store answered that its TLS certificate is not trusted ('' : not so, not probed)
+    store_tls_error: str = ""
+    #: what refuses the store's budget (noeviction, volatile-*)
+    store_problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ArgsFacts:
+    """vLLM's own parser on the extra and engine arguments."""
+
+    problems: tuple[Problem, ...]
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PreflightFacts:
+    """What :func:`gather` found (plain data; :func:`judge` reads only this)."""
+
+    with_vllm: bool
+    pinned: bool
+    namespace: str
+    #: notes from the config and the sizing, shown as they are
+    dep_notes: tuple[str, ...]
+    serde: str
+    foreign_notes: tuple[str, ...]
+    listener_notes: tuple[str, ...]
+    budget_notes: tuple[str, ...]
+    root: RootFacts
+    use_direct_io: bool
+    generic_config: str
+    service_user_error: str
+    #: (setting, why) for the cache root, state dir, log dir and key paths
+    trust: tuple[tuple[str, str], ...]
+    shared: SharedFacts | None
+    ports: tuple[PortFacts, ...]
+    server_exe: str
+    server_exe_found: bool
+    vllm_mode: str
+    model_target: str
+    model_exists: bool
+    docker_found: bool
+    identity_problems: tuple[Problem, ...]
+    identity_notes: tuple[str, ...]
+    weights: WeightsCheck
+    #: None: not checked (no vLLM, or another problem came first)
+    vllm_args: ArgsFacts | None = None
+
+
+def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
+           with_vllm: bool) -> PreflightFacts:
+    """Read everything the verdict needs for a launch of ``plan`` (I/O, never a write).
+    ``sizing`` is the launch's one budget plan (shown as notes, never computed again here).
+    The vLLM-argument check runs last, only when :func:`judge` finds nothing else wrong.
+    Raises KvpError only when the filesystem of the cache root cannot be looked at."""
+    s = dep.settings
+    also: tuple[int, ...] = ()
+    user_error = ""
+    try:
+        also = service_uids(s.service_user)
+    except KvpError as exc:
+        user_error = str(exc)
+    trust: list[tuple[str, str]] = []
+    for key, path in (("KVP_CACHE_ROOT", plan.cache_root), ("KVP_STATE_DIR", plan.state_dir),
+                      ("KVP_LOG_DIR", os.path.dirname(plan.server_log)),
+                      ("KVP_SERDE_KEY_FILE", plan.serde_key_file)):
+        if key == "KVP_SERDE_KEY_FILE" and plan.serde != "aesgcm":
+            continue
+        trust += [(key, why) for why in trust_problems(path, also=also)]
+    ports = [("KVP_LMCACHE_PORT", *plan.listen["lmcache"]),
+             ("KVP_LMCACHE_HTTP_PORT", *plan.listen["lmcache_http"])]
+    if with_vllm:
+        ports.append(("KVP_VLLM_PORT", *plan.listen["vllm"]))
+    exe = plan.server_argv[0]
+    identity = identity_check.check_deployment(dep, vllm_launched=with_vllm)
+    facts = PreflightFacts(
+        with_vllm=with_vllm, pinned=dep.pinned, namespace=dep.namespace,
+        dep_notes=tuple(dep.notes), serde=plan.serde, foreign_notes=tuple(foreign_notes(sizing)),
+        listener_notes=tuple(listener_notes(dep, with_vllm=with_vllm)),
+        budget_notes=tuple(budget_notes(sizing)),
+        root=gather_root(plan.cache_root, direct_io=dep.generic.l2_use_direct_io),
+        use_direct_io=dep.generic.l2_use_direct_io, generic_config=s.generic_config,
+        service_user_error=user_error, trust=tuple(trust), shared=gather_shared(dep, also),
+        ports=tuple(PortFacts(key, host, port, procs.port_bindable(host, port))
+                    for key, host, port in ports),
+        server_exe=exe, server_exe_found=bool(os.path.exists(exe) or shutil.which(exe)),
+        vllm_mode=plan.vllm_mode, model_target=plan.model_target,
+        model_exists=os.path.exists(plan.model_target),
+        docker_found=bool(shutil.which("docker")) if with_vllm else False,
+        identity_problems=tuple(identity.launch_problems()),
+        identity_notes=tuple(identity.launch_notes()),
+        weights=check_weights(plan, pinned=dep.pinned, with_vllm=with_vllm, write_cache=False))
+    if with_vllm and not judge(facts).problems:  # costs a vLLM import: last, when all passed
+        args = vllm_args.check_deployment(dep, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
+        facts = replace(facts, vllm_args=ArgsFacts(tuple(args.problems), tuple(args.notes)))
+    return facts
+
+
+def gather_root(root: str, *, direct_io: bool) -> RootFacts:
+    """The cache root at ``root`` (or, absent, its parent): kind, mode, access, free space
+    and, with ``direct_io``, whether O_DIRECT works there. Creates nothing. Raises KvpError
+    if the free space cannot be read."""
+    try:
+        st: os.stat_result | None = os.stat(root)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            raise KvpError(f"cannot look at the cache root {root}: {exc.strerror}; check "
+                           "KVP_CACHE_ROOT and the directories above it") from exc
+        st = None
+    parent = os.path.dirname(os.path.abspath(root))
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        return RootFacts(root, "other")
+    if st is None:
+        if not os.path.isdir(parent):
+            return RootFacts(root, "absent")
+        where, facts = parent, RootFacts(root, "absent", parent_is_dir=True,
+                                         writable=os.access(parent, os.W_OK | os.X_OK))
+    else:
+        where, facts = root, RootFacts(root, "dir", mode=stat.S_IMODE(st.st_mode),
+                                       writable=os.access(root, os.W_OK | os.X_OK))
+    if not facts.writable:
+        return facts
+    return replace(facts, avail_bytes=fs_info(where).avail_bytes,
+                   direct_io_problem=direct_io_problem(where) if direct_io else "")
+
+
+def gather_shared(dep: Deployment, also: tuple[int, ...]) -> SharedFacts | None:
+    """The shared tier's secret file (its path trusted, then read owner-only), its CA file
+    and, when both are fine, its store (TLS and budget). None without a shared tier. An
+    unreachable store is no fact against a launch (it starts degraded)."""
+    s = dep.settings
+    if not s.shared_tier:
+        return None
+    tier = shared_tier_of(s)
+    path = s.shared_tier_secret_file
+    facts = SharedFacts(path, tier.endpoint if tier else s.shared_tier,
+                        trust=tuple(trust_problems(path, also=also)))
+    secret = None
+    if not facts.trust:
+        try:
+            secret = read_secret_file(path, also=also)
+        except KvpError as exc:
+            facts = replace(facts, secret_error=str(exc))
+    if tier is not None and tier.tls_ca:
+        try:
+            check_ca_file(tier.tls_ca, also=also)
+        except KvpError as exc:
+            facts = replace(facts, ca_error=str(exc))
+    if tier is None or secret is None or facts.ca_error:
+        return facts
+    found = probe(tier, secret)
+    if found.error.startswith(TLS_UNTRUSTED):
+        return replace(facts, store_tls_error=found.error)
+    return replace(facts, store_problems=tuple(found.budget.problems) if found.budget else ())
+
+
+# --------------------------------------------------------------------------- notes (pure)
+
+
+def listener_notes(dep: Deployment, *, with_vllm: bool) -> list[str]:
+    """A note for every port that binds a non-loopback address (each opted in by its
+    ``KVP_ALLOW_REMOTE_*`` key; a bind without one never gets this far)."""
+    return [f"network: {lst.describe()}" for lst in listeners(dep.settings)
+            if lst.remote and (with_vllm or lst.component != "vllm")]
+
+
+def foreign_notes(sizing: Sizing) -> list[str]:
+    """What launch should say about files under the cache root that are not LMCache's: they
+    are never touched by kvpersist, but LMCache deletes every file whose name contains
+    ``.tmp.`` under its root when it stops cleanly."""
+    scan = sizing.measurement.scan if sizing.measurement else None
+    if scan is None:
+        return []
+    out = []
+    if scan.foreign.files or scan.foreign_dirs:
+        out.append(f"{scan.foreign.files} foreign file(s) and {scan.foreign_dirs} foreign "
+                   f"dir(s) under the cache root {scan.root}: kvpersist never touches them, "
+                   "but keep only LMCache's files there")
+    if scan.lmcache_cleans.files:
+        out.append(f"WARNING: {scan.lmcache_cleans.files} file(s) that are not LMCache's have "
+                   f"'.tmp.' in their names under {scan.root} (e.g. "
+                   f"{', '.join(scan.lmcache_cleans.samples[:3])}): LMCache deletes every such "
+                   "file under its cache root when it stops cleanly; move them out")
+    return out
+
+
+def budget_notes(sizing: Sizing) -> list[str]:
+    """The budget plan's verdict as notes: over budget is not a reason to refuse a launch
+    (the server still serves what is on disk; health reports it degraded)."""
+    plan = sizing.plan
+    out = [f"budget: {r}" for r in plan.reasons[:2]]
+    out += [f"budget warning: {w}" for w in plan.warnings]
+    out += [f"budget problem: {p}" for p in plan.problems]
+    return out
+
+
+def root_creation_note(root: str) -> str:
+    """What the launch says once it created the cache root (pure)."""
+    return f"created cache root {root} (mode 0700)"
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+def judge(f: PreflightFacts, *, min_free_bytes: int = MIN_FREE_BYTES) -> Preflight:
+    """Pure: every problem that refuses the launch and the notes, in a stable order (the
+    cache root, the trust of its paths, the shared tier, the ports, the executables, the
+    identity, the weights, vLLM's parser)."""
+    problems: list[Problem] = []
+    notes: list[str] = []
+    if not f.pinned:
+        notes.append(f"identity unpinned: one-off namespace {f.namespace}, "
+                     "nothing will be reused after a restart")
+    notes += f.dep_notes
+    notes += [f"WARNING: {w}" for w in serde_warnings(f.serde)]
+    notes += f.foreign_notes
+    notes += f.listener_notes
+    root_problems, create = _root_verdict(f.root, min_free_bytes)
+    problems += root_problems
+    if create:
+        notes.append(f"cache root {f.root.path} does not exist yet: the launch creates it "
+                     "(mode 0700)")
+    if f.root.kind == "dir" or create:
+        notes += f.budget_notes
+        if f.use_direct_io and f.root.direct_io_problem:
+            problems.append(Problem(
+                "l2.use_direct_io", f"{f.root.direct_io_problem}: every L2 read and write "
+                "would fail", f"put KVP_CACHE_ROOT on the NVMe filesystem (ext4, xfs), or set "
+                f"l2.use_direct_io: false in configs/{f.generic_config}/lmcache.yaml"))
+    if f.service_user_error:
+        problems.append(Problem("KVP_SERVICE_USER", f.service_user_error))
+    seen: set[str] = set()
+    for key, why in f.trust:
+        if why not in seen:
+            seen.add(why)
+            problems.append(Problem(key, why, TRUST_FIX))
+    if f.shared is not None:
+        problems += shared_problems(f.shared)
+    for p in f.ports:
+        if not p.bindable:
+            problems.append(Problem(p.key, f"{p.host}:{p.port} is already in use",
+                                    "stop what listens there or choose another port"))
+    if not f.server_exe_found:
+        problems.append(Problem("lmcache", f"executable {f.server_exe!r} not found",
+                                "pip install 'kvpersist[cache]' (lmcache==0.5.6 nixl)"))
+    if f.with_vllm and f.vllm_mode == "process" and not f.model_exists:
+        problems.append(Problem("KVP_MODEL_PATH", f"{f.model_target} does not exist",
+                                "point it at the model weights directory"))
+    if f.with_vllm and f.vllm_mode == "container" and not f.docker_found:
+        problems.append(Problem("KVP_IMAGE", "docker is not installed",
+                                "install Docker or set KVP_DEVICE=cpu for a direct process"))
+    problems += f.identity_problems
+    notes += f.identity_notes
+    problems += f.weights.problems
+    notes += f.weights.notes
+    if f.vllm_args is not None:
+        problems += f.vllm_args.problems
+        notes += f.vllm_args.notes
+    return Preflight(tuple(problems), tuple(notes), f.weights, f.root.path if create else "")
+
+
+def _root_verdict(r: RootFacts, min_free_bytes: int) -> tuple[list[Problem], bool]:
+    """The cache root's problems, and whether the launch is to create it (pure)."""
+    key, root = "KVP_CACHE_ROOT", r.path
+    if r.kind == "other":
+        return [Problem(key, f"{root} is not a directory")], False
+    if r.kind == "absent" and not r.parent_is_dir:
+        return [Problem(key, f"{root} does not exist",
+                        "create it on the NVMe filesystem (mode 0700)")], False
+    if r.kind == "absent" and not r.writable:
+        return [Problem(key, f"cannot create {root}: Permission denied",
+                        "create it as the cache owner")], False
+    out = []
+    if r.mode is not None and accessible_to_others(r.mode):
+        out.append(Problem(key, f"{root} is accessible to others (mode {r.mode:04o}); KV data "
+                                "reveals prompts", f"chmod o-rwx {root}"))
+    if not r.writable:
+        out.append(Problem(key, f"{root} is not writable by this user",
+                           "run as the cache owner or fix ownership"))
+    elif r.avail_bytes is not None and r.avail_bytes < min_free_bytes:
+        out.append(Problem(key, f"only {r.avail_bytes >> 20} MiB free on {root}",
+                           "free space or prune stale namespaces"))
+    return out, r.kind == "absent"
+
+
+def shared_problems(sh: SharedFacts) -> list[Problem]:
+    """The shared tier's problems (pure): its secret file must belong to the service user,
+    be readable by nobody else and hold a password (its content is never shown); its CA
+    file must be one only root or the service user can change; a store that would answer
+    writes with errors instead of evicting (noeviction, volatile-*), or whose certificate
+    the CA does not vouch for, is refused. An unreachable store is not."""
+    key, path = "KVP_SHARED_TIER_SECRET_FILE", sh.secret_file
+    fix = (f"write username=... and password=... lines into {path} as the service user, "
+           f"mode 0600 (the Ansible role does it from the vault)")
+    out = [Problem(key, why, fix) for why in sh.trust]
+    if sh.secret_error:
+        out.append(Problem(key, sh.secret_error, fix))
+    if sh.ca_error:
+        out.append(Problem("KVP_SHARED_TIER", sh.ca_error, CA_FIX))
+    if sh.store_tls_error:
+        # LMCache 0.5.6's valkey adapter connects while the server starts (it probes glide's
+        # buffer GET in its constructor): with a certificate it cannot verify the server
+        # exits ("invalid peer certificate: UnknownIssuer"), so say why before that
+        out.append(Problem("KVP_SHARED_TIER", f"the store at {sh.endpoint}: "
+                           f"{sh.store_tls_error}", "set tls_ca= to the PEM file of the CA "
+                           "that signed the store's certificate (docs/fleet.md, "
+                           "Configuration)"))
+    out += [Problem("KVP_SHARED_TIER", f"the store at {sh.endpoint}: {p}",
+                    "CONFIG SET maxmemory-policy allkeys-lru (and in the store's config "
+                    "file); see docs/fleet.md, Sizing") for p in sh.store_problems]
+    return out
+
+
+def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
+              with_vllm: bool) -> Preflight:
+    """:func:`gather`, then :func:`judge`: every problem at once; never raises for them, never
+    writes."""
+    return judge(gather(dep, plan, sizing, with_vllm=with_vllm))
+
+
+__all__ = ["MIN_FREE_BYTES", "ArgsFacts", "PortFacts", "Preflight", "PreflightFacts",
+           "RootFacts", "SharedFacts", "budget_notes", "foreign_notes", "gather",
+           "gather_root", "gather_shared", "judge", "listener_notes", "preflight",
+           "root_creation_note", "shared_problems"]

@@ -1,0 +1,261 @@
+"""The deployment's processes (I/O): their state, starting them, stopping them.
+
+The cache server and vLLM each have a pid file that is checked, never trusted alone
+(:mod:`kvpersist.system.procs`). :func:`start_server` / :func:`start_vllm` start a process in
+the background and wait until it answers; :func:`stop_deployment` stops vLLM, then the cache
+server (a server that exited on SIGTERM is recorded as cleanly stopped,
+:mod:`kvpersist.stack.crash_window`). Stopping and inspecting need only a
+:class:`~kvpersist.stack.locate.Location` (pure, no scan). Used by
+:mod:`kvpersist.stack.launch` and :mod:`kvpersist.stack.readiness`; imports neither.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpersist.errors import CheckFailed, KvpError
+from kvpersist.stack import crash_window
+from kvpersist.stack.locate import Location
+from kvpersist.stack.plan import LaunchPlan
+from kvpersist.stack.preread import start_preread
+from kvpersist.system import procs
+
+Progress = Callable[[str], None]
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+# --------------------------------------------------------------------------- state
+
+
+def server_state(loc: Location) -> procs.PidState:
+    """The cache server's pid-file state: this deployment's own pid file, or (when that is
+    absent) the one kvpersist 0.1 kept in the cache root, if it names a live cache server of
+    this cache root on this deployment's port."""
+    st = procs.check_pid_file(loc.server_pid_file, loc.server_markers)
+    if st.state != "absent":
+        return st
+    # the legacy pid file is shared by every deployment of the root: it counts only for the
+    # server listening on this deployment's port
+    legacy = procs.check_pid_file(loc.legacy_server_pid_file, loc.server_markers,
+                                  (("--port", str(loc.listen["lmcache"][1])),))
+    return legacy if legacy.running else st
+
+
+def vllm_state(loc: Location) -> procs.PidState:
+    """vLLM's pid-file state (direct-process mode)."""
+    return procs.check_pid_file(loc.vllm_pid_file, loc.vllm_markers)
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """True if GET ``url`` answers 200 within ``timeout`` seconds."""
+    import requests  # lazy: kvp-admin's start-up stays light
+
+    try:
+        return requests.get(url, timeout=timeout).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def vllm_ready(plan: Location, timeout: float = 2.0) -> bool:
+    """True if vLLM answers ``/health`` and ``/v1/models`` lists the served name with the
+    namespace as its root (the namespace reaches LMCache)."""
+    import requests  # lazy: kvp-admin's start-up stays light
+
+    try:
+        if requests.get(f"{plan.vllm_url}/health", timeout=timeout).status_code != 200:
+            return False
+        models = requests.get(f"{plan.vllm_url}/v1/models", timeout=timeout).json()
+    except (requests.RequestException, ValueError):
+        return False
+    data = models.get("data") if isinstance(models, dict) else None  # any JSON may answer
+    return isinstance(data, list) and any(isinstance(m, dict) and m.get("root") == plan.namespace
+                                          and m.get("id") == plan.served_model_name for m in data)
+
+
+# --------------------------------------------------------------------------- starting
+
+
+@dataclass(frozen=True)
+class Started:
+    """A process that launch started (or found running)."""
+
+    what: str
+    pid: int | None
+    seconds: float
+    already_running: bool = False
+    log: str = ""
+
+
+def _log_tail(path: str, lines: int = 15) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+def refuse_if_running(state: procs.PidState, what: str, progress: Progress) -> None:
+    """Raise CheckFailed when ``state`` is a live process; remove a stale pid file."""
+    if state.running:
+        raise CheckFailed(f"{what} is already running (pid {state.pid}, pid file "
+                          f"{state.pid_file}); stop it first with `kvp-admin stop`")
+    if state.state == "stale":
+        progress(f"stale pid file {state.pid_file}: {state.reason}; removing it")
+        procs.remove_pid_file(state.pid_file)
+
+
+def start_server(plan: LaunchPlan, *, timeout: float = 60.0,
+                 progress: Progress = quiet) -> Started:
+    """Start the cache server in the background and wait until ``/healthcheck`` answers.
+
+    Refuses (CheckFailed) when the pid file names a live server; a stale pid file is
+    removed. Raises KvpError with the log's tail if the server exits or is not healthy in
+    ``timeout`` seconds (the half-started process is stopped).
+    """
+    refuse_if_running(server_state(plan), "the cache server", progress)
+    progress(f"starting lmcache server (log {plan.server_log})")
+    return _start_and_wait(
+        "lmcache server", plan.server_argv, log=plan.server_log, env=plan.server_env,
+        cwd=plan.state_dir, pid_file=plan.server_pid_file,
+        ready=lambda: http_ok(f"{plan.server_http_url}/healthcheck", 1.0),
+        timeout=timeout, interval=0.5, stop_timeout=10, not_ready="not healthy")
+
+
+def _start_and_wait(name: str, argv: list[str], *, log: str, env: Mapping[str, str],
+                    cwd: str, pid_file: str | None, ready: Callable[[], bool], timeout: float,
+                    interval: float, stop_timeout: float, not_ready: str) -> Started:
+    """Start ``argv`` in the background (umask 077), write its pid file, wait until
+    ``ready()``; on failure stop it, remove the pid file and raise KvpError with the log's
+    tail."""
+    t0 = time.monotonic()
+    proc = procs.start_background(argv, log_path=log, env=env, cwd=cwd, umask=0o077)
+    if pid_file:
+        procs.write_pid_file(pid_file, proc.pid)
+    ok = procs.wait_for(ready, timeout, interval, should_abort=lambda: proc.poll() is not None)
+    if not ok:
+        code = proc.poll()
+        procs.stop_process(proc.pid, timeout=stop_timeout)
+        proc.wait(timeout=10)
+        if pid_file:
+            procs.remove_pid_file(pid_file, proc.pid)
+        why = f"exited with status {code}" if code is not None else \
+            f"{not_ready} after {timeout:.0f} s"
+        raise KvpError(f"{name} {why}; last lines of {log}:\n{_log_tail(log)}")
+    return Started(name, proc.pid, time.monotonic() - t0, log=log)
+
+
+def begin_preread(plan: LaunchPlan, progress: Progress = quiet) -> str:
+    """Start the hot-files pre-read in the background (never waits, never raises) and return
+    a one-line note of what happened."""
+    if not plan.preread_argv:
+        note = f"hot-files pre-read off ({plan.preread_skip})"
+    else:
+        pid, why = start_preread(plan.preread_argv, log=plan.preread_log, cwd=plan.state_dir)
+        note = why or (f"hot-files pre-read started in the background (pid {pid}, "
+                       f"result in {plan.preread_log})")
+    progress(note)
+    return note
+
+
+def ensure_model_link(plan: LaunchPlan) -> None:
+    """Make ``<model_link_dir>/<namespace>`` a symlink to the weights (atomic replace)."""
+    link_dir = Path(plan.model_link_dir)
+    link_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    link = Path(plan.model_link)
+    target = os.path.abspath(plan.model_target)
+    if link.is_symlink() and os.readlink(link) == target:
+        return
+    tmp = link_dir / f".{link.name}.new-{os.getpid()}"  # never ".tmp." (see keys.py)
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def start_vllm(plan: LaunchPlan, *, timeout: float = 300.0,
+               progress: Progress = quiet) -> Started:
+    """Start vLLM for the deployment and wait until it serves the namespace.
+
+    Direct process: ``python -m vllm.entrypoints.openai.api_server <rendered args>`` in the
+    model-link directory, pid file ``S/vllm.pid``. Container: the rendered ``docker run``.
+    Raises CheckFailed if it already runs, KvpError (with the log's tail) if it fails.
+    """
+    if plan.vllm_mode == "process":
+        refuse_if_running(vllm_state(plan), "vLLM", progress)
+    ensure_model_link(plan)
+    progress(f"starting vLLM ({plan.vllm_mode}, log {plan.vllm_log})")
+    return _start_and_wait(
+        "vLLM", plan.vllm_argv, log=plan.vllm_log, env=plan.vllm_env, cwd=plan.model_link_dir,
+        pid_file=plan.vllm_pid_file if plan.vllm_mode == "process" else None,
+        ready=lambda: vllm_ready(plan, 2.0), timeout=timeout, interval=1.0, stop_timeout=15,
+        not_ready="not ready")
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+@dataclass(frozen=True)
+class Stopped:
+    what: str
+    pid: int | None
+    how: str  # terminated / killed / not-running / stale
+    seconds: float = 0.0
+    detail: str = ""
+
+
+def stop_vllm(plan: Location, *, timeout: float = 60.0) -> Stopped:
+    """Stop the deployment's vLLM (direct process via its pid file, or the container)."""
+    if plan.vllm_mode == "container":
+        if not shutil.which("docker"):
+            return Stopped("vLLM", None, "not-running", detail="docker not installed")
+        r = subprocess.run(["docker", "stop", "-t", str(int(timeout)), plan.container_name],
+                           capture_output=True, text=True, timeout=timeout + 30)
+        how = "terminated" if r.returncode == 0 else "not-running"
+        return Stopped("vLLM", None, how, detail=plan.container_name)
+    return _stop_by_pid_file("vLLM", vllm_state(plan), timeout)
+
+
+def stop_server(plan: Location, *, timeout: float = 30.0) -> Stopped:
+    """Stop the cache server: SIGTERM, wait ``timeout``, then SIGKILL. L2 files stay. When it
+    exited on SIGTERM (its store queue drained) a clean stop is recorded; killed, stale or
+    not running records nothing (the next launch checks the crash window)."""
+    res = _stop_by_pid_file("lmcache server", server_state(plan), timeout)
+    if res.how == "terminated":
+        crash_window.record_clean_stop(plan, res.pid, "terminated")
+    return res
+
+
+def _stop_by_pid_file(name: str, st: procs.PidState, timeout: float) -> Stopped:
+    """Stop the process a checked pid file names (a stale pid file is only removed)."""
+    if st.state == "stale":
+        procs.remove_pid_file(st.pid_file)
+        return Stopped(name, st.pid, "stale", detail=st.reason)
+    if not st.running or st.pid is None:
+        return Stopped(name, None, "not-running")
+    res = procs.stop_process(st.pid, timeout=timeout)
+    procs.remove_pid_file(st.pid_file, st.pid)
+    return Stopped(name, st.pid, res.how, res.seconds)
+
+
+def stop_deployment(plan: Location, *, timeout: float = 30.0,
+                    vllm: bool = True) -> list[Stopped]:
+    """vLLM first (it holds connections to the server), then the cache server."""
+    out = []
+    if vllm:
+        out.append(stop_vllm(plan, timeout=max(timeout, 30.0)))
+    out.append(stop_server(plan, timeout=timeout))
+    return out
+
+
+__all__ = ["Progress", "Started", "Stopped", "begin_preread", "ensure_model_link", "http_ok",
+           "quiet", "refuse_if_running", "server_state", "start_server", "start_vllm",
+           "stop_deployment", "stop_server", "stop_vllm", "vllm_ready", "vllm_state"]

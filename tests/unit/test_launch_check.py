@@ -1,0 +1,173 @@
+"""``kvp-admin launch --check`` writes nothing, and the preflight verdict is pure.
+
+The CLI test snapshots every path under a temp dir (type, mode, size, mtime) that holds the
+config, the model, the cache root's parent (the root itself absent), the state and log dirs
+and HOME, runs ``launch CONFIG --check`` (with and without ``--no-vllm``: the weights'
+digest cache, the identity check and vLLM's own argument parser all run) and compares.
+The verdict tests are table-driven on :func:`kvpersist.stack.preflight.judge`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvpersist.errors import KvpError
+from kvpersist.stack.preflight import PortFacts, PreflightFacts, RootFacts, judge
+from kvpersist.stack.weights import WeightsCheck
+from kvpersist.system.files import accessible_to_others, read_owner_only, readable_by_others
+
+from ..conftest import REPO, clean_env, free_port
+from ..model_dirs import plain_dir
+
+Snapshot = dict[str, tuple[str, int, int, int]]
+
+
+def snapshot(top: Path) -> Snapshot:
+    """Every path under ``top``: (type, mode, size, mtime_ns), symlinks not followed."""
+    out: Snapshot = {}
+    for d, dirs, files in os.walk(top):
+        for name in [*dirs, *files]:
+            p = os.path.join(d, name)
+            st = os.lstat(p)
+            kind = ("dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode)
+                    else "file" if stat.S_ISREG(st.st_mode) else "other")
+            out[os.path.relpath(p, top)] = (kind, stat.S_IMODE(st.st_mode), st.st_size,
+                                            st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> tuple[Path, str, dict[str, str]]:
+    """A temp dir holding a copy of configs/cpu-demo, a demo model with a weights file, the
+    (existing) parent of an absent cache root, and the places of the state dir, the logs and
+    HOME; the config path and the environment of a launch there."""
+    top = tmp_path / "t"
+    top.mkdir(mode=0o700)
+    shutil.copytree(REPO / "configs" / "cpu-demo", top / "configs" / "cpu-demo")
+    model = plain_dir(top / "model")
+    (model / "model.safetensors").write_bytes(os.urandom(4096))
+    (top / "srv").mkdir(mode=0o700)
+    (top / "home").mkdir(mode=0o700)
+    env = dict(clean_env(), KVP_CACHE_ROOT=str(top / "srv" / "cache"),
+               KVP_MODEL_PATH=str(model), KVP_STATE_DIR=str(top / "srv" / "state"),
+               KVP_LOG_DIR=str(top / "srv" / "logs"), KVP_LMCACHE_PORT=str(free_port()),
+               KVP_LMCACHE_HTTP_PORT=str(free_port()), KVP_VLLM_PORT=str(free_port()),
+               HOME=str(top / "home"), XDG_CACHE_HOME=str(top / "home" / ".cache"),
+               LMCACHE_DISABLE_BANNER="1")
+    return top, str(top / "configs" / "cpu-demo" / "identity.env"), env
+
+
+def kvp(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=600)
+
+
+@pytest.mark.parametrize("extra", [["--no-vllm"], []], ids=["no-vllm", "with-vllm"])
+def test_launch_check_writes_nothing(tree: tuple[Path, str, dict[str, str]],
+                                     extra: list[str]) -> None:
+    top, config, env = tree
+    before = snapshot(top)
+    res = kvp(env, "launch", config, "--check", *extra)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "preflight ok" in res.stdout
+    root = top / "srv" / "cache"
+    assert f"cache root {root} does not exist yet: the launch creates it (mode 0700)" \
+        in res.stderr
+    assert "weights: fingerprint" in res.stderr  # the weights were read (digests computed)
+    assert snapshot(top) == before
+    assert not root.exists() and not (top / "srv" / "state").exists()
+
+
+def test_launch_check_on_an_existing_root_writes_nothing_either(
+        tree: tuple[Path, str, dict[str, str]]) -> None:
+    top, config, env = tree
+    (top / "srv" / "cache").mkdir(mode=0o700)
+    before = snapshot(top)
+    res = kvp(env, "launch", config, "--check", "--no-vllm", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "does not exist yet" not in res.stdout + res.stderr
+    assert snapshot(top) == before
+
+
+# --------------------------------------------------------------------------- the verdict
+WEIGHTS = WeightsCheck("unchecked", notes=("weights not checked",))
+FACTS = PreflightFacts(
+    with_vllm=False, pinned=True, namespace="kvp-x", dep_notes=(), serde="aesgcm",
+    foreign_notes=(), listener_notes=(), budget_notes=("budget: fine",),
+    root=RootFacts("/srv/cache", "dir", parent_is_dir=True, mode=0o700, writable=True,
+                   avail_bytes=1 << 40),
+    use_direct_io=False, generic_config="generic", service_user_error="", trust=(),
+    shared=None, ports=(PortFacts("KVP_LMCACHE_PORT", "127.0.0.1", 1, True),),
+    server_exe="lmcache", server_exe_found=True, vllm_mode="process", model_target="/m",
+    model_exists=True, docker_found=False, identity_problems=(), identity_notes=(),
+    weights=WEIGHTS)
+
+
+@pytest.mark.parametrize(("root", "problem", "create"), [
+    (FACTS.root, "", False),
+    (RootFacts("/srv/cache", "absent", parent_is_dir=True, writable=True,
+               avail_bytes=1 << 40), "", True),
+    (RootFacts("/srv/cache", "absent", parent_is_dir=True, writable=False),
+     "cannot create /srv/cache: Permission denied", False),
+    (RootFacts("/srv/cache", "absent"), "/srv/cache does not exist", False),
+    (RootFacts("/srv/cache", "other"), "/srv/cache is not a directory", False),
+    (replace(FACTS.root, mode=0o755), "accessible to others (mode 0755)", False),
+    (replace(FACTS.root, writable=False, avail_bytes=None), "not writable by this user",
+     False),
+    (replace(FACTS.root, avail_bytes=1 << 20), "only 1 MiB free on /srv/cache", False),
+], ids=["dir", "to-create", "parent-not-writable", "no-parent", "not-a-dir", "open-mode",
+        "not-writable", "full"])
+def test_the_cache_root_verdict(root: RootFacts, problem: str, create: bool) -> None:
+    pre = judge(replace(FACTS, root=root))
+    found = [str(p) for p in pre.problems]
+    assert (any(problem in p for p in found) if problem else found == []), found
+    assert pre.create_root == ("/srv/cache" if create else "")
+    assert any("does not exist yet: the launch creates it" in n for n in pre.notes) == create
+    # the budget is shown for a root that is (or will be) a directory
+    assert ("budget: fine" in pre.notes) == (root.kind == "dir" or create)
+
+
+def test_the_verdict_lists_every_problem_in_order() -> None:
+    f = replace(FACTS, trust=(("KVP_CACHE_ROOT", "a"), ("KVP_STATE_DIR", "a"),
+                              ("KVP_STATE_DIR", "b")),
+                ports=(PortFacts("KVP_LMCACHE_PORT", "127.0.0.1", 9, False),),
+                server_exe_found=False, root=replace(FACTS.root, mode=0o707))
+    where = [p.where for p in judge(f).problems]
+    assert where == ["KVP_CACHE_ROOT", "KVP_CACHE_ROOT", "KVP_STATE_DIR", "KVP_LMCACHE_PORT",
+                     "lmcache"]  # the same trust problem once
+
+
+def test_the_mode_rules() -> None:
+    assert accessible_to_others(0o40701) and not accessible_to_others(0o40750)
+    assert readable_by_others(0o100640) and not readable_by_others(0o100600)
+
+
+def test_read_owner_only_refuses_what_it_should_not_trust(tmp_path: Path) -> None:
+    f = tmp_path / "secret"
+    f.write_bytes(b"pw\n")
+    f.chmod(0o600)
+    assert read_owner_only(f, what="secret", max_bytes=3) == b"pw\n"
+    with pytest.raises(KvpError, match="holds more than 2 bytes"):
+        read_owner_only(f, what="secret", max_bytes=2)
+    f.chmod(0o604)
+    with pytest.raises(KvpError, match=r"secret .* is readable by others \(mode 0604\); "
+                                       "chmod 600"):
+        read_owner_only(f, what="secret", max_bytes=3)
+    f.chmod(0o600)
+    (tmp_path / "link").symlink_to(f)
+    with pytest.raises(KvpError, match="secret .*link: Too many levels of symbolic links; "
+                                       "fix it"):
+        read_owner_only(tmp_path / "link", what="secret", max_bytes=3, fix="fix it")
+    os.mkfifo(tmp_path / "fifo", 0o600)
+    with pytest.raises(KvpError, match="is not a regular file"):  # and it did not block
+        read_owner_only(tmp_path / "fifo", what="secret", max_bytes=3)
+    with pytest.raises(KvpError, match="No such file"):
+        read_owner_only(tmp_path / "missing", what="secret", max_bytes=3)
