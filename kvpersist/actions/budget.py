@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from kvpersist.config.loader import load_deployment
 from kvpersist.l2.budget import BudgetPlan
 from kvpersist.l2.inventory import size_deployment
 from kvpersist.l2.read_path import ReadPath, explain_read_path
+from kvpersist.stack.preread import mem_available
 
 
 def budget(config: str) -> tuple[BudgetPlan, ReadPath]:
@@ -12,8 +14,6 @@ def budget(config: str) -> tuple[BudgetPlan, ReadPath]:
     on that root (the inventory decides which); with it, the L2 read path and the launch
     pre-read's byte cap from this host's MemAvailable. The plan's problems are returned, not
     raised (``plan.ok``)."""
-    from kvpersist.config.loader import load_deployment
-    from kvpersist.stack.preread import mem_available
 
     dep = load_deployment(config)
     plan = size_deployment(dep, strict=False).plan

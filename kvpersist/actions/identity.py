@@ -10,9 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvpersist.config.chat_template import extract_template, template_sha256
 from kvpersist.config.deployment import Deployment
+from kvpersist.config.derive import derive_identity
 from kvpersist.config.identity import diff_identities
 from kvpersist.config.loader import load_deployment
+from kvpersist.config.modeldir import read_model_dir
 from kvpersist.errors import ConfigError, Problem, UsageError
+from kvpersist.stack.identity_check import check_deployment
+from kvpersist.system import software
 from kvpersist.system.files import atomic_write
 
 if TYPE_CHECKING:
@@ -83,9 +87,6 @@ def derive(model_dir: str, opts: DeriveOptions) -> Derivation:
     """The identity of the weights in ``model_dir`` served by this Python's lmcache and
     vLLM (or ``opts.image``). Raises ConfigError for an unreadable model directory,
     UsageError when an option contradicts what the directory records."""
-    from kvpersist.config.derive import derive_identity
-    from kvpersist.config.modeldir import read_model_dir
-    from kvpersist.system import software
 
     facts = read_model_dir(os.path.abspath(model_dir))
     return derive_identity(facts, software.installed(), opts)
@@ -110,7 +111,6 @@ def write_derived(d: Derivation, out: Path, *, force: bool = False) -> None:
 def check(config: str) -> IdentityCheck:
     """Compare CONFIG's identity with the weights at its KVP_MODEL_PATH and the software
     that would run it, as if vLLM started here (the model directory must exist)."""
-    from kvpersist.stack.identity_check import check_deployment
 
     dep = load_deployment(config)
     if dep.identity is None:  # KVP_ALLOW_UNPINNED=true in the file

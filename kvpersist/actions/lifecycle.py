@@ -10,16 +10,19 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpersist.config.deployment import Deployment
+from kvpersist.config.loader import load_deployment
 from kvpersist.errors import Problem
-from kvpersist.stack import fleet
+from kvpersist.stack import crash_window, fleet
 from kvpersist.stack import launch as lc
 from kvpersist.stack import processes as proc
 from kvpersist.stack.fleet import RecordOutcome
+from kvpersist.stack.health import health_report
 from kvpersist.stack.locate import Location, locate
 from kvpersist.stack.plan import LaunchPlan, prepare_launch
 from kvpersist.stack.preflight import preflight
 from kvpersist.stack.processes import Progress, Stopped, quiet
-from kvpersist.stack.readiness import WarmupRun
+from kvpersist.stack.readiness import WarmupRun, log_to, warmup_after_vllm
+from kvpersist.stack.stops import systemd_stop_was_clean, systemd_stop_was_deliberate
 from kvpersist.system.procs import PidState
 
 if TYPE_CHECKING:
@@ -30,7 +33,6 @@ if TYPE_CHECKING:
 def load_located(config: str) -> tuple[Deployment, Location]:
     """Load ``config`` (an incomplete identity is accepted: stop/status/health must reach
     whatever runs) and locate it. Raises ConfigError for a config that does not load."""
-    from kvpersist.config.loader import load_deployment
 
     dep = load_deployment(config, allow_unpinned=True)
     return dep, locate(dep)
@@ -145,7 +147,6 @@ def warmup_only(config: str, *, deadline_s: float = 1800.0,
     ConfigError for a config that does not load."""
     import os
 
-    from kvpersist.stack.readiness import log_to, warmup_after_vllm
 
     dep, loc = load_located(config)
     logged = log_to(loc.warmup_log, progress)
@@ -206,8 +207,6 @@ def systemd_stop_post(config: str, environ: dict[str, str]) -> StopPostOutcome:
     when the unit ended without a failure (a ``systemctl stop``, see
     :func:`kvpersist.stack.stops.systemd_stop_was_deliberate`). Raises KvpError if the record
     cannot be written."""
-    from kvpersist.stack import crash_window
-    from kvpersist.stack.stops import systemd_stop_was_clean, systemd_stop_was_deliberate
 
     dep, loc = load_located(config)
     clean = systemd_stop_was_clean(environ)
@@ -264,7 +263,6 @@ def health(config: str, *, timeout: float = 3.0, expect_vllm: bool = True,
            wait: float = 0.0, refresh_record: bool = False) -> HealthReport:
     """Probe the deployment (see :mod:`kvpersist.stack.health`); never scans the root.
     ``refresh_record``: refresh this host's fleet record while the cache server answers."""
-    from kvpersist.stack.health import health_report
 
     dep, loc = load_located(config)
     return health_report(dep, loc, timeout=timeout, expect_vllm=expect_vllm, wait=wait,

@@ -32,12 +32,19 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvpersist.config.deployment import Deployment
+from kvpersist.actions.lifecycle import health
+from kvpersist.actions.report import report_on
+from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.loader import load_deployment
 from kvpersist.config.shared_tier import SharedTier
-from kvpersist.errors import KvpError
+from kvpersist.errors import KvpError, UsageError
+from kvpersist.l2.inventory import open_existing, real_root, resolve_inventory
+from kvpersist.l2.runs import read_runs
 from kvpersist.l2.scan import ProgressFn, ScanResult
-from kvpersist.l2.shared_store import StoreMeasurement
+from kvpersist.l2.shared_store import StoreMeasurement, measure
 from kvpersist.stack.health import COMPONENTS, EXIT, HealthReport, component_status
+from kvpersist.stack.lmcache_exec import read_secret_file
+from kvpersist.system.files import service_uids, write_textfile
 
 PREFIX = "kvpersist_"
 _HEALTH_VALUE = {"ok": 0, "degraded": 1, "down": 2, "warming": 3}
@@ -334,12 +341,6 @@ def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
 
     Raises UsageError without a root or a config, ConfigError for a config that does not load,
     KvpError for a root that cannot be read."""
-    from kvpersist.actions.lifecycle import health
-    from kvpersist.actions.report import report_on
-    from kvpersist.config.loader import load_deployment
-    from kvpersist.errors import UsageError
-    from kvpersist.l2.inventory import open_existing, real_root, resolve_inventory
-    from kvpersist.l2.runs import read_runs
 
     measured = time.time()
     deps = [(c, load_deployment(c, allow_unpinned=True)) for c in configs]
@@ -384,7 +385,6 @@ def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
 def _stores_of(deps: Sequence[tuple[str, Deployment]],
                ) -> dict[str, list[tuple[Deployment, SharedTier]]]:
     """The deployments with a shared tier, by store (in the configs' order)."""
-    from kvpersist.config.deployment import shared_tier_of
 
     out: dict[str, list[tuple[Deployment, SharedTier]]] = {}
     for _, dep in deps:
@@ -398,9 +398,6 @@ def measure_store(store: str, mine: Sequence[tuple[Deployment, SharedTier]],
                   timeout: float) -> StoreFacts:
     """Measure one store once, with the credentials of the first of its deployments whose
     secret file can be read (the others' are tried in turn). Never raises."""
-    from kvpersist.l2.shared_store import measure
-    from kvpersist.stack.lmcache_exec import read_secret_file
-    from kvpersist.system.files import service_uids
 
     active = frozenset(dep.namespace for dep, _ in mine)
     problems = []
@@ -429,7 +426,6 @@ def _deployment_info(dep: Deployment) -> dict[str, str]:
 def write_textfiles(outcome: MetricsOutcome, directory: str) -> list[str]:
     """Write each root's and each deployment's exposition into ``directory`` (atomically,
     readable by node_exporter); the paths written. Raises KvpError if one cannot be written."""
-    from kvpersist.system.files import write_textfile
 
     written = []
     for name, exp in outcome.files():

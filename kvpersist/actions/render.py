@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvpersist.config.loader import load_deployment
 from kvpersist.l2.inventory import size_deployment
 from kvpersist.stack.render import GENERATED_STAMP, TEMPLATE_NAMES, Rendered, render
 from kvpersist.system.files import atomic_write
@@ -13,7 +14,6 @@ from kvpersist.system.templates import read_templates
 
 def render_config(config: str, *, allow_unpinned: bool = False) -> Rendered:
     """Load CONFIG, size it once and render it. Raises ConfigError (budget problems too)."""
-    from kvpersist.config.loader import load_deployment
 
     dep = load_deployment(config, allow_unpinned=allow_unpinned)
     sizing = size_deployment(dep)

@@ -14,12 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.loader import list_config_names, load_deployment
 from kvpersist.config.shared_tier import SharedTier
 from kvpersist.errors import UsageError
 from kvpersist.l2.fleet import FleetRecord, by_namespace, describe_hosts, host_rows
 from kvpersist.l2.shared_keys import namespace_problem
 from kvpersist.l2.shared_store import SharedStore, connect, prune_namespace, usage
 from kvpersist.stack import fleet
+from kvpersist.stack.lmcache_exec import read_secret_file
+from kvpersist.system.files import service_uids
 
 REPORT_SCHEMA = "kvpersist.shared-report/1"
 PRUNE_SCHEMA = "kvpersist.shared-prune/1"
@@ -32,8 +35,6 @@ class SharedContext:
     active: frozenset[str]
 
     def connect(self) -> SharedStore:
-        from kvpersist.stack.lmcache_exec import read_secret_file
-        from kvpersist.system.files import service_uids
 
         dep = self.deployments[0]
         secret = read_secret_file(dep.settings.shared_tier_secret_file,
@@ -44,7 +45,6 @@ class SharedContext:
 def shared_context(configs: Sequence[str]) -> SharedContext:
     """Load the deployments that use a shared tier. Raises UsageError when none does or they
     name different tiers, ConfigError for a config that does not load."""
-    from kvpersist.config.loader import list_config_names, load_deployment
 
     if configs:
         deps = [load_deployment(c) for c in configs]

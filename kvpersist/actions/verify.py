@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvpersist.config.loader import load_deployment
+from kvpersist.l2 import keys
 from kvpersist.l2.inventory import open_root
 from kvpersist.l2.pin_store import read_pins
 from kvpersist.l2.pins import all_names
@@ -19,8 +21,6 @@ def verify(config: str, *, apply: bool = False, all_namespaces: bool = False,
 
     Raises ConfigError for a config that does not load, KvpError for an unreadable key or
     root."""
-    from kvpersist.config.loader import load_deployment
-    from kvpersist.l2 import keys
 
     dep = load_deployment(config, allow_unpinned=True)
     s = dep.settings

@@ -9,9 +9,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvpersist.config.loader import load_deployment
 from kvpersist.errors import ConfigError, KvpError, Problem
-from kvpersist.stack.locate import Location
-from kvpersist.stack.weights import WeightsCheck
+from kvpersist.stack.locate import Location, locate
+from kvpersist.stack.render import manifest
+from kvpersist.stack.weights import WeightsCheck, check_weights, record_in_manifest
+from kvpersist.system.files import service_uids, trust_problems
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,6 @@ def weights(config: str, *, record: bool = False, rehash: bool = False) -> Weigh
     Raises ConfigError (exit 2) for a state dir that others could write, weights that are
     missing or unreadable, or a manifest that cannot be read. A changed fingerprint is in the
     result (``changed``), not raised."""
-    from kvpersist.config.loader import load_deployment
-    from kvpersist.stack.locate import locate
-    from kvpersist.stack.weights import check_weights, record_in_manifest
-    from kvpersist.system.files import service_uids, trust_problems
 
     dep = load_deployment(config, allow_unpinned=True)
     loc = locate(dep)
@@ -66,7 +65,6 @@ def weights(config: str, *, record: bool = False, rehash: bool = False) -> Weigh
         raise ConfigError(list(chk.problems), dep.name)
     done = ""
     if record and chk.status == "first" and chk.record is not None:
-        from kvpersist.stack.render import manifest  # jinja2: only when recording
 
         done = record_in_manifest(loc.manifest_file, chk.record, lambda: manifest(dep))
     return WeightsOutcome(dep.name, dep.namespace, loc, chk, done)

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpersist.config.chat_template import template_sha256
 from kvpersist.errors import UsageError
 
 #: Bumped whenever the generator's output for a given spec changes.
@@ -376,7 +377,6 @@ def identity_env_values(size: str) -> dict[str, str]:
     served by vLLM's CPU build 0.32.0 with LMCache 0.5.6 (pure; block size 128 on CPU): what
     ``kvp-admin identity derive`` reads from the generated model. The tokenizer is the
     model's own (vLLM loads it from the model directory)."""
-    from kvpersist.config.chat_template import template_sha256
 
     spec = get_spec(size)
     repo_id, revision = hub_ref(spec)

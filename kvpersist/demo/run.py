@@ -27,7 +27,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpersist.config.loader import resolve_config
+from kvpersist.demo.chat import chat_completion, long_chat
+from kvpersist.demo.model import generate_model, identity_env_values
 from kvpersist.errors import DemoFailed, KvpError
+from kvpersist.l2.scan import scan_root
+from kvpersist.l2.tree import open_root
+from kvpersist.stack import launch as lc
+from kvpersist.stack.plan import prepare_launch
+from kvpersist.stack.processes import stop_deployment
 from kvpersist.system import procs
 
 Progress = Callable[[str], None]
@@ -93,8 +101,6 @@ def _identity_file(workdir: Path, size: str) -> str:
     identity.env written beside the model with that model's geometry and revisions."""
     if size == "tiny":
         return "cpu-demo"
-    from kvpersist.config.loader import resolve_config
-    from kvpersist.demo.model import identity_env_values
 
     _, src = resolve_config("cpu-demo")
     values = identity_env_values(size)
@@ -156,11 +162,6 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
     """Run the demo (see module docstring). Raises KvpError when a step fails (DemoFailed
     naming the step and the fix, unless the step raised a KvpError of its own); whatever it
     started is stopped in every case unless ``keep_running``."""
-    from kvpersist.demo.chat import chat_completion, long_chat
-    from kvpersist.demo.model import generate_model
-    from kvpersist.stack import launch as lc
-    from kvpersist.stack.plan import prepare_launch
-    from kvpersist.stack.processes import stop_deployment
 
     t_start = time.monotonic()
     with step(f"create the working directory {workdir}",
@@ -248,8 +249,6 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "tiny"
         files, size_bytes = _count(plan.cache_root, dep.namespace)
     report: dict[str, Any] = {}
     try:
-        from kvpersist.l2.scan import scan_root
-        from kvpersist.l2.tree import open_root
 
         with open_root(plan.cache_root, purpose="scan") as root:
             res = scan_root(root, hist=False)

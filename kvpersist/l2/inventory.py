@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvpersist.config.deployment import Deployment
+from kvpersist.config.loader import list_config_names, load_deployment
 from kvpersist.config.values import system_dir
 from kvpersist.errors import ConfigError, KvpError, UsageError
 from kvpersist.l2.budget import BudgetPlan, plan_for_deployment
@@ -72,7 +73,6 @@ def resolve_inventory(
     noted). Raises UsageError if neither a root nor a config is given, or the configs disagree.
     An unpinned deployment's active namespace is the newest manifest written for it.
     """
-    from kvpersist.config.loader import list_config_names, load_deployment
 
     deps = [load_deployment(c, environ) for c in configs]
     notes: list[str] = []

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.generic import GenericConfig
+from kvpersist.config.values import format_size
 from kvpersist.l2.preread import off_reason, preread_cap
 
 #: where the measurement behind the defaults is written up
@@ -56,7 +57,6 @@ def explain_read_path(dep: Deployment, *, mem_available: int | None = None) -> R
     """The read path of ``dep``: its settings and two lines saying why (a third names any
     setting that leaves the measured defaults). ``mem_available`` (bytes, if measured) turns
     the pre-read share into a byte cap."""
-    from kvpersist.config.values import format_size
 
     g, s = dep.generic, dep.settings
     share = s.preread_ram_share

@@ -17,7 +17,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpersist.errors import KvpError
+from kvpersist.l2 import keys
+from kvpersist.l2.pin_store import read_pins
+from kvpersist.l2.pins import all_names
 from kvpersist.l2.tree import open_root
+from kvpersist.l2.verify import verify_root
 from kvpersist.stack.locate import Location
 from kvpersist.stack.render import SERDE_NONE_WARNING
 from kvpersist.stack.stops import CleanStop, CrashWindow, Launched, decide
@@ -146,10 +150,6 @@ def check(loc: Location, window: CrashWindow, *, rate_mb_s: float | None = DEFAU
     deployment's key (aesgcm; sizes only with serde none) and quarantine those that fail.
     Raises KvpError if the key or the cache root cannot be read, or the quarantine cannot be
     made safely."""
-    from kvpersist.l2 import keys
-    from kvpersist.l2.pin_store import read_pins
-    from kvpersist.l2.pins import all_names
-    from kvpersist.l2.verify import verify_root
 
     res = CrashCheck(window.unclean, window.reason, window.since_ns, loc.serde)
     if not window.unclean or window.since_ns is None:

@@ -24,16 +24,20 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvpersist.config.deployment import Deployment, listeners
+from kvpersist.config.deployment import Deployment, listeners, shared_tier_of
 from kvpersist.config.values import is_loopback
 from kvpersist.errors import KvpError
 from kvpersist.l2.budget import resolve_size
+from kvpersist.l2.shared_store import probe
+from kvpersist.stack import fleet
+from kvpersist.stack.fleet import fleet_facts
+from kvpersist.stack.lmcache_exec import read_secret_file
 from kvpersist.stack.locate import Location
 from kvpersist.stack.processes import server_state, vllm_state
-from kvpersist.stack.readiness import WarmupFacts, judge
+from kvpersist.stack.readiness import WarmupFacts, gather, judge
 from kvpersist.stack.render import serde_warnings
 from kvpersist.system import procs
-from kvpersist.system.files import accessible_to_others, fs_info
+from kvpersist.system.files import accessible_to_others, fs_info, service_uids
 
 SCHEMA = "kvpersist.health/1"
 EXIT = {"healthy": 0, "degraded": 1, "down": 2, "warming": 3}
@@ -186,7 +190,6 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
             vst = vllm_state(plan)
             if vst.running and vst.pid:
                 f.vllm_kv_checked, f.vllm_kv_port = True, _kv_port_of(vst.pid)
-        from kvpersist.stack.readiness import gather
 
         f.warmup = gather(plan, pid)
     return f
@@ -244,14 +247,11 @@ def _kv_port_of(pid: int) -> int | None:
 def probe_shared(dep: Deployment, timeout: float) -> dict[str, Any] | None:
     """Reachability, authentication, latency and budget of the deployment's shared tier
     (None without one). Never raises."""
-    from kvpersist.config.deployment import shared_tier_of
 
     tier = shared_tier_of(dep.settings)
     if tier is None:
         return None
     out: dict[str, Any] = {"endpoint": tier.endpoint, "adapter": tier.adapter}
-    from kvpersist.stack.lmcache_exec import read_secret_file
-    from kvpersist.system.files import service_uids
 
     try:
         secret = read_secret_file(dep.settings.shared_tier_secret_file,
@@ -259,8 +259,6 @@ def probe_shared(dep: Deployment, timeout: float) -> dict[str, Any] | None:
     except KvpError as exc:
         return {**out, "reachable": None, "auth_ok": False, "latency_ms": None,
                 "budget": None, "error": str(exc)}
-    from kvpersist.l2.shared_store import probe
-    from kvpersist.stack.fleet import fleet_facts
 
     out.update(probe(tier, secret, timeout).to_dict())
     if out.get("reachable") and out.get("auth_ok"):
@@ -582,7 +580,6 @@ def health_report(dep: Deployment, loc: Location, *, timeout: float = 3.0,
     record: dict[str, Any] | None = None
     serving = any(c.name == "lmcache.healthcheck" and c.status == "ok" for c in checks)
     if refresh_record and dep.settings.shared_tier and serving:
-        from kvpersist.stack import fleet
 
         outcome = fleet.write(dep, timeout=min(timeout, fleet.TIMEOUT_S))
         record = outcome.to_dict()

@@ -26,6 +26,7 @@ from kvpersist.config.compare import (
 )
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.model_facts import ModelFacts
+from kvpersist.config.modeldir import read_model_dir
 from kvpersist.errors import ConfigError, Problem
 from kvpersist.stack.locate import vllm_mode
 from kvpersist.system import software
@@ -117,7 +118,6 @@ def check_deployment(dep: Deployment, *, vllm_launched: bool,
         elif not vllm_launched:
             why += " (vLLM does not start here)"
     else:
-        from kvpersist.config.modeldir import read_model_dir
 
         try:
             model = read_model_dir(path)

@@ -33,6 +33,7 @@ from pathlib import Path
 from kvpersist.l2.layout import parse_chunk_name, prefix_for_model_name
 from kvpersist.l2.preread import Candidate, PrereadPlan, plan_preread, preread_cap
 from kvpersist.l2.tree import FILE_FLAGS, RootDir, chunk_dirs, open_rel, open_root
+from kvpersist.system import procs
 
 SCHEMA = "kvpersist.preread/1"
 MODULE = "kvpersist.stack.preread"
@@ -154,7 +155,6 @@ def preread_argv(python: str, root: str, namespace: str, share: float) -> list[s
 def start_preread(argv: Sequence[str], *, log: str, cwd: str) -> tuple[int | None, str]:
     """Start the pre-read child detached; never raises. Returns its pid and '' or None and
     why it did not start."""
-    from kvpersist.system import procs
 
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "HOME")}
     # the child must import this very kvpersist (its cwd is the state dir)

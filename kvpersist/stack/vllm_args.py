@@ -36,10 +36,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.config.deployment import Deployment
-from kvpersist.config.engine_args import ENGINE_KEY, EXTRA_KEY, classify_dests, engine_argv
+from kvpersist.config.engine_args import (
+    ENGINE_KEY,
+    EXTRA_KEY,
+    classify_dests,
+    engine_argv,
+    extra_args_problems,
+)
 from kvpersist.config.engine_flag_table import VLLM_VERSION
 from kvpersist.config.engine_flags import KV, NEUTRAL
-from kvpersist.errors import Problem
+from kvpersist.config.loader import load_deployment, load_identity_values
+from kvpersist.errors import KvpError, Problem
+from kvpersist.stack.render import container_argv
 
 TIMEOUT_S = 180.0
 
@@ -260,11 +268,9 @@ def check_deployment(dep: Deployment, vllm_mode: str, vllm_argv: Sequence[str],
     engine: dict[str, str] = dict(dep.identity_values.get("engine_args", {}))
     engine_text = ""
     if engine:
-        from kvpersist.config.loader import load_identity_values
 
         engine_text = load_identity_values(dep.source)[1].get(ENGINE_KEY, "")
     if vllm_mode == "container":
-        from kvpersist.stack.render import container_argv
 
         args = list(vllm_argv[len(container_argv(dep, [])):])
         return check_vllm_args(args, extra, engine_text, engine, python="python3",
@@ -281,9 +287,6 @@ def main(args: list[str] | None = None) -> int:
     import os
     import sys
 
-    from kvpersist.config.engine_args import extra_args_problems
-    from kvpersist.config.loader import load_deployment
-    from kvpersist.errors import KvpError
 
     args = list(sys.argv[1:] if args is None else args)
     if not args:
@@ -303,7 +306,6 @@ def main(args: list[str] | None = None) -> int:
         engine: dict[str, str] = dict(dep.identity_values.get("engine_args", {}))
         engine_text = ""
         if engine:
-            from kvpersist.config.loader import load_identity_values
 
             engine_text = load_identity_values(dep.source)[1].get(ENGINE_KEY, "")
         container = bool(rendered.get("container_argv")) and dep.settings.device != "cpu" \
