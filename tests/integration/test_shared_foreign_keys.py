@@ -32,7 +32,7 @@ from kvpersist.l2.fleet import FleetRecord, host_id
 from kvpersist.stack import fleet
 
 from ._redis import Redis, start_redis
-from .test_metrics_shared_tier import client, config_dir, kvp, namespace_of
+from .test_metrics_shared_tier import client, config_dir, kvp, namespace_of, pick, samples
 from .test_shared_tier import acl_refusals
 
 pytestmark = pytest.mark.integration
@@ -161,9 +161,13 @@ def test_wrong_typed_keys_are_counted_skipped_and_never_touched(tmp_path: Path,
         assert shared["reachable"] and shared["auth_ok"], shared
         assert any("holds another type than a set" in p for p in shared["fleet"]["problems"])
         metrics = ok(kvp("metrics", str(cfg), "--no-vllm", "--timeout", "2"))
-        assert f'kvpersist_shared_tier_namespace_keys{{namespace="{KEEP}"' in metrics.stdout \
-            or f'namespace="{KEEP}"' in metrics.stdout, metrics.stdout[-2000:]
-        assert "kvpersist_shared_tier_up" in metrics.stdout
+        m = samples(metrics.stdout)
+        assert pick(m, "kvpersist_shared_tier_up") == [1]
+        for ns in (KEEP, LOCKED):
+            assert pick(m, "kvpersist_shared_tier_namespace_keys", namespace=ns) == [1], ns
+        # not chunk keys: 3 (two names that do not parse, the lock), the 4 of another type,
+        # the 5 fleet keys
+        assert pick(m, "kvpersist_shared_tier_other_keys") == [12]
 
         # this host's record: written (its own key), not indexed; the index left as it was
         dep = load_deployment(str(cfg))
