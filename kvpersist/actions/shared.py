@@ -94,6 +94,7 @@ def report_shared(configs: Sequence[str]) -> dict[str, Any]:
             "namespaces": rows, "chunk_keys": sum(r["keys"] for r in rows),
             "chunk_bytes": sum(r["bytes"] for r in rows), "other_keys": found.other_keys,
             "fleet_records": found.fleet_records, "fleet_keys": found.fleet_keys,
+            "skipped_keys": found.skipped.to_dict(),
             "fleet_record_problems": problems,
             "active": sorted(ctx.active)}
 

@@ -21,6 +21,7 @@ from kvpersist.commands.common import (
 from kvpersist.commands.common import progress_printer as _printer
 from kvpersist.config.values import format_size, parse_duration
 from kvpersist.errors import UsageError
+from kvpersist.l2.shared_keys import skipped_lines
 
 if TYPE_CHECKING:
     from kvpersist.l2.prune import PruneResult
@@ -73,6 +74,8 @@ def format_shared(doc: dict[str, Any]) -> str:
     lines = [f"shared tier {doc['tier']['endpoint']}: {verb} {r['deleted_keys']:,} keys, "
              f"{format_size(r['deleted_bytes'])}: {r['namespace']} ({r['batches']} batches)"
              for r in doc["namespaces"]]
+    lines += [f"warning: {line}" for r in doc["namespaces"]
+              for line in skipped_lines(r.get("skipped_keys") or {})]
     if doc["dry_run"]:
         lines.append("dry run: nothing was deleted on the shared tier; add --apply")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from kvpersist.commands.common import (
     table,
 )
 from kvpersist.config.values import format_size
+from kvpersist.l2.shared_keys import skipped_lines
 
 
 def _pins(p: dict[str, Any] | None) -> str:
@@ -111,6 +112,7 @@ def format_shared(doc: dict[str, Any]) -> str:
     out.append(f"chunks    {doc['chunk_keys']:,} keys, {format_size(doc['chunk_bytes'])}; "
                f"{doc['fleet_keys']:,} fleet keys ({doc['fleet_records']:,} host records); "
                f"{doc['other_keys']:,} other keys (never touched)")
+    out += [f"warning: {line}" for line in skipped_lines(doc.get("skipped_keys") or {})]
     out += [f"warning: fleet record skipped: {p}" for p in doc["fleet_record_problems"]]
     limit = format_size(store["maxmemory_bytes"]) if store["maxmemory_bytes"] else "unlimited"
     out.append(f"store     {format_size(store['used_memory_bytes'])} used of {limit} on "

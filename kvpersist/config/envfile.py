@@ -36,10 +36,17 @@ SHELL_EXPANSION = "$`"
 _QUOTE_FIX = "quote the whole value with one pair of ' (nothing after the closing quote)"
 
 
-def parse_env(text: str, source: str = "identity.env") -> dict[str, str]:
-    """Parse env-file ``text`` into an ordered dict of key -> value.
+#: at most this many problems are listed; the others are counted
+MAX_PROBLEMS = 20
 
-    Raises :class:`ConfigError` listing every malformed line and every duplicated key.
+
+def parse_env(text: str, source: str = "identity.env") -> dict[str, str]:
+    """Parse env-file ``text`` into an ordered dict of key -> value. ``text`` must be the
+    file's bytes decoded as they are (not read in universal-newline mode: a CR must reach
+    the parser, which refuses it).
+
+    Raises :class:`ConfigError` listing every malformed line and every duplicated key (the
+    first :data:`MAX_PROBLEMS`, then how many more).
     """
     values: dict[str, str] = {}
     problems: list[Problem] = []
@@ -68,6 +75,11 @@ def parse_env(text: str, source: str = "identity.env") -> dict[str, str]:
             problems.append(Problem(where, f"{key} is set twice", "keep one line per key"))
             continue
         values[key] = value
+    if len(problems) > MAX_PROBLEMS:
+        more = len(problems) - MAX_PROBLEMS
+        problems = [*problems[:MAX_PROBLEMS],
+                    Problem(source, f"and {more:,} more lines with problems",
+                            "fix the lines above, then check the file again")]
     if problems:
         raise ConfigError(problems, source)
     return values

@@ -21,8 +21,10 @@ fingerprint is the sha256 of the canonical JSON of the sorted ``[name, size, sha
 
 Where a digest comes from (:func:`decide`): a cached digest whose file still has the same
 (device, inode, size, mtime_ns, ctime_ns); else a digest the layout names (a hub blob named by
-its sha256, a ``--local-dir`` download's recorded sha256 etag), trusted only when it is new
-for that path, since a file changed in place keeps its name; else the file is read.
+its sha256, a ``--local-dir`` download's recorded sha256 etag), trusted only at a path the
+cache has never seen a file at, or for the same inode under a new name: a file changed in
+place keeps its name, and a file replaced by rename (a new inode where the cache knew another)
+is a new file whatever its name says; else the file is read.
 """
 
 from __future__ import annotations
@@ -132,18 +134,20 @@ class Decision:
 
 
 def decide(key: StatKey, cached: CacheEntry | None, named: str = "", named_source: str = "",
-           *, rehash: bool = False) -> Decision:
+           *, rehash: bool = False, replaced: bool = False) -> Decision:
     """The cache-hit decision for one file whose stat is ``key``.
 
-    ``cached`` is the entry kept for its path, ``named`` the sha256 its layout names (hub blob
-    name or ``--local-dir`` metadata; empty if none) and ``named_source`` where that came
-    from. ``rehash`` ignores both cache and names.
+    ``cached`` is the entry kept for its (device, inode), ``named`` the sha256 its layout
+    names (hub blob name or ``--local-dir`` metadata; empty if none) and ``named_source``
+    where that came from. ``replaced``: the cache knew another (device, inode) at this path,
+    so this is a new file put there (a copy renamed over it, its mtime perhaps restored):
+    its name is not trusted, it is read. ``rehash`` ignores both cache and names.
     """
     if rehash:
         return Decision("read")
     if cached is not None and cached.key == key:
         return Decision("cache", cached.sha256, cached.source)
-    if named and (cached is None or cached.named != named):
+    if named and not replaced and (cached is None or cached.named != named):
         return Decision("named", named, named_source)
     return Decision("read")
 

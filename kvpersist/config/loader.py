@@ -60,10 +60,37 @@ def list_config_names() -> list[str]:
         return []
 
 
+#: the largest config file read (an identity.env or lmcache.yaml is a few KiB)
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def read_text(path: Path, what: str) -> str:
+    """The text of a config file: its bytes as they are (no newline translation: a CR
+    stays for the parser to refuse, as systemd and a shell would read it otherwise), strict
+    UTF-8, a regular file of at most :data:`MAX_CONFIG_BYTES`. Raises ConfigError naming the
+    file."""
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO never blocks
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except OSError:
+            os.close(fd)
+            raise
+        if not regular:
+            os.close(fd)
+            raise ConfigError(Problem(str(path), f"cannot read {what}: not a regular file",
+                                      "point the config at a regular file"))
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(Problem(str(path), f"cannot read {what}: {exc}")) from exc
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(Problem(str(path), f"cannot read {what}: larger than "
+                                  f"{MAX_CONFIG_BYTES:,} bytes", "point the config at the "
+                                  "right file (a config is a few KiB)"))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise ConfigError(Problem(str(path), f"cannot read {what}: {exc}")) from exc
 
 

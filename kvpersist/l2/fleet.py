@@ -37,7 +37,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvpersist.l2.layout import is_namespace
+from kvpersist.l2.layout import display_name, is_namespace
 
 SCHEMA = "kvpersist.fleet-record/1"
 PREFIX = "kvpersist-fleet:"
@@ -166,29 +166,45 @@ class FleetRecord:
                                                             other.serde_key_fingerprint)
 
 
+class WrongType:
+    """What the store answered for a key of another type than the command reads (WRONGTYPE:
+    a hash where a record's string was expected): a foreign key, skipped."""
+
+    def __repr__(self) -> str:
+        return "WRONG_TYPE"
+
+
+WRONG_TYPE = WrongType()
+#: a stored value as read: the bytes, None (gone), or :data:`WRONG_TYPE`
+Stored = bytes | str | None | WrongType
+
 _STR_FIELDS = ("namespace", "host", "host_id", "deployment", "version", "serde",
                "serde_key_fingerprint")
 
 
-def decode_record(key: str, raw: bytes | str | None) -> tuple[FleetRecord | None, str]:
+def decode_record(key: str, raw: Stored) -> tuple[FleetRecord | None, str]:
     """A record from its key and stored value; (None, why) for anything else (pure).
 
     The value must be this schema's JSON, and its namespace and host id must be the ones
-    its key names (a record copied under another key is not trusted)."""
+    its key names (a record copied under another key is not trusted). A key of another type
+    (:data:`WRONG_TYPE`) is foreign."""
+    shown = display_name(key)
     if raw is None:
-        return None, f"{key}: gone"
+        return None, f"{shown}: gone"
+    if isinstance(raw, WrongType):
+        return None, f"{shown}: not a string (a key of another type, foreign): skipped"
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None, f"{key}: not JSON"
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None, f"{shown}: not JSON"
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        return None, f"{key}: not a {SCHEMA} record"
+        return None, f"{shown}: not a {SCHEMA} record"
     if not all(isinstance(doc.get(f), str) for f in _STR_FIELDS):
-        return None, f"{key}: a text field is missing"
+        return None, f"{shown}: a text field is missing"
     updated, ttl = doc.get("updated_at"), doc.get("ttl_s", RECORD_TTL_S)
     if (isinstance(updated, bool) or not isinstance(updated, (int, float))
             or isinstance(ttl, bool) or not isinstance(ttl, int)):
-        return None, f"{key}: updated_at or ttl_s is not a number"
+        return None, f"{shown}: updated_at or ttl_s is not a number"
     text = {f: str(doc[f]) for f in _STR_FIELDS}
     rec = FleetRecord(namespace=text["namespace"], host=text["host"],
                       host_id=text["host_id"], deployment=text["deployment"],
@@ -196,9 +212,9 @@ def decode_record(key: str, raw: bytes | str | None) -> tuple[FleetRecord | None
                       serde_key_fingerprint=text["serde_key_fingerprint"],
                       updated_at=float(updated), ttl_s=ttl)
     if not is_namespace(rec.namespace) or not _HOST_ID.match(rec.host_id):
-        return None, f"{key}: bad namespace or host id"
+        return None, f"{shown}: bad namespace or host id"
     if rec.key != key:
-        return None, f"{key}: the record names another key ({rec.key})"
+        return None, f"{shown}: the record names another key ({rec.key})"
     return rec, ""
 
 

@@ -15,6 +15,11 @@ deployment is its namespace (``kvp-<32 hex>`` or ``kvp-unpinned-<32 hex>``); any
 (``test-model``, ``--a--b`` from an absolute ``--model`` path) is still a valid LMCache prefix.
 Everything else under the root is *foreign* and is never modified by kvpersist.
 
+The cache salt is the client's (vLLM accepts any character in ``cache_salt`` but ``@ / \\``
+and NUL, LMCache appends it as it is): a name that parses as a namespace's chunk name up to
+its first ``@`` belongs to that namespace whatever its salt holds (a newline, an escape
+sequence, bytes that are not UTF-8); such a salt is shown escaped (:func:`display_name`).
+
 Nothing here touches the filesystem.
 """
 
@@ -152,16 +157,39 @@ def _is_hex(text: str) -> bool:
     return _HEX_RE.fullmatch(text) is not None
 
 
+def _salted_namespace_chunk(name: str) -> ChunkName | None:
+    """``<namespace>_<rank>_<group>_<hash>@<salt>.bin`` split at its first ``@`` (a namespace
+    holds no ``@`` and no ``_``), the salt anything but empty, ``/`` or NUL; else None."""
+    head, at, salt = name[:-4].partition("@")
+    if not at or not salt or "/" in salt or "\x00" in salt:
+        return None
+    parts = head.split("_")
+    if len(parts) != 4:
+        return None
+    prefix, rank, group, chunk_hash = parts
+    if (is_namespace(prefix) and len(rank) == 8 and _is_hex(rank) and _is_hex(group)
+            and _is_hex(chunk_hash)):
+        return ChunkName(prefix, int(rank, 16), int(group, 16), chunk_hash, salt)
+    return None
+
+
 def parse_chunk_name(name: str) -> ChunkName | None:
     """Parse a final chunk file name; None if ``name`` is not one (then it is foreign).
 
-    Parsing goes from the right: the last three ``_`` separate rank, group and hash, so the
-    prefix may itself contain ``_``. An ``@`` after the hash starts the cache salt. A name
-    that is not printable text (bytes that are not UTF-8, control or format characters) is
-    never a chunk name: kvpersist's namespaces never contain such characters, so the file is
-    foreign and never touched.
+    A namespace's chunk with a cache salt is its namespace's, whatever the salt holds (see
+    the module's docstring). Otherwise parsing goes from the right: the last three ``_``
+    separate rank, group and hash, so the prefix may itself contain ``_``. An ``@`` after
+    the hash starts the cache salt. Such a name that is not printable text (bytes that are
+    not UTF-8, control or format characters) is never a chunk name: the file is foreign and
+    never touched.
     """
-    if not name.endswith(BIN_SUFFIX) or not name.isprintable():
+    if not name.endswith(BIN_SUFFIX):
+        return None
+    if "@" in name:
+        salted = _salted_namespace_chunk(name)
+        if salted is not None:
+            return salted
+    if not name.isprintable():
         return None
     parts = name[:-4].rsplit("_", 3)
     if len(parts) == 4:

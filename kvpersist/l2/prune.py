@@ -305,8 +305,8 @@ def _stream_part(root: RootDir, selections: Sequence[Selection], part: int, part
             done[hit][1] += st.st_size
             if pinned:
                 out.deleted_pinned += 1
-            if paths is not None:
-                paths.append(f"{rel}/{name}" if rel else name)
+            if paths is not None:  # escaped: a salt may hold a newline or a non-UTF-8 byte
+                paths.append(display_name(f"{rel}/{name}" if rel else name))
             count += 1
             if progress is not None and not count % PROGRESS_EVERY:
                 progress(count)

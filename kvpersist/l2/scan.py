@@ -433,6 +433,8 @@ class _Walker:
             return None
         if not prefix.isprintable():  # not UTF-8, control characters: a foreign name
             return None
+        if "@" in prefix:  # perhaps a namespace's chunk whose salt holds "_": the slow path
+            return None
         acc = self.accs.get((prefix, rank, group))
         if acc is None:
             acc = self.accs[(prefix, rank, group)] = [0, 0, 0, _NO_MIN, 0, {}, 0, 0]

@@ -4,6 +4,10 @@ LMCache's resp and valkey adapters store one string value per chunk under the wi
 ``<model name>@<kv rank, 8 hex>@<group, hex>@<chunk hash, hex>[@<cache salt>]``; the model
 name is the namespace. kvpersist's own keys on the store (prune locks) start with
 ``kvpersist-`` and never contain a namespace's ``@`` pattern.
+
+A key is what its name says only if its type agrees: a chunk-named key that is a list, hash
+or set, a fleet record that is a hash, an index that is not a set is *foreign* — counted
+(:class:`Skipped`), shown escaped, never read as what it is not, never deleted.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpersist.l2.layout import is_namespace
+from kvpersist.l2.layout import display_name, is_namespace
 
 _WIRE = re.compile(r"(kvp-[0-9a-z-]{1,80})@[0-9a-f]{8}@[0-9a-f]+@[0-9a-f]+(@.*)?\Z", re.S)
 LOCK_PREFIX = "kvpersist-lock:prune:"
@@ -41,6 +45,57 @@ def match_pattern(ns: str) -> str:
 
 def lock_key(ns: str) -> str:
     return f"{LOCK_PREFIX}{ns}"
+
+
+#: how many keys of each kind :class:`Skipped` names (the others are counted)
+SKIPPED_SHOWN = 10
+#: the kinds of skipped keys
+NOT_A_STRING = "chunk-named key of another type than a string"
+NOT_A_CHUNK = "matches the namespace's pattern but is not a chunk key"
+
+
+@dataclass
+class Skipped:
+    """Keys skipped as foreign, per kind: how many, and the first :data:`SKIPPED_SHOWN`
+    (escaped with :func:`~kvpersist.l2.layout.display_name`)."""
+
+    kinds: dict[str, list[Any]] = field(default_factory=dict)  # kind -> [count, [names]]
+
+    def add(self, kind: str, key: str) -> None:
+        entry = self.kinds.setdefault(kind, [0, []])
+        entry[0] += 1
+        if len(entry[1]) < SKIPPED_SHOWN:
+            entry[1].append(display_name(key))
+
+    @property
+    def count(self) -> int:
+        return sum(int(n) for n, _ in self.kinds.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"count": self.count,
+                "kinds": {k: {"count": n, "first": list(names)}
+                          for k, (n, names) in sorted(self.kinds.items())}}
+
+
+
+def skipped_lines(doc: dict[str, Any]) -> list[str]:
+    """One line per kind of a :meth:`Skipped.to_dict`: ``3 <kind> skipped (never touched):
+    a, b, c and N more`` (pure)."""
+    out = []
+    for kind, entry in sorted((doc.get("kinds") or {}).items()):
+        n, names = int(entry["count"]), list(entry["first"])
+        more = f" and {n - len(names):,} more" if n > len(names) else ""
+        out.append(f"{n:,} keys skipped as foreign ({kind}; never touched): "
+                   f"{', '.join(names)}{more}")
+    return out
+
+
+def bounded(items: list[str], limit: int = SKIPPED_SHOWN) -> list[str]:
+    """The first ``limit`` of ``items`` and, when there are more, a last line counting them
+    (pure)."""
+    if len(items) <= limit:
+        return list(items)
+    return [*items[:limit], f"... and {len(items) - limit} more"]
 
 
 @dataclass(frozen=True)

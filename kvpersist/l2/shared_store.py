@@ -3,9 +3,16 @@
 
 Listing is server-side iteration only: ``SCAN MATCH`` on every primary node (never ``KEYS``);
 value sizes come from ``STRLEN`` in pipelines of one SCAN page. A prune deletes one namespace
-in bounded batches (``UNLINK`` per key, one pipeline per page) under a lock held *in the
-store* (``SET NX PX``, refreshed per batch, released only by its holder), so two hosts
-never prune the same namespace at once. Running it again deletes nothing more.
+in bounded batches (one pipeline per page) under a lock held *in the store* (``SET NX PX``,
+refreshed per batch, released only by its holder), so two hosts never prune the same
+namespace at once. Running it again deletes nothing more.
+
+Every key is untrusted: one of another type than its name says (``WRONGTYPE``) is foreign,
+counted and skipped (:class:`~kvpersist.l2.shared_keys.Skipped`), never read as what it is
+not and never deleted; a prune deletes only keys that *parse* as the namespace's chunk keys
+(the SCAN pattern only narrows the walk), each one only if it is a string, checked and
+deleted in one script (no ``TYPE``: the recommended ACL does not grant it). Keys are sent back
+as the bytes the store gave (decoded with ``surrogateescape``).
 """
 
 from __future__ import annotations
@@ -21,8 +28,21 @@ from typing import Any
 
 from kvpersist.config.shared_tier import SharedSecret, SharedTier
 from kvpersist.errors import CheckFailed, KvpError
-from kvpersist.l2.fleet import index_key, is_fleet_key, is_record_key, record_key
+from kvpersist.l2.fleet import (
+    WRONG_TYPE,
+    Stored,
+    index_key,
+    is_fleet_key,
+    is_record_key,
+    parse_record_key,
+    record_key,
+)
+from kvpersist.l2.fleet import match_pattern as records_pattern
+from kvpersist.l2.layout import display_name
 from kvpersist.l2.shared_keys import (
+    NOT_A_CHUNK,
+    NOT_A_STRING,
+    Skipped,
     StoreBudget,
     lock_key,
     match_pattern,
@@ -61,11 +81,47 @@ def describe(exc: BaseException) -> str:
     return text
 
 
+class ForeignKey(KvpError):
+    """A key kvpersist must write holds another type (someone else's key under its name)."""
+
+
+def is_wrong_type(reply: Any) -> bool:
+    """True for the store's answer to a command on a key of another type (``WRONGTYPE``)."""
+    import redis
+
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
+def _replies(pipe: Any) -> list[Any]:
+    """Run ``pipe``: its replies, a ``WRONGTYPE`` one left in its place (a foreign key);
+    any other error raised."""
+    replies = list(pipe.execute(raise_on_error=False))
+    for r in replies:
+        if isinstance(r, Exception) and not is_wrong_type(r):
+            raise r
+    return replies
+
+
+def _decode(key: Any) -> str:
+    return key.decode("utf-8", "surrogateescape") if isinstance(key, bytes) else str(key)
+
+
+def _raw(key: str) -> bytes:
+    """The key as the store holds it (:meth:`SharedStore.scan` decoded it with
+    ``surrogateescape``)."""
+    return key.encode("utf-8", "surrogateescape")
+
+
 LOCK_TTL_MS = 60_000
-_RELEASE = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+# pcall: a lock key replaced by a key of another type is a lost lock, not a script error
+_RELEASE = ("if redis.pcall('get', KEYS[1]) == ARGV[1] then "
             "return redis.call('del', KEYS[1]) else return 0 end")
-_REFRESH = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+_REFRESH = ("if redis.pcall('get', KEYS[1]) == ARGV[1] then "
             "return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end")
+#: delete a key only if it is a string (a chunk): {size, deleted}, {-1, 0} for another type
+_UNLINK_STRING = ("local n = redis.pcall('strlen', KEYS[1]) "
+                  "if type(n) ~= 'number' then return {-1, 0} end "
+                  "return {n, redis.call('unlink', KEYS[1])}")
 
 
 class SharedStore:
@@ -111,8 +167,7 @@ class SharedStore:
             cursor = 0
             while True:
                 cursor, page = node.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
-                keys = [k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k)
-                        for k in page]
+                keys = [_decode(k) for k in page]
                 if keys:
                     yield node, keys
                 if int(cursor) == 0:
@@ -272,10 +327,13 @@ def measure(tier: SharedTier, secret: SharedSecret, timeout: float = 3.0) -> Sto
 
 @dataclass
 class SharedUsage:
-    """Per-namespace keys and value bytes on the store, and what is not a chunk key."""
+    """Per-namespace keys and value bytes on the store, and what is not a chunk key
+    (``other_keys`` counts the ``skipped`` ones too)."""
 
     namespaces: dict[str, list[int]] = field(default_factory=dict)  # ns -> [keys, bytes]
     other_keys: int = 0
+    #: chunk-named keys of another type than a string (foreign)
+    skipped: Skipped = field(default_factory=Skipped)
     #: kvpersist's fleet records (kvpersist.l2.fleet), apart from the other keys
     record_keys: list[str] = field(default_factory=list)
     #: every fleet key: the records and the namespaces' index sets
@@ -291,15 +349,19 @@ class SharedUsage:
         entry[1] += size
 
 
-def _sizes(node: Any, keys: list[str]) -> list[int]:
+def _sizes(node: Any, keys: list[str]) -> list[int | None]:
+    """``STRLEN`` of each key (0: gone meanwhile); None for a key of another type."""
+    if not keys:
+        return []
     pipe = node.pipeline(transaction=False)
     for k in keys:
-        pipe.strlen(k)
-    return [int(v or 0) for v in pipe.execute()]
+        pipe.strlen(_raw(k))
+    return [None if is_wrong_type(v) else int(v or 0) for v in _replies(pipe)]
 
 
 def usage(store: SharedStore, pattern: str = "*") -> SharedUsage:
-    """Scan the store (``pattern``, default every key) and sum chunk keys per namespace."""
+    """Scan the store (``pattern``, default every key) and sum chunk keys per namespace; a
+    chunk-named key that is not a string is counted as another key and skipped."""
     out = SharedUsage()
     for node, keys in store.scan(pattern):
         chunk = [(k, namespace_of(k)) for k in keys]
@@ -308,8 +370,12 @@ def usage(store: SharedStore, pattern: str = "*") -> SharedUsage:
         out.fleet_keys += len(fleet)
         out.record_keys += [k for k in fleet if is_record_key(k)]
         out.other_keys += len(chunk) - len(mine) - len(fleet)
-        for (_, ns), size in zip(mine, _sizes(node, [k for k, _ in mine]), strict=True):
-            out.add(str(ns), size)
+        for (k, ns), size in zip(mine, _sizes(node, [k for k, _ in mine]), strict=True):
+            if size is None:
+                out.other_keys += 1
+                out.skipped.add(NOT_A_STRING, k)
+            else:
+                out.add(str(ns), size)
     return out
 
 
@@ -323,33 +389,66 @@ class SharedPruneResult:
     keys: int = 0
     bytes: int = 0
     batches: int = 0
+    #: keys the SCAN pattern matched that are not this namespace's chunks (left as they are)
+    skipped: Skipped = field(default_factory=Skipped)
 
     def to_dict(self) -> dict[str, Any]:
         return {"namespace": self.namespace, "dry_run": self.dry_run,
                 "deleted_keys": self.keys, "deleted_bytes": self.bytes,
-                "batches": self.batches}
+                "batches": self.batches, "skipped_keys": self.skipped.to_dict()}
 
 
 def lock_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
+def _chunks_of(ns: str, keys: list[str], skipped: Skipped) -> list[str]:
+    """The keys that parse as ``ns``'s chunk keys; the others are counted in ``skipped``."""
+    mine = []
+    for k in keys:
+        if namespace_of(k) == ns:
+            mine.append(k)
+        else:
+            skipped.add(NOT_A_CHUNK, k)
+    return mine
+
+
+def _lock_holder_of(store: SharedStore, key: str) -> str:
+    """Who holds the prune lock ``key`` (its value), for the refusal's message."""
+    import redis
+
+    try:
+        other = store.client.get(key)
+    except redis.ResponseError as exc:
+        if not is_wrong_type(exc):
+            raise
+        return ("a key of another type, not a lock kvpersist wrote: delete it "
+                "if no prune of the namespace runs")
+    return _decode(other) if other is not None else "released meanwhile"
+
+
 def prune_namespace(store: SharedStore, ns: str, *, apply: bool,
                     progress: Callable[[int], None] | None = None) -> SharedPruneResult:
     """Delete (``apply``) or count every chunk key of ``ns``, one SCAN page per batch, under
-    the store-wide lock. Raises CheckFailed if another host holds the lock."""
+    the store-wide lock: only keys that parse as ``ns``'s chunk keys and are strings; the
+    others are counted in ``skipped`` and left as they are. Raises CheckFailed if another
+    host holds the lock (or a foreign key sits under the lock's name)."""
     res = SharedPruneResult(ns, dry_run=not apply)
     if not apply:
         for node, keys in store.scan(match_pattern(ns)):
-            res.keys += len(keys)
-            res.bytes += sum(_sizes(node, keys))
+            mine = _chunks_of(ns, keys, res.skipped)
+            for k, size in zip(mine, _sizes(node, mine), strict=True):
+                if size is None:
+                    res.skipped.add(NOT_A_STRING, k)
+                else:
+                    res.keys += 1
+                    res.bytes += size
             res.batches += 1
         return res
     key, holder = lock_key(ns), lock_holder()
     if not store.client.set(key, holder, nx=True, px=LOCK_TTL_MS):
-        other = store.client.get(key)
         raise CheckFailed(f"another prune of {ns} holds the shared tier's lock ({key} = "
-                          f"{other.decode() if isinstance(other, bytes) else other}); try again "
+                          f"{display_name(_lock_holder_of(store, key))}); try again "
                           f"when it is done (the lock expires {LOCK_TTL_MS // 1000} s after "
                           "its holder stops refreshing it)")
     try:
@@ -357,13 +456,16 @@ def prune_namespace(store: SharedStore, ns: str, *, apply: bool,
             if not store.client.eval(_REFRESH, 1, key, holder, LOCK_TTL_MS):
                 raise CheckFailed(f"lost the shared tier's prune lock of {ns}; stopped after "
                                   f"{res.keys} keys (run it again)")
-            sizes = _sizes(node, keys)
+            mine = _chunks_of(ns, keys, res.skipped)
             pipe = node.pipeline(transaction=False)
-            for k in keys:
-                pipe.unlink(k)
-            gone = [int(v or 0) for v in pipe.execute()]
-            res.keys += sum(gone)
-            res.bytes += sum(s for s, g in zip(sizes, gone, strict=True) if g)
+            for k in mine:
+                pipe.eval(_UNLINK_STRING, 1, _raw(k))
+            for k, (size, gone) in zip(mine, _replies(pipe), strict=True):
+                if int(size) < 0:
+                    res.skipped.add(NOT_A_STRING, k)
+                elif int(gone):
+                    res.keys += 1
+                    res.bytes += int(size)
             res.batches += 1
             if progress:
                 progress(res.keys)
@@ -377,43 +479,70 @@ def prune_namespace(store: SharedStore, ns: str, *, apply: bool,
 
 def write_record(store: SharedStore, ns: str, host: str, value: str, ttl_s: int) -> int:
     """Write (or refresh) one host's record of ``ns`` with its TTL and add the host to the
-    namespace's index (whose TTL restarts: it outlives every record it names); then drop
-    the index members whose records lapsed. Returns how many were dropped."""
+    namespace's index (whose TTL restarts, once the index took the host: it outlives every
+    record it names); then drop the index members whose records lapsed. Returns how many
+    were dropped. Raises ForeignKey when the index's key holds another type (the record is
+    written; the foreign key is left as it is, its TTL too)."""
     idx = index_key(ns)
     pipe = store.client.pipeline(transaction=False)
     pipe.set(record_key(ns, host), value, ex=ttl_s)
     pipe.sadd(idx, host)
-    pipe.expire(idx, ttl_s)
-    pipe.execute()
-    gone = [m for m, v in read_index(store, ns) if v is None]
+    if is_wrong_type(_replies(pipe)[1]):
+        raise ForeignKey(f"{idx} holds another type than a set (not kvpersist's index of "
+                         f"{ns}): the record {record_key(ns, host)} is written but not "
+                         "indexed (other hosts find it by a scan); delete that key and the "
+                         "next write indexes the record")
+    store.client.expire(idx, ttl_s)
+    found = read_index(store, ns)
+    gone = [m for m, v in found or () if v is None]
     if gone:
         store.client.srem(idx, *gone)
     return len(gone)
 
 
 def delete_record(store: SharedStore, ns: str, host: str) -> bool:
-    """Delete one host's record of ``ns`` and its index entry; True if the record existed."""
+    """Delete one host's record of ``ns`` and its index entry (an index of another type is
+    left as it is); True if the record existed."""
     pipe = store.client.pipeline(transaction=False)
     pipe.delete(record_key(ns, host))
     pipe.srem(index_key(ns), host)
-    return bool(pipe.execute()[0])
+    return bool(_replies(pipe)[0])
 
 
-def read_index(store: SharedStore, ns: str) -> list[tuple[str, bytes | None]]:
+def read_index(store: SharedStore, ns: str) -> list[tuple[str, Stored]] | None:
     """(host id, record value) of every member of ``ns``'s index (``SMEMBERS``, then one
-    pipelined GET; a record that lapsed has the value None). No scan."""
-    members = sorted(m.decode("utf-8", "replace") if isinstance(m, bytes) else str(m)
-                     for m in store.client.smembers(index_key(ns)))
+    pipelined GET; a record that lapsed has the value None, one of another type
+    :data:`~kvpersist.l2.fleet.WRONG_TYPE`). No scan. None when the index's key holds
+    another type than a set (a foreign key: the caller finds the records another way)."""
+    import redis
+
+    try:
+        raw = store.client.smembers(index_key(ns))
+    except redis.ResponseError as exc:
+        if is_wrong_type(exc):
+            return None
+        raise
+    members = sorted(_decode(m) for m in raw)
     return [(m, v) for m, (_, v) in zip(members, read_values(
         store, [record_key(ns, m) for m in members]), strict=True)]
 
 
-def read_values(store: SharedStore, keys: list[str]) -> list[tuple[str, bytes | None]]:
+def read_values(store: SharedStore, keys: list[str]) -> list[tuple[str, Stored]]:
     """(key, value) of ``keys`` (one pipelined GET; the cluster client routes each key to its
-    node; a key that is gone has the value None)."""
+    node; a key that is gone has the value None, one of another type
+    :data:`~kvpersist.l2.fleet.WRONG_TYPE`)."""
     if not keys:
         return []
     pipe = store.client.pipeline(transaction=False)
     for k in keys:
-        pipe.get(k)
-    return list(zip(keys, pipe.execute(), strict=True))
+        pipe.get(_raw(k))
+    return [(k, WRONG_TYPE if is_wrong_type(v) else v)
+            for k, v in zip(keys, _replies(pipe), strict=True)]
+
+
+def scan_records(store: SharedStore, ns: str) -> list[tuple[str, Stored]]:
+    """(key, value) of every record key of ``ns`` found by a SCAN of every node: what
+    readers fall back on when the index is a foreign key (slow on a large store)."""
+    keys = [k for _, page in store.scan(records_pattern(ns)) for k in page
+            if (parse_record_key(k) or ("", ""))[0] == ns]
+    return read_values(store, keys)

@@ -144,7 +144,7 @@ def _derive(master: bytes, salt: str, key_len: int) -> bytes:
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
     return HKDF(algorithm=SHA256(), length=key_len, salt=None,
-                info=_HKDF_INFO_PREFIX + salt.encode()).derive(master)
+                info=_HKDF_INFO_PREFIX + salt.encode("utf-8", "surrogateescape")).derive(master)
 
 
 def authenticate(blob: bytes, key: bytes, known_plaintext: int | None) -> int | None:

@@ -20,11 +20,14 @@ from kvpersist.errors import KvpError
 from kvpersist.l2.fleet import (
     RECORD_TTL_S,
     FleetRecord,
+    Stored,
     decode_record,
     host_id,
+    index_key,
     key_conflicts,
     serde_fingerprint,
 )
+from kvpersist.l2.shared_keys import bounded
 
 #: short: a launch, stop or health run never waits long for a store that does not answer
 TIMEOUT_S = 2.0
@@ -116,6 +119,8 @@ def write(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
     try:
         write_record(store, rec.namespace, rec.host_id, rec.encode(), rec.ttl_s)
         return RecordOutcome("written", key, f"TTL {rec.ttl_s} s")
+    except KvpError as exc:  # the index's key is someone else's
+        return RecordOutcome("failed", key, str(exc))
     except store_errors() as exc:
         return RecordOutcome("failed", key, f"the store refused it: {exc}")
     finally:
@@ -147,9 +152,10 @@ def delete(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
             store.close()
 
 
-def decode_all(found: list[tuple[str, bytes | None]]) -> tuple[list[FleetRecord], list[str]]:
-    """The valid records of (key, value) pairs and why the others were skipped (pure; a
-    value None, i.e. a record that lapsed meanwhile, is no problem)."""
+def decode_all(found: list[tuple[str, Stored]]) -> tuple[list[FleetRecord], list[str]]:
+    """The valid records of (key, value) pairs and why the others were skipped, the first
+    few named and the rest counted (pure; a value None, i.e. a record that lapsed meanwhile,
+    is no problem)."""
     records: list[FleetRecord] = []
     problems: list[str] = []
     for key, raw in found:
@@ -158,16 +164,24 @@ def decode_all(found: list[tuple[str, bytes | None]]) -> tuple[list[FleetRecord]
             records.append(rec)
         elif raw is not None:
             problems.append(why)
-    return records, problems
+    return records, bounded(problems)
 
 
 def read_namespace(store: Any, ns: str) -> tuple[list[FleetRecord], list[str]]:
-    """The live records of ``ns`` through its index (no scan of the keyspace). Raises what
-    the store raises (see :func:`kvpersist.l2.shared_store.store_errors`)."""
+    """The live records of ``ns`` through its index (no scan of the keyspace); when the
+    index's key holds another type (a foreign key), through a scan of the record keys,
+    with a problem naming the key. Raises what the store raises (see
+    :func:`kvpersist.l2.shared_store.store_errors`)."""
     from kvpersist.l2.fleet import record_key
-    from kvpersist.l2.shared_store import read_index
+    from kvpersist.l2.shared_store import read_index, scan_records
 
-    return decode_all([(record_key(ns, host), raw) for host, raw in read_index(store, ns)])
+    found = read_index(store, ns)
+    if found is not None:
+        return decode_all([(record_key(ns, host), raw) for host, raw in found])
+    records, problems = decode_all(scan_records(store, ns))
+    return records, [f"{index_key(ns)} holds another type than a set (not kvpersist's index):"
+                     " the records were found by a scan of the store; delete that key (the "
+                     "next launch or health run writes the index again)", *problems]
 
 
 def read_keys(store: Any, keys: list[str]) -> tuple[list[FleetRecord], list[str]]:

@@ -8,8 +8,9 @@ What counts and how digests combine is in :mod:`kvpersist.config.fingerprint` (p
   mtime_ns, ctime_ns) are unchanged), from the hub layout's blob name or a ``--local-dir``
   download's metadata (the sha256 etag huggingface_hub recorded, valid under its own rule:
   the file not modified more than a second after the metadata was written), or else reads
-  the file (streamed, 1 MiB buffer) and caches the result. A later launch costs one
-  ``stat`` per file.
+  the file (streamed, 1 MiB buffer) and caches the result. A name is never trusted for a
+  new (device, inode) at a path where the cache knew another one: a file replaced by
+  rename is read. A later launch costs one ``stat`` per file.
 * :func:`check_weights` is the preflight step: fingerprint, then compare with the record
   in the namespace's manifest; a different fingerprint is a :class:`Problem` (the launch is
   refused before anything starts, nothing under the cache root is touched).
@@ -287,6 +288,9 @@ def fingerprint_weights(model_path: str, cache_file: str, *, rehash: bool = Fals
     files = model_files(model_path)
     cache, notes = load_cache(cache_file)
     old_paths = {i: c.path for i, c in cache.items()}
+    ids_at: dict[str, set[str]] = {}
+    for i, c in cache.items():
+        ids_at.setdefault(c.path, set()).add(i)
     now = int(time.time())
     model_dir = model_path if os.path.isdir(model_path) else os.path.dirname(model_path)
     sources: Counter[str] = Counter()
@@ -304,14 +308,17 @@ def fingerprint_weights(model_path: str, cache_file: str, *, rehash: bool = Fals
         if not named and not os.path.islink(path):
             named, named_source = local_dir_sha256(model_dir, name, st.st_mtime), "hf-metadata"
         old = cache.get(cache_id(key))
-        d = decide(key, old.entry if old else None, named, named_source, rehash=rehash)
+        replaced = old is None and bool(ids_at.get(real))
+        d = decide(key, old.entry if old else None, named, named_source, rehash=rehash,
+                   replaced=replaced)
         if d.how == "read":
             sha, key = read_sha256(real)
             bytes_read += key.size
             source = "read"
             if named and named != sha:
+                how = "replaced" if replaced else "modified"
                 notes.append(f"{path}: its content's sha256 is {sha[:16]}…, not the "
-                             f"{named[:16]}… its {named_source} names: modified after download")
+                             f"{named[:16]}… its {named_source} names: {how} after download")
         else:
             sha, source = d.sha256, d.source
         sources["cache" if d.how == "cache" else source] += 1

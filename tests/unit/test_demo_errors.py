@@ -9,15 +9,11 @@ HTTP server on loopback answering what a failing vLLM would (no vLLM runs in the
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
@@ -27,24 +23,15 @@ from kvpersist.demo.model import repo_dir_name as hub_repo_dir
 from kvpersist.demo.run import metric, one_line, run_demo, step
 from kvpersist.errors import EXIT_PROBLEM, EXIT_USAGE, ConfigError, DemoFailed, KvpError
 from kvpersist.errors import UsageError as KvpUsageError
+from tests.cli import kvp_in_process
 from tests.conftest import clean_env, free_port
 
 
 def kvp(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    """``kvp-admin ARGV`` in this process: (exit code, stdout, stderr); an exception other
-    than SystemExit (a traceback for the user) fails the test."""
-    from kvpersist.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with mock.patch.dict(os.environ, env or clean_env(), clear=True), \
-            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            result = main(list(argv))
-            code = result if isinstance(result, int) else 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
+    """``kvp-admin ARGV`` in this process (tests/cli.py): (exit code, stdout, stderr); an
+    exception other than SystemExit (a traceback for the user) fails the test."""
+    r = kvp_in_process(*argv, env=env)
+    return r.returncode, r.stdout, r.stderr
 
 
 def one_clean_line(err: str) -> str:

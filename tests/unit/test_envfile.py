@@ -4,10 +4,21 @@ agreement against the real readers (systemd, bash, Ansible's template)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 
-from kvpersist.config.envfile import format_env, parse_env, value_problem
+from kvpersist.config.envfile import MAX_PROBLEMS, format_env, parse_env, value_problem
+from kvpersist.config.loader import MAX_CONFIG_BYTES, load_deployment, read_text
 from kvpersist.errors import ConfigError
+
+from ..cli import kvp
+from ..conftest import REPO
+
+DEMO = REPO / "configs" / "cpu-demo"
 
 
 def test_comments_blank_lines_and_quotes() -> None:
@@ -128,3 +139,73 @@ def test_value_problem_for_environment_values(value: str) -> None:
 
 def test_value_problem_accepts_plain_values() -> None:
     assert value_problem("/var/lib/kvp cache/ünï") == ""
+
+
+# --------------------------------------------------------------------------- real files
+def _demo_copy(tmp_path: Path, text: str) -> Path:
+    d = tmp_path / "cfg"
+    d.mkdir()
+    (d / "chat_template.jinja").write_bytes((DEMO / "chat_template.jinja").read_bytes())
+    (d / "identity.env").write_bytes(text.encode())
+    return d
+
+
+def test_a_crlf_identity_file_is_refused_naming_the_line_and_dos2unix(tmp_path: Path) -> None:
+    """Finding: the loader read in universal-newline mode, so a CRLF file loaded (the same
+    namespace as the LF one) although README says CRLF is refused."""
+    demo = (DEMO / "identity.env").read_text()
+    d = _demo_copy(tmp_path, demo.replace("\n", "\r\n"))
+    for args in (["budget", str(d), "--json"], ["render", str(d)], ["identity", "show", str(d)]):
+        r = kvp(*args)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr
+        assert f"{d / 'identity.env'}:1" in r.stderr and "U+000D (CR)" in r.stderr, r.stderr
+        assert "dos2unix" in r.stderr
+    assert r.stderr.count("U+000D") <= MAX_PROBLEMS  # a long file: the first lines, a count
+    assert "more lines with problems" in r.stderr
+    with pytest.raises(ConfigError) as err:
+        load_deployment(str(d))
+    assert "\r" not in str(err.value)
+
+
+def test_a_lone_cr_is_one_value_for_bash_and_refused_here(tmp_path: Path) -> None:
+    """``KVP_L1_SIZE_GB=1\\rKVP_L2_QUOTA=10%``: bash (and systemd) read one line, one key,
+    whose value holds a CR; universal newlines made it two keys here (the quota applied).
+    Now the line is refused."""
+    line = "KVP_L1_SIZE_GB=1\rKVP_L2_QUOTA=10%"
+    lines = (DEMO / "identity.env").read_text().split("\n")
+    number = lines.index("KVP_L1_SIZE_GB=1") + 1
+    lines[number - 1] = line
+    d = _demo_copy(tmp_path, "\n".join(lines))
+    one = tmp_path / "one.env"
+    one.write_bytes((line + "\n").encode())
+    bash = subprocess.run(["bash", "-c", f'. "{one}"; printf "%s|%s" "$KVP_L1_SIZE_GB" '
+                           '"${KVP_L2_QUOTA-unset}"'], capture_output=True, timeout=30)
+    assert bash.stdout == b"1\rKVP_L2_QUOTA=10%|unset"
+    r = kvp("budget", str(d), "--json")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    # --json: the error document, not the budget (the CR line read as two keys)
+    doc = json.loads(r.stdout)
+    assert doc["schema"] == "kvpersist.error/1" and "budget" not in doc, doc
+    assert f"identity.env:{number}" in r.stderr and "dos2unix" in r.stderr
+    assert "Traceback" not in r.stderr and "\r" not in r.stderr
+
+
+def test_the_loader_reads_a_regular_file_bounded_strict_utf8(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.env"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):  # never blocks
+        read_text(fifo, "the identity file")
+    with pytest.raises(ConfigError, match="not a regular file"):
+        read_text(tmp_path, "the identity file")
+    big = tmp_path / "big.env"
+    big.write_bytes(b"#" * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ConfigError, match="larger than"):
+        read_text(big, "the identity file")
+    latin = tmp_path / "latin.env"
+    latin.write_bytes(b"KVP_A='caf\xe9'\n")
+    with pytest.raises(ConfigError, match="cannot read the identity file"):
+        read_text(latin, "the identity file")
+    crlf = tmp_path / "crlf.env"
+    crlf.write_bytes(b"A=1\r\nB=2\rC=3\n")
+    assert read_text(crlf, "x") == "A=1\r\nB=2\rC=3\n"  # no newline translation

@@ -148,6 +148,15 @@ def test_cache_hit_decision(key: StatKey, cached: CacheEntry | None, named: str,
     assert (d.how, d.sha256) == want
 
 
+def test_a_new_inode_where_the_cache_knew_another_is_read_whatever_its_name() -> None:
+    """A file replaced by rename (a copy changed, its mtime restored, renamed over the blob or
+    the ``--local-dir`` file): the name still says the old digest, the inode is new."""
+    assert decide(KEY, None, B, "hub-blob", replaced=True).how == "read"
+    assert decide(KEY, None, B, "hf-metadata", replaced=True).how == "read"
+    assert decide(KEY, None, "", replaced=True).how == "read"
+    assert decide(KEY, _entry(), B, "hub-blob", replaced=True).how == "cache"  # same inode
+
+
 def test_rehash_ignores_cache_and_names() -> None:
     assert decide(KEY, _entry(), B, "hub-blob", rehash=True).how == "read"
 

@@ -1,7 +1,9 @@
 """Hostile file names under a cache root: names that are not UTF-8, carry control characters,
 look almost like chunk files, are as long as the filesystem allows, or start with a dash.
 Every command reads past them (they are foreign files: counted, shown escaped, never
-touched) and none ends in a traceback."""
+touched) and none ends in a traceback. A namespace's chunk whose cache salt holds such
+characters (``SALTED``) is the namespace's: counted in it, shown escaped, deleted by
+``prune --namespace``."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ HOSTILE: list[bytes] = [
     CHUNK + b"ab\xff.bin", CHUNK + b"\xffab.bin", CHUNK + b"abcd.bin.tmp.\xff",
     CHUNK + b"ABCD.bin", CHUNK + b"abcd.BIN", CHUNK + b"abcd.bin\n", b"\n" + CHUNK + b"ab.bin",
     f"{NS}_0100010_0_ab.bin".encode(), f"{NS}_01000100__ab.bin".encode(),
-    f"{NS}_01000100_0_ab@.bin".encode(), CHUNK + b"ab@s\xff.bin", CHUNK + b"ab@s\nt.bin",
+    f"{NS}_01000100_0_ab@.bin".encode(),
     b"a\nb", b"a\rb", b"\x1b[31mred\x1b[0m", b"\x07bell", b"tab\there", b"\x7f",
     b"-rf", b"--apply", b"-", b"--", b"$(id)", b"`id`", b"${HOME}", b"%s%n%x", b"'\"",
     b"\\", b"a\\xffb", "e\u0301".encode(), "\u00e9".encode(), "\u202eevil".encode(),
@@ -32,6 +34,14 @@ HOSTILE: list[bytes] = [
     b"name.tmp.", b".tmp.", b"lmcache-server.pid\xff", b".kvpersist\xff",
 ]
 HOSTILE_DIRS: list[bytes] = [b"\xff\xfe", b"ab\xff", b"d\nir", b"-d", b"zz"]
+#: chunks of another namespace (no deployment here uses it) whose salt (the client's
+#: cache_salt, appended by LMCache as it is) holds a byte that is not UTF-8, a newline, an
+#: escape sequence, a "_" and an "@"
+SALTED_NS = "kvp-" + "12" * 16
+_SC = f"{SALTED_NS}_01000100_0_".encode()
+SALTED: list[bytes] = [_SC + b"ab@s\xff.bin", _SC + b"ab@s\nt.bin",
+                       _SC + b"ab@\x1b[2J_01000100_0_cd.bin", _SC + b"ab@a@b.bin",
+                       _SC + b"ab@q_01000100_0_ff.bin"]  # printable: the scan's fast path
 
 
 def _populate(root: Path) -> list[bytes]:
@@ -57,11 +67,75 @@ def _populate(root: Path) -> list[bytes]:
     return made
 
 
+def _salted(root: Path) -> list[bytes]:
+    made = []
+    for name in SALTED:
+        p = os.path.join(os.fsencode(root), name)
+        with open(p, "wb") as f:
+            f.write(os.urandom(4096))  # an aesgcm frame's size: verify authenticates it
+        made.append(p)
+    return made
+
+
 @pytest.fixture
 def hostile_root(tmp_path: Path) -> tuple[Path, list[bytes]]:
     root = tmp_path / "cache"
     root.mkdir(mode=0o700)
     return root, _populate(root)
+
+
+def test_a_salt_holding_anything_is_its_namespaces(hostile_root: tuple[Path, list[bytes]]
+                                                   ) -> None:
+    """Finding: a salt with a newline (or a byte that is not UTF-8) made the chunk foreign,
+    so ``report`` left it out of its namespace and ``prune --namespace`` left it behind
+    while removing the namespace's manifest. Every other hostile name stays foreign."""
+    root, made = hostile_root
+    salted = _salted(root)
+    for workers in (1, 2):
+        res = scan_at(root, workers=workers)
+        assert res.chunk_files == len(SALTED), workers
+        ns = res.prefixes[SALTED_NS]
+        assert (ns.files, ns.bytes, ns.salted_files) == (len(SALTED), 4096 * len(SALTED),
+                                                         len(SALTED))
+        for salt in ns.salts:
+            salt.encode("utf-8")
+            assert salt.isprintable(), salt
+        assert "s\\xff" in ns.salts and "s\\x0at" in ns.salts, ns.salts
+    env = clean_env()
+    env.update({"KVP_CACHE_ROOT": str(root), "KVP_L2_SERDE": "none"})
+    doc = json.loads(kvp("report", "--root", str(root), "--json", env=env).stdout)
+    [row] = [r for r in doc["namespaces"] if r["namespace"] == SALTED_NS]
+    assert row["files"] == len(SALTED)
+    # verify derives the salt's key (HKDF over the salt's bytes): no traceback for a salt
+    # that is not UTF-8; random bytes fail authentication, named escaped
+    keys = root.parent / ".kvpersist" / root.name / "keys"
+    keys.mkdir(parents=True, mode=0o700)
+    (keys / "l2-master.key").write_bytes(os.urandom(32))
+    (keys / "l2-master.key").chmod(0o600)
+    ver = kvp("verify", "cpu-demo", "--all-namespaces",
+               "--json", env={**env, "KVP_L2_SERDE": "aesgcm"})
+    assert ver.returncode == 1 and "Traceback" not in ver.stderr, ver.stderr
+    findings = json.loads(ver.stdout)["findings"]
+    assert len(findings) == len(SALTED) and all(f["kind"] == "auth" for f in findings)
+    human = kvp("verify", "cpu-demo", "--all-namespaces", env={**env, "KVP_L2_SERDE": "aesgcm"})
+    assert "\x1b" not in human.stdout and "s\\xff.bin" in human.stdout, human.stdout
+    manifest = root / ".kvpersist" / "manifests" / f"{SALTED_NS}.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"schema": "kvpersist.manifest/1",
+                                    "namespace": SALTED_NS}))
+    listed = kvp("prune", "--namespace", SALTED_NS, "--root", str(root), "--list", env=env)
+    assert listed.returncode == 0 and "\x1b" not in listed.stdout, listed.stderr
+    assert all(line.isprintable() for line in listed.stdout.splitlines())
+    assert f"{SALTED_NS}_01000100_0_ab@s\\x0at.bin" in listed.stdout, listed.stdout
+    done = kvp("prune", "--namespace", SALTED_NS, "--root", str(root), "--apply",
+                "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["deleted"]["files"] == len(SALTED), done.stdout
+    assert not any(os.path.lexists(p) for p in salted)
+    # removed with the last of the namespace's files (before, it went while they stayed)
+    assert out["manifests_removed"] == [SALTED_NS] and not manifest.exists()
+    assert all(os.path.lexists(p) for p in made)  # every foreign name is still there
 
 
 def test_scan_counts_hostile_names_as_foreign_and_equals_du(

@@ -28,7 +28,8 @@ from kvpersist.errors import CheckFailed, Problem
 from kvpersist.json_mode import ERROR_SCHEMA, error_document, wants_json
 from kvpersist.system import procs
 
-from ..conftest import REPO, clean_env, free_port
+from ..cli import kvp
+from ..conftest import clean_env, free_port
 
 ADMIN = [sys.executable, "-m", "kvpersist.cli"]
 
@@ -40,11 +41,6 @@ def relocated_env(tmp: Path, **extra: str) -> dict[str, str]:
                KVP_L2_RESERVE="1M")
     env.update(extra)
     return env
-
-
-def kvp(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*ADMIN, *args], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=120)
 
 
 def one_object(stdout: str) -> Any:
@@ -68,7 +64,7 @@ def test_status_json_of_a_config_whose_ports_collide_is_the_error_document(
     """The failing run's condition, provoked: two listeners given one port."""
     env = relocated_env(tmp_path)
     env["KVP_VLLM_PORT"] = env["KVP_LMCACHE_PORT"]
-    r = kvp(env, "status", "cpu-demo", "--json")
+    r = kvp("status", "cpu-demo", "--json", env=env)
     assert r.returncode == 2, r.stderr
     doc = one_object(r.stdout)
     assert doc["schema"] == ERROR_SCHEMA and doc["exit_code"] == 2
@@ -247,7 +243,7 @@ def test_status_json_with_a_pid_file_of_a_vanished_process(tmp_path: Path) -> No
     dead = subprocess.Popen(["true"])
     dead.wait()
     write_pid(tmp_path / ".kvpersist" / "cache" / "pids" / "cpu-demo.lmcache.pid", dead.pid)
-    r = kvp(env, "status", "cpu-demo", "--json")
+    r = kvp("status", "cpu-demo", "--json", env=env)
     assert r.returncode == 1, r.stderr
     srv = one_object(r.stdout)["lmcache"]
     assert srv["state"] == "stale" and "not running" in srv["reason"]
@@ -285,9 +281,9 @@ def test_status_and_health_json_survive_any_json_on_the_vllm_port(
         body: bytes, foreign_vllm: http.server.HTTPServer, tmp_path: Path) -> None:
     foreign_vllm.body = body  # type: ignore[attr-defined]
     env = relocated_env(tmp_path, KVP_VLLM_PORT=str(foreign_vllm.server_address[1]))
-    r = kvp(env, "status", "cpu-demo", "--json")
+    r = kvp("status", "cpu-demo", "--json", env=env)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert one_object(r.stdout)["vllm"]["ready"] is False
-    h = kvp(env, "health", "cpu-demo", "--json", "--timeout", "2")
+    h = kvp("health", "cpu-demo", "--json", "--timeout", "2", env=env)
     assert "Traceback" not in h.stderr, h.stderr
     assert one_object(h.stdout)["status"] == "down"

@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from kvpersist.stack.preflight import PortFacts, PreflightFacts, RootFacts, judg
 from kvpersist.stack.weights import WeightsCheck
 from kvpersist.system.files import accessible_to_others, read_owner_only, readable_by_others
 
+from ..cli import kvp
 from ..conftest import REPO, clean_env, free_port
 from ..model_dirs import plain_dir
 
@@ -65,17 +64,12 @@ def tree(tmp_path: Path) -> tuple[Path, str, dict[str, str]]:
     return top, str(top / "configs" / "cpu-demo" / "identity.env"), env
 
 
-def kvp(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvpersist.cli", *args], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=600)
-
-
 @pytest.mark.parametrize("extra", [["--no-vllm"], []], ids=["no-vllm", "with-vllm"])
 def test_launch_check_writes_nothing(tree: tuple[Path, str, dict[str, str]],
                                      extra: list[str]) -> None:
     top, config, env = tree
     before = snapshot(top)
-    res = kvp(env, "launch", config, "--check", *extra)
+    res = kvp("launch", config, "--check", *extra, env=env, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "preflight ok" in res.stdout
     root = top / "srv" / "cache"
@@ -91,7 +85,7 @@ def test_launch_check_on_an_existing_root_writes_nothing_either(
     top, config, env = tree
     (top / "srv" / "cache").mkdir(mode=0o700)
     before = snapshot(top)
-    res = kvp(env, "launch", config, "--check", "--no-vllm", "--json")
+    res = kvp("launch", config, "--check", "--no-vllm", "--json", env=env, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "does not exist yet" not in res.stdout + res.stderr
     assert snapshot(top) == before

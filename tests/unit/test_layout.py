@@ -55,6 +55,36 @@ def test_salt_with_underscores_falls_back_to_full_parse() -> None:
     assert (c.prefix, c.salt, c.chunk_hash) == (NS, "a_b_c", HASH)
 
 
+@pytest.mark.parametrize("salt", [
+    "line\nbreak", "\x1b[2Jwipe", "tab\there", "\udcff\udcfe",  # not UTF-8 (surrogateescape)
+    "a_01000100_0_ff", "x@y", "\\back", " ", "\u202eevil", "\x7f", "é" * 100,
+])
+def test_a_namespace_chunk_belongs_to_its_namespace_whatever_its_salt_holds(salt: str) -> None:
+    """vLLM accepts any cache_salt character but @ / \\ and NUL, LMCache appends it as it
+    is; such a chunk was foreign (report left it out, prune --namespace left it behind)."""
+    for ns in (NS, UNPINNED):
+        name = f"{ns}_01000100_0_{HASH}@{salt}.bin"
+        c = parse_chunk_name(name)
+        assert c is not None and (c.prefix, c.salt, c.chunk_hash) == (ns, salt, HASH)
+        assert c.namespace == ns and c.filename() == name
+        assert classify(name) == (Kind.CHUNK, c)
+        assert classify(f"{name}.tmp.{'0f' * 16}") == (Kind.TEMP, c)
+        shard = (HASH[0:2], HASH[2:4])
+        assert classify(name, shard) == (Kind.CHUNK, c)
+
+
+@pytest.mark.parametrize("name", [
+    f"{NS}_01000100_0_{HASH}@.bin",                  # empty salt
+    f"{NS}_01000100_0_{HASH}\n@s.bin",               # the newline is before the salt
+    f"{NS}\n_01000100_0_{HASH}@s.bin",
+    f"test-model_01000100_0_{HASH}@s\n.bin",         # not a namespace: printable names only
+    f"kvp-short_01000100_0_{HASH}@s\x1b.bin",
+    f"{NS}_01000100_0_{HASH.upper()}@s\n.bin",
+])
+def test_only_the_salt_may_hold_anything(name: str) -> None:
+    assert parse_chunk_name(name) is None and classify(name)[0] is Kind.FOREIGN
+
+
 @pytest.mark.parametrize("prefix", ["test-model", "--a--b", "my_model_v2", "org--m_1_2",
                                     "x@y", "kvp-short"])
 def test_prefixes_that_are_not_namespaces_still_parse(prefix: str) -> None:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import pytest
 
+from kvpersist.l2.fleet import WRONG_TYPE, decode_record, record_key
 from kvpersist.l2.shared_keys import (
+    NOT_A_CHUNK,
+    NOT_A_STRING,
+    SKIPPED_SHOWN,
+    Skipped,
+    bounded,
     lock_key,
     match_pattern,
     namespace_of,
     namespace_problem,
     plan_store_budget,
+    skipped_lines,
 )
+from kvpersist.stack.fleet import decode_all
 from kvpersist.stack.health import Facts, component_status, shared_checks, verdict
 
 NS = "kvp-" + "a" * 32
@@ -65,3 +73,34 @@ def test_shared_tier_is_degraded_never_down(probe: dict[str, object], status: st
     assert any(c.name.startswith("shared_tier.") for c in all_checks)
     assert "shared_tier" in component_status(all_checks)
     assert overall == "down"  # the cache server itself is down in these facts, not the tier
+
+
+# --------------------------------------------------------------------------- foreign keys
+def test_skipped_keys_are_counted_per_kind_the_first_few_named_escaped() -> None:
+    sk = Skipped()
+    for i in range(SKIPPED_SHOWN + 5):
+        sk.add(NOT_A_STRING, f"{NS}@01000100@0@{i:x}@salt\n\x1b[2J\udcff")
+    sk.add(NOT_A_CHUNK, f"{NS}@junk")
+    doc = sk.to_dict()
+    assert doc["count"] == SKIPPED_SHOWN + 6
+    shown = doc["kinds"][NOT_A_STRING]
+    assert shown["count"] == SKIPPED_SHOWN + 5 and len(shown["first"]) == SKIPPED_SHOWN
+    assert all(n.isprintable() and "\\x0a" in n for n in shown["first"])
+    lines = skipped_lines(doc)
+    assert len(lines) == 2 and "and 5 more" in lines[0] and lines[1].startswith("1 keys")
+    assert skipped_lines({}) == [] and Skipped().to_dict() == {"count": 0, "kinds": {}}
+
+
+def test_bounded_lists_name_the_first_and_count_the_rest() -> None:
+    assert bounded(["a", "b"]) == ["a", "b"]
+    assert bounded([str(i) for i in range(25)], 3) == ["0", "1", "2", "... and 22 more"]
+
+
+def test_a_fleet_record_of_another_type_is_a_problem_not_a_record() -> None:
+    key = record_key(NS, "host-0123abcd")
+    rec, why = decode_record(key, WRONG_TYPE)
+    assert rec is None and "not a string" in why
+    assert decode_record(key + "\n\x1b", b"{}")[1].startswith(f"{key}\\x0a\\x1b")
+    assert decode_record(key, b"[" * 100_000)[1].endswith("not JSON")  # no RecursionError
+    records, problems = decode_all([(key, WRONG_TYPE)] * 30 + [(key, None)])
+    assert records == [] and len(problems) == 11 and problems[-1] == "... and 20 more"

@@ -175,6 +175,54 @@ def test_hub_blob_changed_in_place_is_read_and_says_so(tmp_path: Path,
         res.record.fingerprint and reads == []
 
 
+def _replace_by_rename_keeping_mtime(target: Path, data: bytes) -> None:
+    """``cp target x; change x; touch -r target x; mv x target``: a new inode under the
+    old name, with the old mtime (and size)."""
+    tmp = target.with_name(target.name + ".new")
+    shutil.copy2(target, tmp)
+    with open(tmp, "r+b") as f:
+        f.write(data)
+    st = target.stat()
+    os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.rename(tmp, target)
+
+
+def test_hub_blob_replaced_by_rename_under_its_name_is_read(tmp_path: Path,
+                                                            reads: list[str]) -> None:
+    """Finding: a blob replaced by rename (same name, same size and mtime, a new inode) was
+    taken at its name's word ("same"); a new inode where the cache knew another is read."""
+    snap = hub(tmp_path / "hub")
+    cache = str(tmp_path / "state" / "c.json")
+    before = fingerprint_weights(str(snap), cache).record.fingerprint
+    name = "model-00002-of-00002.safetensors"
+    blob = snap.parent.parent / "blobs" / sha(FILES[name])
+    ino = blob.stat().st_ino
+    _replace_by_rename_keeping_mtime(blob, b"fine-tuned")
+    assert blob.stat().st_ino != ino and blob.stat().st_size == len(FILES[name])
+    reads.clear()
+    res = fingerprint_weights(str(snap), cache)
+    assert reads == [blob.name] and res.record.fingerprint != before
+    assert res.sources == {"cache": 3, "read": 1}
+    assert any("replaced after download" in n for n in res.notes)
+    reads.clear()
+    again = fingerprint_weights(str(snap), cache)  # the new inode is now known: one stat
+    assert reads == [] and again.record.fingerprint == res.record.fingerprint
+
+
+def test_local_dir_file_replaced_by_rename_mtime_kept_is_read(tmp_path: Path,
+                                                              reads: list[str]) -> None:
+    big = "model-00001-of-00002.safetensors"
+    m = _local_dir(tmp_path / "m", {big: sha(FILES[big])}, time.time() + 5)
+    cache = str(tmp_path / "state" / "c.json")
+    first = fingerprint_weights(str(m), cache)
+    assert first.sources["hf-metadata"] == 1 and first.record.fingerprint == expected()
+    _replace_by_rename_keeping_mtime(m / big, b"fine-tuned")
+    reads.clear()
+    res = fingerprint_weights(str(m), cache)
+    assert reads == [big] and res.record.fingerprint != first.record.fingerprint
+    assert any("replaced after download" in n for n in res.notes)
+
+
 def test_rehash_reads_everything(tmp_path: Path, reads: list[str]) -> None:
     snap = hub(tmp_path / "hub")
     cache = str(tmp_path / "state" / "c.json")
@@ -432,6 +480,21 @@ def test_cli_weights_launch_check_and_foreground_refuse_changed_weights(tmp_path
 
     missing = dict(env, KVP_MODEL_PATH=str(tmp_path / "none"))
     assert kvp("weights", "cpu-demo", env=missing, timeout=300).returncode == 2
+
+
+def test_cli_weights_hub_blob_replaced_by_rename_is_changed(tmp_path: Path) -> None:
+    """The finding as reported: ``kvp-admin weights`` said ``same`` (exit 0) for a blob
+    replaced by rename with its mtime kept; only ``--rehash`` said ``changed``."""
+    snap = hub(tmp_path / "hub")
+    env = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"), KVP_MODEL_PATH=str(snap))
+    assert kvp(env, "weights", "cpu-demo", "--record").returncode == 0
+    assert json.loads(kvp(env, "weights", "cpu-demo", "--json").stdout)["status"] == "same"
+    name = "model-00001-of-00002.safetensors"
+    _replace_by_rename_keeping_mtime(snap.parent.parent / "blobs" / sha(FILES[name]), b"ft")
+    res = kvp(env, "weights", "cpu-demo", "--json")
+    assert res.returncode == 1, res.stderr
+    data = json.loads(res.stdout)
+    assert data["status"] == "changed" and data["comparison"]["changed"] == [name]
 
 
 def test_weights_command_imports_nothing_heavy(tmp_path: Path) -> None:
