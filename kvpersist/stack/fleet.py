@@ -15,19 +15,34 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvpersist import __version__
 from kvpersist.config.deployment import Deployment, shared_tier_of
 from kvpersist.errors import KvpError
+from kvpersist.l2 import keys
 from kvpersist.l2.fleet import (
     RECORD_TTL_S,
     FleetRecord,
     Stored,
     decode_record,
     host_id,
+    host_rows,
     index_key,
     key_conflicts,
+    record_key,
     serde_fingerprint,
 )
 from kvpersist.l2.shared_keys import bounded
+from kvpersist.l2.shared_store import (
+    connect,
+    delete_record,
+    read_index,
+    read_values,
+    scan_records,
+    store_errors,
+    write_record,
+)
+from kvpersist.stack.lmcache_exec import read_secret_file
+from kvpersist.system.files import service_uids
 
 #: short: a launch, stop or health run never waits long for a store that does not answer
 TIMEOUT_S = 2.0
@@ -46,9 +61,6 @@ def machine_id(path: str = MACHINE_ID_FILE) -> str:
 def own_record(dep: Deployment, now: float | None = None) -> FleetRecord:
     """This host's record of ``dep`` (nothing is written). Raises KvpError when the serde
     key cannot be read (e.g. not yet created, or another user's)."""
-    from kvpersist import __version__
-    from kvpersist.l2 import keys
-    from kvpersist.system.files import service_uids
 
     s = dep.settings
     fingerprint = ""
@@ -90,9 +102,6 @@ class RecordOutcome:
 def _connect(dep: Deployment, timeout: float) -> Any:
     """A connection to ``dep``'s store. Raises KvpError (no shared tier, secret file, store
     unreachable, credentials refused)."""
-    from kvpersist.l2.shared_store import connect
-    from kvpersist.stack.lmcache_exec import read_secret_file
-    from kvpersist.system.files import service_uids
 
     tier = shared_tier_of(dep.settings)
     if tier is None:
@@ -104,7 +113,6 @@ def _connect(dep: Deployment, timeout: float) -> Any:
 
 def write(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
     """Write (or refresh) this host's record of ``dep`` with its TTL. Never raises."""
-    from kvpersist.l2.shared_store import store_errors, write_record
 
     if not dep.settings.shared_tier:
         return RecordOutcome("skipped")
@@ -131,8 +139,6 @@ def write(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
 def delete(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
     """Delete this host's record of ``dep`` (a host that stopped serving). Never raises;
     a record left behind lapses after its TTL."""
-    from kvpersist.l2.fleet import record_key
-    from kvpersist.l2.shared_store import delete_record, store_errors
 
     if not dep.settings.shared_tier:
         return RecordOutcome("skipped")
@@ -172,8 +178,6 @@ def read_namespace(store: Any, ns: str) -> tuple[list[FleetRecord], list[str]]:
     index's key holds another type (a foreign key), through a scan of the record keys,
     with a problem naming the key. Raises what the store raises (see
     :func:`kvpersist.l2.shared_store.store_errors`)."""
-    from kvpersist.l2.fleet import record_key
-    from kvpersist.l2.shared_store import read_index, scan_records
 
     found = read_index(store, ns)
     if found is not None:
@@ -187,7 +191,6 @@ def read_namespace(store: Any, ns: str) -> tuple[list[FleetRecord], list[str]]:
 def read_keys(store: Any, keys: list[str]) -> tuple[list[FleetRecord], list[str]]:
     """The live records of ``keys`` (record keys a scan found). Raises what the store
     raises."""
-    from kvpersist.l2.shared_store import read_values
 
     return decode_all(read_values(store, keys))
 
@@ -195,8 +198,6 @@ def read_keys(store: Any, keys: list[str]) -> tuple[list[FleetRecord], list[str]
 def fleet_facts(dep: Deployment, timeout: float = TIMEOUT_S) -> dict[str, Any]:
     """For ``health``: this host's record (computed, not written) against the live records
     of the namespace. Never raises; ``error`` says what could not be read."""
-    from kvpersist.l2.fleet import host_rows
-    from kvpersist.l2.shared_store import store_errors
 
     out: dict[str, Any] = {"host_id": "", "record_key": "", "serde": dep.settings.serde,
                            "serde_key_fingerprint": "", "others": [], "conflicts": [],
