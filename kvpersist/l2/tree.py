@@ -172,7 +172,8 @@ def open_root(root: str | os.PathLike[str], *, purpose: str = "open") -> RootDir
         fd = open_dir(path)
     except FileNotFoundError:
         raise UsageError(f"cannot {purpose} {given}: no such directory (check --root or "
-                         "KVP_CACHE_ROOT; only `kvp-admin launch` creates one, mode 0700)") from None
+                         "KVP_CACHE_ROOT; only `kvp-admin launch` creates one, mode 0700)"
+                         ) from None
     except NotADirectoryError:
         raise UsageError(f"cannot {purpose} {given}: not a directory (check --root or "
                          "KVP_CACHE_ROOT)") from None
