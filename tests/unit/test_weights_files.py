@@ -487,11 +487,11 @@ def test_cli_weights_hub_blob_replaced_by_rename_is_changed(tmp_path: Path) -> N
     replaced by rename with its mtime kept; only ``--rehash`` said ``changed``."""
     snap = hub(tmp_path / "hub")
     env = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"), KVP_MODEL_PATH=str(snap))
-    assert kvp(env, "weights", "cpu-demo", "--record").returncode == 0
-    assert json.loads(kvp(env, "weights", "cpu-demo", "--json").stdout)["status"] == "same"
+    assert kvp("weights", "cpu-demo", "--record", env=env).returncode == 0
+    assert json.loads(kvp("weights", "cpu-demo", "--json", env=env).stdout)["status"] == "same"
     name = "model-00001-of-00002.safetensors"
     _replace_by_rename_keeping_mtime(snap.parent.parent / "blobs" / sha(FILES[name]), b"ft")
-    res = kvp(env, "weights", "cpu-demo", "--json")
+    res = kvp("weights", "cpu-demo", "--json", env=env)
     assert res.returncode == 1, res.stderr
     data = json.loads(res.stdout)
     assert data["status"] == "changed" and data["comparison"]["changed"] == [name]
