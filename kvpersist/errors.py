@@ -19,6 +19,10 @@ class KvpError(Exception):
     exit_code = EXIT_PROBLEM
 
 
+#: the longest text of one field of a Problem (longer quotes are cut, the cut counted)
+MAX_PROBLEM_CHARS = 1000
+
+
 @dataclass(frozen=True)
 class Problem:
     """One configuration problem: where it is, what is wrong, and how to fix it."""
@@ -27,18 +31,73 @@ class Problem:
     message: str
     fix: str = ""
 
+    def __post_init__(self) -> None:
+        # a problem quotes what it found: never a megabyte of it
+        for name in ("where", "message", "fix"):
+            value = getattr(self, name)
+            if len(value) > MAX_PROBLEM_CHARS:
+                cut = len(value) - MAX_PROBLEM_CHARS
+                object.__setattr__(self, name, f"{value[:MAX_PROBLEM_CHARS]}… ({cut:,} more "
+                                   "characters)")
+
     def __str__(self) -> str:
         text = f"At '{self.where}': {self.message}"
         return f"{text} ({self.fix})" if self.fix else text
 
 
+#: at most this many problems are listed by one error; the others are counted
+MAX_PROBLEMS = 20
+
+
+class Problems:
+    """A bounded collector of problems: keeps the first ``limit`` (in the order found) and
+    counts the others, so a file of a million bad lines costs memory and output for
+    ``limit`` of them. ``len()`` is the number found."""
+
+    def __init__(self, limit: int = MAX_PROBLEMS) -> None:
+        self.limit = limit
+        self.kept: list[Problem] = []
+        self.more = 0
+
+    def add(self, problem: Problem) -> None:
+        if len(self.kept) < self.limit:
+            self.kept.append(problem)
+        else:
+            self.more += 1
+
+    def __len__(self) -> int:
+        return len(self.kept) + self.more
+
+    def __bool__(self) -> bool:
+        return bool(self.kept)
+
+    def listed(self, source: str = "") -> list[Problem]:
+        """The kept problems, then one that counts the others (if any)."""
+        if not self.more:
+            return list(self.kept)
+        return [*self.kept, Problem(source or "(more)", f"and {self.more:,} more "
+                                    "problem(s) of the same input, not listed",
+                                    "fix the ones above, then check again")]
+
+
 class ConfigError(KvpError):
-    """One or more configuration problems, all reported together."""
+    """One or more configuration problems, all reported together (at most
+    :data:`MAX_PROBLEMS` listed, the others counted)."""
 
     exit_code = EXIT_USAGE
 
-    def __init__(self, problems: list[Problem] | Problem, source: str = "") -> None:
-        self.problems = [problems] if isinstance(problems, Problem) else list(problems)
+    def __init__(self, problems: list[Problem] | Problem | Problems,
+                 source: str = "") -> None:
+        if isinstance(problems, Problems):
+            listed = problems.listed(source)
+        else:
+            listed = [problems] if isinstance(problems, Problem) else list(problems)
+            if len(listed) > MAX_PROBLEMS + 1:
+                bounded = Problems()
+                for p in listed:
+                    bounded.add(p)
+                listed = bounded.listed(source)
+        self.problems = listed
         self.source = source
         head = f"{source}: " if source else ""
         lines = [f"{head}{len(self.problems)} configuration problem(s):"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 
 from kvpersist.config.values import describe_char, forbidden_char
-from kvpersist.errors import ConfigError, Problem
+from kvpersist.errors import ConfigError, Problem, Problems
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: Characters an unquoted value may hold (what a shell, systemd and kvpersist read alike).
@@ -36,8 +36,6 @@ SHELL_EXPANSION = "$`"
 _QUOTE_FIX = "quote the whole value with one pair of ' (nothing after the closing quote)"
 
 
-#: at most this many problems are listed; the others are counted
-MAX_PROBLEMS = 20
 
 
 def parse_env(text: str, source: str = "identity.env") -> dict[str, str]:
@@ -46,40 +44,34 @@ def parse_env(text: str, source: str = "identity.env") -> dict[str, str]:
     the parser, which refuses it).
 
     Raises :class:`ConfigError` listing every malformed line and every duplicated key (the
-    first :data:`MAX_PROBLEMS`, then how many more).
+    first :data:`~kvpersist.errors.MAX_PROBLEMS`, then how many more).
     """
     values: dict[str, str] = {}
-    problems: list[Problem] = []
+    problems = Problems()
     for number, raw in enumerate(text.split("\n"), start=1):
         where = f"{source}:{number}"
         bad = forbidden_char(raw)
         if bad is not None:
-            problems.append(Problem(where, f"contains {describe_char(bad)}",
-                                    _char_fix(bad)))
+            problems.add(Problem(where, f"contains {describe_char(bad)}", _char_fix(bad)))
             continue
         line = raw.strip(" ")
         if not line:
             continue
         if line.startswith("#"):
             if line.endswith("\\"):
-                problems.append(Problem(where, "a comment ends with a backslash",
-                                        "remove it: systemd would read the next line as "
-                                        "part of the comment"))
+                problems.add(Problem(where, "a comment ends with a backslash",
+                                     "remove it: systemd would read the next line as part "
+                                     "of the comment"))
             continue
         parsed = _parse_assignment(line, where)
         if isinstance(parsed, Problem):
-            problems.append(parsed)
+            problems.add(parsed)
             continue
         key, value = parsed
         if key in values:
-            problems.append(Problem(where, f"{key} is set twice", "keep one line per key"))
+            problems.add(Problem(where, f"{key} is set twice", "keep one line per key"))
             continue
         values[key] = value
-    if len(problems) > MAX_PROBLEMS:
-        more = len(problems) - MAX_PROBLEMS
-        problems = [*problems[:MAX_PROBLEMS],
-                    Problem(source, f"and {more:,} more lines with problems",
-                            "fix the lines above, then check the file again")]
     if problems:
         raise ConfigError(problems, source)
     return values

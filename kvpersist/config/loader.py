@@ -19,7 +19,7 @@ from kvpersist.config.envfile import parse_env
 from kvpersist.config.generic import GenericConfig, generic_from_dict
 from kvpersist.config.settings import config_name_problem
 from kvpersist.errors import ConfigError, Problem
-from kvpersist.system import resources
+from kvpersist.system import resources, untrusted
 
 ENV_FILE = "identity.env"
 GENERIC_FILE = "lmcache.yaml"
@@ -67,31 +67,18 @@ MAX_CONFIG_BYTES = 1 << 20
 def read_text(path: Path, what: str) -> str:
     """The text of a config file: its bytes as they are (no newline translation: a CR
     stays for the parser to refuse, as systemd and a shell would read it otherwise), strict
-    UTF-8, a regular file of at most :data:`MAX_CONFIG_BYTES`. Raises ConfigError naming the
-    file."""
+    UTF-8, a regular file of at most :data:`MAX_CONFIG_BYTES` (never blocking on a FIFO).
+    Raises ConfigError naming the file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO never blocks
-        try:
-            regular = stat.S_ISREG(os.fstat(fd).st_mode)
-        except OSError:
-            os.close(fd)
-            raise
-        if not regular:
-            os.close(fd)
-            raise ConfigError(Problem(str(path), f"cannot read {what}: not a regular file",
-                                      "point the config at a regular file"))
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(Problem(str(path), f"cannot read {what}: {exc}")) from exc
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(Problem(str(path), f"cannot read {what}: larger than "
-                                  f"{MAX_CONFIG_BYTES:,} bytes", "point the config at the "
-                                  "right file (a config is a few KiB)"))
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(Problem(str(path), f"cannot read {what}: {exc}")) from exc
+        data = untrusted.read_bytes(path, max_bytes=MAX_CONFIG_BYTES,
+                                    fix="point the config at the right file (a regular "
+                                    "file of a few KiB)")
+        return untrusted.decode(data, str(path))
+    except FileNotFoundError as exc:
+        raise ConfigError(Problem(str(path), f"cannot read {what}: {exc.strerror}")) from exc
+    except untrusted.UnreadableFile as exc:
+        raise ConfigError(Problem(exc.path, f"cannot read {what}: {exc.why}", exc.fix)) \
+            from None
 
 
 def load_generic(name: str = "generic") -> GenericConfig:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.config.envfile import MAX_PROBLEMS, format_env, parse_env, value_problem
+from kvpersist.config.envfile import format_env, parse_env, value_problem
 from kvpersist.config.loader import MAX_CONFIG_BYTES, load_deployment, read_text
-from kvpersist.errors import ConfigError
+from kvpersist.errors import MAX_PROBLEMS, ConfigError
 
 from ..cli import kvp
 from ..conftest import REPO
@@ -162,7 +162,7 @@ def test_a_crlf_identity_file_is_refused_naming_the_line_and_dos2unix(tmp_path: 
         assert f"{d / 'identity.env'}:1" in r.stderr and "U+000D (CR)" in r.stderr, r.stderr
         assert "dos2unix" in r.stderr
     assert r.stderr.count("U+000D") <= MAX_PROBLEMS  # a long file: the first lines, a count
-    assert "more lines with problems" in r.stderr
+    assert "more problem(s) of the same input, not listed" in r.stderr
     with pytest.raises(ConfigError) as err:
         load_deployment(str(d))
     assert "\r" not in str(err.value)

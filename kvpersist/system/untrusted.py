@@ -1,0 +1,240 @@
+"""The one reader of files kvpersist did not write itself in this run (I/O): model files, state
+files, manifests, pins, warm sets, digest caches, records read back from the shared tier.
+
+Every such file is untrusted, whoever is supposed to have written it: a FIFO must not hang a
+command, a link to ``/dev/zero`` must not exhaust its memory, a document nested 100,000 deep
+must not crash it with ``RecursionError``, a number too big for a float must not become
+``inf``. So:
+
+* :func:`read_bytes` opens with ``O_NONBLOCK`` (a FIFO cannot block the open) and, where no
+  symbolic link is expected, ``O_NOFOLLOW``; it checks on the *open descriptor* that it is a
+  regular file (``fstat``: a name swapped after a check cannot fool it) and reads at most the
+  cap of its kind, plus one byte to tell "too big" from "exactly the cap".
+* :func:`parse_json` parses a document of bounded nesting depth (checked before the parser
+  recurses), refuses ``NaN``/``Infinity`` and numbers that overflow a float, and turns every
+  way of failing (``ValueError``, ``RecursionError``, ``MemoryError``, bad UTF-8) into an
+  :class:`UnreadableFile` naming the file.
+* :func:`read_json` is both.
+
+:class:`UnreadableFile` is a :class:`~kvpersist.errors.KvpError` (exit 2: the operator fixes
+or removes the file) that carries the path, why and the fix; :meth:`UnreadableFile.problem`
+gives the :class:`~kvpersist.errors.Problem` for a list of problems. Callers that keep going
+without the file (a cache that is computed again, a state file that makes a verdict) catch it
+and say so; none of them guesses a value.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import re
+import stat
+from typing import Any
+
+from kvpersist.errors import EXIT_USAGE, KvpError, Problem
+
+#: the deepest nesting of arrays and objects any file kvpersist reads may have (a model's
+#: config.json nests 3-4 levels, a manifest 3; a warm-set line with tool schemas ~10)
+MAX_JSON_DEPTH = 64
+
+#: caps by kind of file, in bytes (a file past its cap is refused, never read whole)
+MAX_STATE_BYTES = 4 << 20       # a state file kvpersist writes (manifest, pins, records)
+MAX_MODEL_JSON_BYTES = 64 << 20  # config.json, tokenizer_config.json (chat templates inside)
+MAX_TEMPLATE_BYTES = 4 << 20    # a chat template (.jinja)
+MAX_RECORD_BYTES = 64 << 10     # a small record (a pid file, a download record)
+
+#: the flags of every open: read-only, not inherited, never blocking on a FIFO
+_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+_READ_BLOCK = 1 << 20
+
+
+class UnreadableFile(KvpError):
+    """A file that exists (or should) but cannot be used as what it should be: not a regular
+    file, too big, not UTF-8, not JSON, nested too deep, a number out of range. Exit 2."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, path: str, why: str, fix: str = "") -> None:
+        self.path, self.why, self.fix = path, why, fix
+        super().__init__(f"{path}: {why}" + (f"; {fix}" if fix else ""))
+
+    def problem(self) -> Problem:
+        """This error as a Problem (for a ConfigError that lists every problem at once)."""
+        return Problem(self.path, self.why, self.fix)
+
+
+def show_path(path: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> str:
+    """``path`` as text that is safe to print whatever bytes it holds: undecodable bytes
+    and control characters escaped (``\\xff``, ``\\n``), never raising."""
+    raw = os.fsencode(path)
+    text = raw.decode("utf-8", errors="backslashreplace")
+    return _CONTROL.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), text)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def read_bytes(path: str | os.PathLike[str], *, max_bytes: int, follow: bool = True,
+               dir_fd: int | None = None, fix: str = "") -> bytes:
+    """The bytes of the regular file ``path`` (relative to ``dir_fd`` when given), at most
+    ``max_bytes`` of them.
+
+    ``follow=False`` adds ``O_NOFOLLOW``: a symbolic link is refused (kvpersist's own state
+    files are never links). Raises FileNotFoundError when nothing is there (callers decide what
+    absent means), :class:`UnreadableFile` for everything else: not a regular file (a FIFO, a
+    device such as ``/dev/zero``, a directory), larger than ``max_bytes``, a symlink where none
+    is expected, or an error of the open or the read. ``fix`` is added to the message.
+    """
+    shown = show_path(path)
+    flags = _FLAGS | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow:
+            raise UnreadableFile(shown, "is a symbolic link, where a file is expected",
+                                 fix or "replace the link by the file itself") from None
+        raise UnreadableFile(shown, f"cannot open: {exc.strerror or exc}", fix) from None
+    except ValueError as exc:  # a NUL byte in the name
+        raise UnreadableFile(shown, f"cannot open: {exc}", fix) from None
+    try:
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            raise UnreadableFile(shown, f"cannot read: {exc.strerror or exc}", fix) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise UnreadableFile(shown, f"is not a regular file ({_kind(st.st_mode)})",
+                                 fix or "replace it by a regular file")
+        if st.st_size > max_bytes:
+            raise UnreadableFile(shown, f"is {st.st_size:,} bytes, larger than the "
+                                 f"{max_bytes:,} bytes such a file may hold", fix)
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            try:
+                block = os.read(fd, min(_READ_BLOCK, max_bytes + 1 - size))
+            except OSError as exc:
+                raise UnreadableFile(shown, f"cannot read: {exc.strerror or exc}",
+                                     fix) from None
+            if not block:
+                break
+            chunks.append(block)
+            size += len(block)
+        if size > max_bytes:  # it grew after the fstat
+            raise UnreadableFile(shown, f"is larger than the {max_bytes:,} bytes such a "
+                                 "file may hold", fix)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
+
+
+def read_text(path: str | os.PathLike[str], *, max_bytes: int, follow: bool = True,
+              dir_fd: int | None = None, fix: str = "") -> str:
+    """:func:`read_bytes` decoded as strict UTF-8, with no newline translation (a CR stays a
+    CR). Raises FileNotFoundError or :class:`UnreadableFile`."""
+    return decode(read_bytes(path, max_bytes=max_bytes, follow=follow, dir_fd=dir_fd,
+                             fix=fix), show_path(path), fix)
+
+
+def decode(data: bytes, where: str, fix: str = "") -> str:
+    """``data`` as strict UTF-8; raises :class:`UnreadableFile` naming ``where`` and the
+    offset of the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UnreadableFile(where, f"is not UTF-8 text ({exc.reason} at byte {exc.start})",
+                             fix) from None
+
+
+def json_depth(doc: Any) -> int:
+    """The deepest nesting of arrays and objects in the parsed document ``doc`` (a scalar is
+    0, ``[]`` is 1). Iterative: never recursive, whatever the depth."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(doc, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        depth += 1
+        deepest = max(deepest, depth)
+        stack.extend((child, depth) for child in children
+                     if isinstance(child, dict | list))
+    return deepest
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def parse_json(data: bytes | str, where: str, *, max_depth: int = MAX_JSON_DEPTH,
+               fix: str = "") -> Any:
+    """The JSON document ``data`` (bytes must be UTF-8), nested at most ``max_depth`` deep,
+    with finite numbers only (``NaN``, ``Infinity`` and ``1e309`` are refused; integers of
+    more than 4,300 digits too, by Python's own limit).
+
+    Raises :class:`UnreadableFile` naming ``where`` for every way of failing: never
+    ``RecursionError``, ``MemoryError`` or ``ValueError``."""
+    text = decode(data, where, fix) if isinstance(data, bytes) else data
+    try:
+        # the C parser stops at the interpreter's recursion limit with RecursionError;
+        # anything shallower is measured once parsed, without recursion
+        doc = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as exc:
+        raise UnreadableFile(where, f"is not valid JSON: {exc.msg} (line {exc.lineno} column "
+                             f"{exc.colno})", fix) from None
+    except RecursionError:
+        raise UnreadableFile(where, f"is nested deeper than the {max_depth} levels any file "
+                             "kvpersist reads may be", fix or "replace it by the file it "
+                             "should be") from None
+    except (ValueError, MemoryError) as exc:
+        raise UnreadableFile(where, f"is not usable JSON: {type(exc).__name__}: "
+                             f"{str(exc)[:200]}", fix) from None
+    deepest = json_depth(doc)
+    if deepest > max_depth:
+        raise UnreadableFile(where, f"is nested {deepest:,} levels deep, more than the "
+                             f"{max_depth} any file kvpersist reads may be",
+                             fix or "replace it by the file it should be")
+    return doc
+
+
+def read_json(path: str | os.PathLike[str], *, max_bytes: int, follow: bool = True,
+              dir_fd: int | None = None, max_depth: int = MAX_JSON_DEPTH,
+              fix: str = "") -> Any:
+    """:func:`read_bytes` then :func:`parse_json`. Raises FileNotFoundError or
+    :class:`UnreadableFile`."""
+    data = read_bytes(path, max_bytes=max_bytes, follow=follow, dir_fd=dir_fd, fix=fix)
+    return parse_json(data, show_path(path), max_depth=max_depth, fix=fix)
+
+
+def read_json_object(path: str | os.PathLike[str], *, max_bytes: int, follow: bool = True,
+                     dir_fd: int | None = None, fix: str = "") -> dict[str, Any]:
+    """:func:`read_json` of a document that must be a JSON object. Raises
+    FileNotFoundError or :class:`UnreadableFile` (also when it is another JSON type)."""
+    doc = read_json(path, max_bytes=max_bytes, follow=follow, dir_fd=dir_fd, fix=fix)
+    if not isinstance(doc, dict):
+        raise UnreadableFile(show_path(path), f"is a JSON {type(doc).__name__}, not an "
+                             "object", fix)
+    return doc
