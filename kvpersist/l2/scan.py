@@ -277,7 +277,7 @@ class _Walker:
             try:
                 root_fd = open_dir(self.root)
             except OSError as exc:
-                self._error(f"{self.root}: {exc.strerror}")
+                self._error(f"{display_name(self.root)}: {exc.strerror}")
                 return res
         try:
             if self.part == 0:
