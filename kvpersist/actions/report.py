@@ -19,7 +19,8 @@ from kvpersist.l2.layout import KvRank, display_name, is_namespace
 from kvpersist.l2.manifests import Manifest
 from kvpersist.l2.pins import PinnedUsage, PinSet
 from kvpersist.l2.retention import category
-from kvpersist.l2.scan import PrefixUsage, ProgressFn, ScanResult, Usage
+from kvpersist.l2.scan import ProgressFn, ScanResult
+from kvpersist.l2.usage import PrefixUsage, Usage
 
 REPORT_SCHEMA = "kvpersist.report/1"
 MANIFEST_FIELDS = ("model_id", "model_revision", "tensor_parallel_size", "kv_cache_dtype",
