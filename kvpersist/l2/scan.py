@@ -78,9 +78,13 @@ class ScanResult:
     symlinks: Usage = field(default_factory=Usage)
     foreign: Usage = field(default_factory=Usage)
     foreign_dirs: int = 0
-    #: foreign and metadata files with ``.tmp.`` in their names: LMCache's clean-up at a
-    #: graceful stop deletes every such file under the cache root (a subset of the others,
-    #: not added to the total)
+    #: what LMCache's clean-up at a graceful stop deletes that is not LMCache's own: it
+    #: walks the whole tree under the cache root (``os.walk``: every depth, ``.kvpersist``
+    #: too, symlinked directories not entered) and unlinks every entry that is not a
+    #: directory (a file, a symlink, a FIFO, a socket) whose name contains ``.tmp.``; counted
+    #: here are those that are not LMCache's own names where LMCache writes them (a chunk or
+    #: its temp name in the root or in its own shard directory), each name of a file with
+    #: several names once (a subset of the others, not added to the total)
     lmcache_cleans: Usage = field(default_factory=Usage)
     directories: Usage = field(default_factory=Usage)
     #: files in ``.kvpersist/quarantine/`` (moved there by ``verify --apply``; a subset of
@@ -304,7 +308,11 @@ class _Walker:
                     return
                 _count_file(res, name, path, depth, foreign, meta, shard, st, self.hist)
             elif e.is_symlink():
-                res.symlinks.add(e.stat(follow_symlinks=False), sample=display_name(path))
+                st = e.stat(follow_symlinks=False)
+                res.symlinks.add(st, sample=display_name(path))
+                # LMCache unlinks the link itself, unless it leads to a directory
+                if TEMP_MARKER in name and not _leads_to_dir(e):
+                    res.lmcache_cleans.add(st, sample=display_name(path))
             elif e.is_dir(follow_symlinks=False):
                 res.directories.add(e.stat(follow_symlinks=False))
                 if meta or (depth == 0 and name == META_DIR):
@@ -317,7 +325,10 @@ class _Walker:
                     descend((name, _PLAIN))
             else:
                 # sockets, fifos, devices: foreign, counted with their lstat size
-                res.foreign.add(e.stat(follow_symlinks=False), sample=display_name(path))
+                st = e.stat(follow_symlinks=False)
+                res.foreign.add(st, sample=display_name(path))
+                if TEMP_MARKER in name:
+                    res.lmcache_cleans.add(st, sample=display_name(path))
         except OSError as exc:
             self._stat_error(exc, rel, name)
 
@@ -363,12 +374,29 @@ def _prefix(res: ScanResult, prefix: str) -> PrefixUsage:
     return u
 
 
-def _count_file(res: ScanResult, name: str, path: str, depth: int, foreign: bool, meta: bool,
-                shard: tuple[str, str] | None, st: os.stat_result, hist: bool) -> None:
-    """Count one regular file into its category (the slow path, and linked files)."""
+def _leads_to_dir(e: os.DirEntry[str]) -> bool:
+    """Does the symlink ``e`` lead to a directory (``os.walk`` then lists it as one and
+    LMCache's clean-up leaves it)? A broken link does not."""
+    try:
+        return e.is_dir()
+    except OSError:
+        return False
+
+
+def _cleaned_not_lmcaches(res: ScanResult, name: str, path: str, depth: int, foreign: bool,
+                          meta: bool, shard: tuple[str, str] | None,
+                          st: os.stat_result) -> None:
+    """Count the regular file ``name`` in ``lmcache_cleans`` if LMCache's clean-up deletes
+    it (``.tmp.`` in its name) and it is not LMCache's own name where LMCache writes one."""
     if TEMP_MARKER in name and (meta or foreign or depth == 1 or classify(name, shard)[0]
                                 is Kind.FOREIGN):
         res.lmcache_cleans.add(st, sample=display_name(path))
+
+
+def _count_file(res: ScanResult, name: str, path: str, depth: int, foreign: bool, meta: bool,
+                shard: tuple[str, str] | None, st: os.stat_result, hist: bool) -> None:
+    """Count one regular file into its category (the slow path, and linked files)."""
+    _cleaned_not_lmcaches(res, name, path, depth, foreign, meta, shard, st)
     if meta:
         res.metadata.add(st)
         if path.startswith(QUARANTINE_PREFIX):
@@ -403,6 +431,8 @@ def _count_links(res: ScanResult, hist: bool) -> None:
     for name, path, depth, foreign, meta, shard, st in sorted(res.links, key=lambda x: x[1]):
         key = (st.st_dev, st.st_ino)
         if key in seen:
+            # counted once, but LMCache's clean-up unlinks each name of it
+            _cleaned_not_lmcaches(res, name, path, depth, foreign, meta, shard, st)
             continue
         seen.add(key)
         _count_file(res, name, path, depth, foreign, meta, shard, st, hist)

@@ -9,6 +9,7 @@ The verdict tests are table-driven on :func:`kvpersist.stack.preflight.judge`.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.errors import KvpError
+from kvpersist.l2.layout import display_name
 from kvpersist.stack.preflight import PortFacts, PreflightFacts, RootFacts, judge
 from kvpersist.stack.weights import WeightsCheck
 from kvpersist.system.files import accessible_to_others, read_owner_only, readable_by_others
@@ -165,3 +167,73 @@ def test_read_owner_only_refuses_what_it_should_not_trust(tmp_path: Path) -> Non
         read_owner_only(tmp_path / "fifo", what="secret", max_bytes=3)
     with pytest.raises(KvpError, match="No such file"):
         read_owner_only(tmp_path / "missing", what="secret", max_bytes=3)
+
+
+# --------------------------------------------------------------------------- LMCache's clean-up
+#: what LMCache 0.5.6 deletes at a clean stop that is not its own (every name with '.tmp.'
+#: that is no directory, at any depth, .kvpersist included) and what it also deletes that is
+#: its own (a temp file of an interrupted write, normal after a kill -9: never a refusal)
+NS = "kvp-8a8877c212dbb9f802c2eb354e22b53a"  # configs/cpu-demo
+OPERATORS = ["notes.tmp.keep", "sub/draft.tmp.1", ".kvpersist/x.tmp.y", "ab/cd/z.tmp.1",
+             "fifo.tmp.f", "link.tmp.broken", "bad\udcff.tmp.k"]
+LMCACHES = [f"{NS}_01000100_0_{'ab' * 8}.bin.tmp.{'cd' * 16}",
+            f"ab/cd/{NS}_01000100_0_abcd{'0' * 60}.bin.tmp.{'ef' * 16}"]
+
+
+def plant_tmp_files(root: Path, names: list[str]) -> None:
+    for name in names:
+        p = os.path.join(os.fsencode(root), os.fsencode(name))
+        os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
+        if name.startswith("fifo"):
+            os.mkfifo(p, 0o600)
+        elif name.startswith("link"):
+            os.symlink(b"/nonexistent", p)
+        else:
+            with open(p, "wb") as f:
+                f.write(b"an operator's file\n")
+    os.symlink("/tmp", root / "dirlink.tmp.d")  # LMCache's os.walk lists it as a directory
+
+
+def test_launch_check_refuses_what_lmcache_would_delete(
+        tree: tuple[Path, str, dict[str, str]]) -> None:
+    top, config, env = tree
+    root = top / "srv" / "cache"
+    root.mkdir(mode=0o700)
+    plant_tmp_files(root, OPERATORS + LMCACHES)
+    before = snapshot(top)
+    res = kvp("launch", config, "--check", "--no-vllm", "--json", env=env, timeout=600)
+    assert res.returncode == 2, res.stdout + res.stderr
+    [problem] = [p for p in json.loads(res.stdout)["problems"] if ".tmp." in p]
+    assert f"{len(OPERATORS)} file(s) under the cache root {root}" in problem, problem
+    named = [n for n in OPERATORS if display_name(n) in problem]
+    assert len(named) == 5 and f"and {len(OPERATORS) - 5} more" in problem, problem
+    assert "\udcff" not in problem and not any(n.split("/")[-1] in problem for n in LMCACHES)
+    assert "KVP_ALLOW_LMCACHE_TMP_CLEANUP=true" in problem and "dirlink" not in problem
+    # the opt-in, by flag or in the config's environment: a warning, and a launch would go on
+    for extra, more_env in ((["--allow-lmcache-tmp-cleanup"], {}),
+                            ([], {"KVP_ALLOW_LMCACHE_TMP_CLEANUP": "true"})):
+        ok = kvp("launch", config, "--check", "--no-vllm", *extra, env={**env, **more_env},
+                 timeout=600)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        assert f"WARNING: {len(OPERATORS)} file(s) under the cache root" in ok.stderr
+        assert "the next clean stop deletes them" in ok.stderr
+    assert snapshot(top) == before  # --check wrote nothing, deleted nothing
+    # LMCache's own temp files alone never block
+    for name in OPERATORS:
+        os.unlink(os.path.join(os.fsencode(root), os.fsencode(name)))
+    alone = kvp("launch", config, "--check", "--no-vllm", env=env, timeout=600)
+    assert alone.returncode == 0 and "'.tmp.'" not in alone.stderr, alone.stderr
+
+
+@pytest.mark.parametrize(("files", "allowed", "problem", "note"), [
+    (0, False, False, False), (3, False, True, False), (3, True, False, True),
+    (0, True, False, False)], ids=["none", "refused", "allowed", "none-allowed"])
+def test_the_tmp_cleanup_verdict(files: int, allowed: bool, problem: bool, note: bool) -> None:
+    f = replace(FACTS, tmp_files=files, tmp_samples=("a.tmp.1", "b.tmp.2", "c.tmp.3")[:files],
+                allow_tmp_cleanup=allowed)
+    pre = judge(f)
+    found = [p for p in pre.problems if "'.tmp.'" in p.message]
+    assert bool(found) == problem and all(p.where == "KVP_CACHE_ROOT" for p in found)
+    assert any("'.tmp.'" in n and n.startswith("WARNING") for n in pre.notes) == note
+    if problem:
+        assert "a.tmp.1, b.tmp.2, c.tmp.3)" in found[0].message and "more" not in found[0].message
