@@ -26,6 +26,7 @@ from kvpersist.system.files import accessible_to_others, read_owner_only, readab
 
 from ..cli import kvp
 from ..conftest import REPO, clean_env, free_port
+from ..l2_roots import scan_at
 from ..model_dirs import plain_dir
 
 Snapshot = dict[str, tuple[str, int, int, int]]
@@ -237,3 +238,20 @@ def test_the_tmp_cleanup_verdict(files: int, allowed: bool, problem: bool, note:
     assert any("'.tmp.'" in n and n.startswith("WARNING") for n in pre.notes) == note
     if problem:
         assert "a.tmp.1, b.tmp.2, c.tmp.3)" in found[0].message and "more" not in found[0].message
+
+
+def test_each_name_of_a_linked_file_is_one_lmcache_deletes(tmp_path: Path) -> None:
+    """A file with two names: counted once in the totals (as du does), but LMCache's clean-up
+    unlinks each name with '.tmp.' in it, whichever name the scan met first; a symlink to a
+    directory is never unlinked (os.walk lists it as a directory)."""
+    root = tmp_path / "cache"
+    (root / "d").mkdir(parents=True, mode=0o700)
+    (root / "b.txt").write_text("kept under one name\n")
+    os.link(root / "b.txt", root / "z.tmp.1")  # met after b.txt
+    (root / "a.tmp.1").write_text("lost under both names\n")
+    os.link(root / "a.tmp.1", root / "d" / "c.tmp.2")
+    (root / "dir.tmp.link").symlink_to(root / "d")
+    for workers in (1, 2):
+        res = scan_at(root, workers=workers)
+        assert res.foreign.files == 2, workers  # each inode once
+        assert sorted(res.lmcache_cleans.samples) == ["a.tmp.1", "d/c.tmp.2", "z.tmp.1"]
