@@ -210,6 +210,9 @@ def test_launch_check_refuses_what_lmcache_would_delete(
     assert len(named) == 5 and f"and {len(OPERATORS) - 5} more" in problem, problem
     assert "\udcff" not in problem and not any(n.split("/")[-1] in problem for n in LMCACHES)
     assert "KVP_ALLOW_LMCACHE_TMP_CLEANUP=true" in problem and "dirlink" not in problem
+    # the systemd unit's start (launch --foreground) goes through the same verdict
+    unit = kvp("launch", config, "--foreground", env=env, timeout=120)
+    assert unit.returncode == 2 and "'.tmp.' in their names" in unit.stderr, unit.stderr
     # the opt-in, by flag or in the config's environment: a warning, and a launch would go on
     for extra, more_env in ((["--allow-lmcache-tmp-cleanup"], {}),
                             ([], {"KVP_ALLOW_LMCACHE_TMP_CLEANUP": "true"})):
