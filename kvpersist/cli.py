@@ -8,6 +8,7 @@ its own module, so the read commands start fast and never import lmcache or torc
 from __future__ import annotations
 
 import importlib
+import io
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> Any:
     carries exactly one JSON object whatever happens: the command's document or, when it
     ends without one, the error document of :class:`~kvpersist.json_mode.JsonRun` (the
     message still goes to stderr, the exit code is unchanged)."""
+    if argv is None:  # the process's own entry (the console script): its own streams
+        _forgiving_streams()
     args = sys.argv[1:] if argv is None else list(argv)
     run = JsonRun(wants_json(args))
     try:
@@ -159,6 +162,15 @@ def main(argv: list[str] | None = None) -> Any:
         raise
     run.fail_on_code(result)
     return result
+
+
+def _forgiving_streams() -> None:
+    """Paths are printed escaped, but should text that is not UTF-8 still reach a stream
+    that refuses it (a UTF-8 locale's ``strict`` stdout), it is written escaped
+    (``\\udcff``) rather than ending the command with ``UnicodeEncodeError``."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            stream.reconfigure(errors="backslashreplace")
 
 
 def run() -> None:

@@ -39,6 +39,7 @@ from kvpersist.config.loader import load_deployment
 from kvpersist.config.shared_tier import SharedTier
 from kvpersist.errors import KvpError, UsageError
 from kvpersist.l2.inventory import open_existing, real_root, resolve_inventory
+from kvpersist.l2.layout import display_name
 from kvpersist.l2.runs import read_runs
 from kvpersist.l2.scan import ProgressFn, ScanResult
 from kvpersist.l2.shared_store import StoreMeasurement, measure
@@ -66,12 +67,26 @@ class RootFacts:
 
     @property
     def root(self) -> str:
+        """The root as shown (escaped, the report's ``root``): the value of its labels."""
         return str(self.doc["root"])
+
+    @property
+    def path(self) -> str:
+        """The root's real path, as the OS gave it (may hold bytes that are not UTF-8)."""
+        return self.scan.root
+
+
+def _labels(labels: dict[str, str]) -> list[str]:
+    """Label values safe to expose: a path may hold bytes that are not UTF-8 or control
+    characters (the exposition is UTF-8 text, one sample per line), so every value is shown
+    escaped as ``report`` shows it (:func:`~kvpersist.l2.layout.display_name`)."""
+    return [display_name(v) for v in labels.values()]
 
 
 @dataclass
 class Exposition:
-    """Metric families by name, filled by :func:`root_families` / :func:`health_families`."""
+    """Metric families by name, filled by :func:`root_families` / :func:`health_families`;
+    every label value escaped (:func:`_labels`)."""
 
     families: dict[str, GaugeMetricFamily | InfoMetricFamily | CounterMetricFamily] = field(
         default_factory=dict)
@@ -85,7 +100,7 @@ class Exposition:
             fam = self.families[full] = GaugeMetricFamily(full, doc, labels=list(labels),
                                                           unit=unit)
         if value is not None:
-            fam.add_metric(list(labels.values()), float(value))
+            fam.add_metric(_labels(labels), float(value))
 
     def counter(self, name: str, doc: str, labels: dict[str, str], value: float) -> None:
         """Add one sample to counter family ``name`` (exposed as ``name_total``)."""
@@ -93,14 +108,14 @@ class Exposition:
         fam = self.families.get(full)
         if not isinstance(fam, CounterMetricFamily):
             fam = self.families[full] = CounterMetricFamily(full, doc, labels=list(labels))
-        fam.add_metric(list(labels.values()), float(value))
+        fam.add_metric(_labels(labels), float(value))
 
     def info(self, name: str, doc: str, labels: dict[str, str], info: dict[str, str]) -> None:
         full = PREFIX + name
         fam = self.families.get(full)
         if not isinstance(fam, InfoMetricFamily):
             fam = self.families[full] = InfoMetricFamily(full, doc, labels=list(labels))
-        fam.add_metric(list(labels.values()), info)
+        fam.add_metric(_labels(labels), {k: display_name(v) for k, v in info.items()})
 
     def registry(self) -> CollectorRegistry:
         """A registry that exposes these families (and nothing else)."""
@@ -311,7 +326,7 @@ class MetricsOutcome:
         for rf in self.roots:
             exp = Exposition()
             root_families(exp, rf, self.measured_at)
-            yield textfile_name_for_root(rf.root), exp
+            yield textfile_name_for_root(rf.path), exp
         for sf in self.stores:
             exp = Exposition()
             store_families(exp, sf, self.measured_at)
@@ -322,10 +337,12 @@ class MetricsOutcome:
             yield f"kvpersist-deployment-{rep.config}.prom", exp
 
 
-def textfile_name_for_root(root: str) -> str:
-    """``kvpersist-root-<12 hex of the root's path digest>.prom`` (pure): one file per root,
-    whichever deployment's timer writes it."""
-    return f"kvpersist-root-{hashlib.sha256(root.encode()).hexdigest()[:12]}.prom"
+def textfile_name_for_root(root: str | bytes) -> str:
+    """``kvpersist-root-<12 hex of the digest of the root's path>.prom`` (pure): one file per
+    root, whichever deployment's timer writes it. The digest is of the path's bytes as the
+    OS holds them (``os.fsencode``: a path that is not UTF-8 has a name too, and two roots
+    that differ only in such bytes have two)."""
+    return f"kvpersist-root-{hashlib.sha256(os.fsencode(root)).hexdigest()[:12]}.prom"
 
 
 def textfile_name_for_store(store: str) -> str:

@@ -22,6 +22,10 @@ def _progress(msg: str) -> None:
               help="Seconds to wait for vLLM to serve the namespace.")
 @click.option("--allow-unpinned", is_flag=True,
               help="Launch with an incomplete identity: a one-off namespace.")
+@click.option("--allow-lmcache-tmp-cleanup", "allow_tmp_cleanup", is_flag=True,
+              help="Launch although files that are not LMCache's have '.tmp.' in their "
+                   "names under the cache root: LMCache deletes them at its next clean stop "
+                   "(as KVP_ALLOW_LMCACHE_TMP_CLEANUP=true; default: refuse, naming them).")
 @click.option("--crash-check-rate", "crash_rate", type=float, default=200.0,
               show_default=True,
               help="After an unclean stop: read the crash window at most this many MB/s "
@@ -49,7 +53,8 @@ def _progress(msg: str) -> None:
                    "warm-up gets KVP_WARMUP_WAIT or what is left).")
 @json_option
 def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_timeout: float,
-           allow_unpinned: bool, crash_rate: float, crash_seconds: float, check: bool,
+           allow_unpinned: bool, allow_tmp_cleanup: bool, crash_rate: float,
+           crash_seconds: float, check: bool,
            no_warmup: bool, warmup_wait: float | None, warmup_only: bool, deadline: float,
            as_json: bool) -> None:
     """Preflight CONFIG, start its lmcache server (and vLLM), warm up, report ready.
@@ -78,7 +83,8 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
 
     if check:
         res = lifecycle.check_launch(config, with_vllm=not (no_vllm or foreground),
-                                     allow_unpinned=allow_unpinned)
+                                     allow_unpinned=allow_unpinned,
+                                     allow_tmp_cleanup=allow_tmp_cleanup)
         if as_json:
             echo_json(res.to_dict())
         else:
@@ -90,13 +96,14 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
             click.echo(f"preflight ok: {res.config} (namespace {res.namespace})")
         return
     if foreground:
-        lifecycle.launch_foreground(config, allow_unpinned=allow_unpinned, progress=_progress)
+        lifecycle.launch_foreground(config, allow_unpinned=allow_unpinned,
+                                    allow_tmp_cleanup=allow_tmp_cleanup, progress=_progress)
         return
     out = lifecycle.launch(config, with_vllm=not no_vllm, server_timeout=timeout,
                            vllm_timeout=vllm_timeout, allow_unpinned=allow_unpinned,
-                           progress=_progress, crash_rate_mb_s=crash_rate or None,
-                           crash_seconds=crash_seconds, warmup=not no_warmup,
-                           warmup_wait=warmup_wait)
+                           allow_tmp_cleanup=allow_tmp_cleanup, progress=_progress,
+                           crash_rate_mb_s=crash_rate or None, crash_seconds=crash_seconds,
+                           warmup=not no_warmup, warmup_wait=warmup_wait)
     info = out.to_dict()
     if as_json:
         echo_json(info)

@@ -40,6 +40,7 @@ def metrics(configs: tuple[str, ...], root: str | None, textfile_dir: str | None
     from prometheus_client import generate_latest
 
     from kvpersist.actions.metrics import collect, write_textfiles
+    from kvpersist.system.untrusted import show_path
 
     cb = progress_printer("scanned entries")
     try:
@@ -52,7 +53,7 @@ def metrics(configs: tuple[str, ...], root: str | None, textfile_dir: str | None
         click.echo(generate_latest(outcome.whole().registry()).decode(), nl=False)
     else:
         for path in write_textfiles(outcome, textfile_dir):
-            click.echo(f"wrote {path}", err=True)
+            click.echo(f"wrote {show_path(path)}", err=True)
     for problem in outcome.unmeasured:
         click.echo(f"kvp-admin: {problem}", err=True)
     if outcome.unmeasured:

@@ -81,6 +81,9 @@ class DeploymentSettings:
     #: seconds the launch's warm-up may take (its ``--wait``) before the deployment is
     #: reported ready anyway (cold, degraded in health); kvpersist.stack.readiness
     warmup_wait: float = 120.0
+    #: launch even though files that are not LMCache's have ``.tmp.`` in their names under
+    #: the cache root, which LMCache's clean-up deletes at a clean stop (default: refuse)
+    allow_lmcache_tmp_cleanup: bool = False
 
 
 #: env key -> (field, kind, default-or-None-if-required). Defaults starting with "generic."
@@ -125,6 +128,7 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_SHARED_TIER_SECRET_FILE": ("shared_tier_secret_file", "abspath?", ""),
     "KVP_WARMUP_FILE": ("warmup_file", "abspath?", ""),
     "KVP_WARMUP_WAIT": ("warmup_wait", "duration", "120"),
+    "KVP_ALLOW_LMCACHE_TMP_CLEANUP": ("allow_lmcache_tmp_cleanup", "bool", "false"),
 }
 
 def parse_peers(value: str) -> tuple[tuple[str, ...], str]:

@@ -52,11 +52,14 @@ RESP_ENV_PASSWORD = "LMCACHE_RESP_PASSWORD"  # noqa: S105 - a variable name, not
 #: valkey adapter the same and INFO (glide's connection adds PING); kvpersist's report,
 #: prune and health send SCAN STRLEN UNLINK PING INFO, SET NX PX and EVAL of the lock
 #: scripts (which run GET DEL PEXPIRE); the fleet records (``kvpersist-fleet:<ns>...``,
-#: written by launch and health) SET EX, GET, DEL, and the index set SADD EXPIRE SREM
-#: SMEMBERS. AUTH and HELLO need no rule.
+#: written by launch and health) SET EX, DEL, EXISTS and, inside EVAL (a value is read only
+#: when its length fits), STRLEN and GET; the index set SADD EXPIRE SREM and, inside EVAL,
+#: SCARD then SMEMBERS. AUTH and HELLO need no rule. SCARD was added after 0.2.0: an ACL
+#: without it still works (the script then counts SMEMBERS' answer inside the store, and
+#: each read leaves one entry in the ACL LOG).
 ACL_RULES = ("resetkeys ~kvp-* ~kvpersist-* resetchannels -@all "
              "+get +set +exists +del +unlink +strlen +scan +eval +pexpire +info +ping "
-             "+sadd +srem +smembers +expire")
+             "+sadd +srem +smembers +scard +expire")
 #: What a cluster adds: CLUSTER SLOTS (glide's and redis-py's topology), COMMAND (redis-py's
 #: key routing) and CLIENT SETNAME (glide names its management connections; refused, it only
 #: fills the ACL LOG)

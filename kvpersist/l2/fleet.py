@@ -23,6 +23,12 @@ keys give equal fingerprints, and without the key nobody can compute it or test 
 key offline faster than a brute force of the key itself. It is neither the key nor a plain
 hash of it (a plain hash of a key from a small set could be looked up).
 
+Whatever the store holds is untrusted, whoever should have written it: a record is read
+only when its value is at most :data:`MAX_RECORD_BYTES` (the store is asked its length
+first), an index only when it has at most :data:`MAX_INDEX_MEMBERS` members, and a record is
+used only when it parses as this schema with every field of its type
+(:func:`decode_record`); anything else is foreign: counted, named escaped, skipped.
+
 Record keys start with ``kvpersist-``: never a chunk key (those start with the namespace,
 ``kvp-<hex>@``), so report, prune and LMCache never mistake one for the other.
 """
@@ -38,6 +44,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvpersist.l2.layout import display_name, is_namespace
+from kvpersist.system.untrusted import UnreadableFile, parse_json
 
 SCHEMA = "kvpersist.fleet-record/1"
 PREFIX = "kvpersist-fleet:"
@@ -175,46 +182,99 @@ class WrongType:
 
 
 WRONG_TYPE = WrongType()
-#: a stored value as read: the bytes, None (gone), or :data:`WRONG_TYPE`
-Stored = bytes | str | None | WrongType
+
+
+@dataclass(frozen=True)
+class Oversized:
+    """A value larger than :data:`MAX_RECORD_BYTES`, left on the store unread (only its
+    length was asked): not a record kvpersist wrote, foreign."""
+
+    size: int
+
+
+#: a stored value as read: the bytes, None (gone), :data:`WRONG_TYPE` or :class:`Oversized`
+Stored = bytes | str | None | WrongType | Oversized
+
+#: the largest record value read back (one kvpersist writes is ~400 bytes): a larger value is
+#: never fetched, only its length (:mod:`kvpersist.l2.shared_store` asks ``STRLEN`` first)
+MAX_RECORD_BYTES = 4096
+#: the most members a namespace's index may have (one per host serving the namespace): a
+#: larger set is not kvpersist's index, its members are never fetched
+MAX_INDEX_MEMBERS = 4096
+#: the longest host id (:func:`host_id`: 63 characters of host name, ``-``, 8 hex); a longer
+#: index member is not a host id and is never fetched
+MAX_HOST_ID_BYTES = 72
+#: the longest text field of a record (a host name has at most 64 characters)
+MAX_FIELD_CHARS = 256
 
 _STR_FIELDS = ("namespace", "host", "host_id", "deployment", "version", "serde",
                "serde_key_fingerprint")
 
 
+def _field_problem(doc: dict[str, Any]) -> str:
+    """Why the fields of a parsed record are not this schema's, or '' (pure): every text
+    field a printable string of at most :data:`MAX_FIELD_CHARS`, ``updated_at`` a number of
+    seconds >= 0, ``ttl_s`` a whole number >= 1. A missing field, or one of another type, is
+    never replaced by a default. Fields this version does not know are ignored (a newer
+    kvpersist may add some; refusing its records would make its namespaces look unused)."""
+    for name in _STR_FIELDS:
+        value = doc.get(name)
+        if not isinstance(value, str):
+            return f"{name} is {'missing' if value is None else _json_type(value)}, not text"
+        if len(value) > MAX_FIELD_CHARS or not value.isprintable():
+            return f"{name} is not printable text of at most {MAX_FIELD_CHARS} characters"
+    updated, ttl = doc.get("updated_at"), doc.get("ttl_s")
+    if isinstance(updated, bool) or not isinstance(updated, int | float) or updated < 0:
+        return "updated_at is not a number of seconds >= 0"
+    if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
+        return "ttl_s is not a whole number of seconds >= 1"
+    return ""
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "an array", bool: "a boolean", int: "a number",
+            float: "a number"}.get(type(value), type(value).__name__)
+
+
 def decode_record(key: str, raw: Stored) -> tuple[FleetRecord | None, str]:
     """A record from its key and stored value; (None, why) for anything else (pure).
 
-    The value must be this schema's JSON, and its namespace and host id must be the ones
-    its key names (a record copied under another key is not trusted). A key of another type
-    (:data:`WRONG_TYPE`) is foreign."""
+    The value is untrusted: it must be this schema's JSON (at most
+    :data:`MAX_RECORD_BYTES`, parsed by :func:`~kvpersist.system.untrusted.parse_json`:
+    never a ``RecursionError``, ``NaN`` or ``Infinity``), every field of its type
+    (:func:`_field_problem`), and its namespace and host id the ones its key names (a record
+    copied under another key is not trusted). A key of another type (:data:`WRONG_TYPE`)
+    or a value too large to be a record (:class:`Oversized`) is foreign. ``why`` starts with
+    the key, escaped."""
     shown = display_name(key)
     if raw is None:
         return None, f"{shown}: gone"
     if isinstance(raw, WrongType):
         return None, f"{shown}: not a string (a key of another type, foreign): skipped"
+    if isinstance(raw, Oversized):
+        return None, (f"{shown}: {raw.size:,} bytes, more than the {MAX_RECORD_BYTES:,} a "
+                      "fleet record may hold (foreign, not read): skipped")
+    if len(raw) > MAX_RECORD_BYTES:
+        return None, (f"{shown}: {len(raw):,} bytes, more than the {MAX_RECORD_BYTES:,} a "
+                      "fleet record may hold (foreign): skipped")
     try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None, f"{shown}: not JSON"
+        doc = parse_json(raw, shown)
+    except UnreadableFile as exc:
+        return None, f"{shown}: {exc.why} (not a fleet record, foreign): skipped"
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        return None, f"{shown}: not a {SCHEMA} record"
-    if not all(isinstance(doc.get(f), str) for f in _STR_FIELDS):
-        return None, f"{shown}: a text field is missing"
-    updated, ttl = doc.get("updated_at"), doc.get("ttl_s", RECORD_TTL_S)
-    if (isinstance(updated, bool) or not isinstance(updated, (int, float))
-            or isinstance(ttl, bool) or not isinstance(ttl, int)):
-        return None, f"{shown}: updated_at or ttl_s is not a number"
-    text = {f: str(doc[f]) for f in _STR_FIELDS}
-    rec = FleetRecord(namespace=text["namespace"], host=text["host"],
-                      host_id=text["host_id"], deployment=text["deployment"],
-                      version=text["version"], serde=text["serde"],
-                      serde_key_fingerprint=text["serde_key_fingerprint"],
-                      updated_at=float(updated), ttl_s=ttl)
+        return None, f"{shown}: not a {SCHEMA} record (foreign): skipped"
+    problem = _field_problem(doc)
+    if problem:
+        return None, f"{shown}: {problem} (not a {SCHEMA} record, foreign): skipped"
+    rec = FleetRecord(namespace=doc["namespace"], host=doc["host"], host_id=doc["host_id"],
+                      deployment=doc["deployment"], version=doc["version"],
+                      serde=doc["serde"], serde_key_fingerprint=doc["serde_key_fingerprint"],
+                      updated_at=float(doc["updated_at"]), ttl_s=doc["ttl_s"])
     if not is_namespace(rec.namespace) or not _HOST_ID.match(rec.host_id):
-        return None, f"{shown}: bad namespace or host id"
+        return None, f"{shown}: bad namespace or host id (foreign): skipped"
     if rec.key != key:
-        return None, f"{shown}: the record names another key ({rec.key})"
+        return None, (f"{shown}: the record names another key ({display_name(rec.key)}; "
+                      "foreign): skipped")
     return rec, ""
 
 

@@ -30,6 +30,7 @@ from kvpersist.config.loader import list_config_names, load_deployment
 from kvpersist.config.values import system_dir
 from kvpersist.errors import ConfigError, KvpError, UsageError
 from kvpersist.l2.budget import BudgetPlan, plan_for_deployment
+from kvpersist.l2.layout import display_name
 from kvpersist.l2.manifests import Manifest, manifest_dirs, read_manifests, read_manifests_at
 from kvpersist.l2.pin_store import measure_pins, read_pins
 from kvpersist.l2.pins import PinnedUsage, PinSet
@@ -155,16 +156,17 @@ def require_root(root: str | os.PathLike[str]) -> None:
     Raises UsageError naming the root when it is missing, not a directory or a system
     directory, KvpError when this user cannot read it."""
     path = os.fspath(root)
+    shown = display_name(path)
     system = system_dir(os.path.realpath(path))
     if system:
-        raise UsageError(f"{path} is (or resolves to) the system directory {system}: never a "
+        raise UsageError(f"{shown} is (or resolves to) the system directory {system}: never a "
                          "cache root (check --root or KVP_CACHE_ROOT)")
     if not os.path.isdir(path):
         what = "not a directory" if os.path.lexists(path) else "no such directory"
-        raise UsageError(f"cannot scan the cache root {path}: {what} (check --root or "
+        raise UsageError(f"cannot scan the cache root {shown}: {what} (check --root or "
                          "KVP_CACHE_ROOT)")
     if not os.access(path, os.R_OK | os.X_OK):
-        raise KvpError(f"cannot scan the cache root {path}: not readable by this user; run "
+        raise KvpError(f"cannot scan the cache root {shown}: not readable by this user; run "
                        "as the cache owner")
 
 
@@ -186,11 +188,11 @@ def scan(root: RootDir, *, hist: bool = False,
     try:
         return scan_root(root, progress=progress, hist=hist)
     except (FileNotFoundError, NotADirectoryError) as exc:
-        raise UsageError(f"cannot scan {root.given or root.path}: not an existing directory "
-                         "(check --root or KVP_CACHE_ROOT)") from exc
+        raise UsageError(f"cannot scan {display_name(root.given or root.path)}: not an "
+                         "existing directory (check --root or KVP_CACHE_ROOT)") from exc
     except OSError as exc:
-        raise KvpError(f"cannot scan {root.given or root.path}: {exc.strerror or exc}; run as "
-                       "the cache owner") from exc
+        raise KvpError(f"cannot scan {display_name(root.given or root.path)}: "
+                       f"{exc.strerror or exc}; run as the cache owner") from exc
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from kvpersist.l2.pins import (
     parse_pin_document,
     pins_name,
 )
-from kvpersist.l2.scan import HIST_BUCKET_NS
 from kvpersist.l2.tree import RootDir, meta_dir, open_rel, read_small_at, replace_at
+from kvpersist.l2.usage import HIST_BUCKET_NS
 
 
 def pins_path(root: str | os.PathLike[str], namespace: str) -> str:

@@ -86,7 +86,7 @@ class PruneResult:
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "schema": "kvpersist.prune/1",
-            "root": self.root,
+            "root": display_name(self.root),
             "dry_run": self.dry_run,
             "planned": {"files": self.planned_files, "bytes": self.planned_bytes},
             "deleted": {"files": self.deleted_files, "bytes": self.deleted_bytes},

@@ -33,7 +33,7 @@ from kvpersist.config.values import format_size
 from kvpersist.errors import UsageError
 from kvpersist.l2.layout import is_namespace, is_pinned_namespace
 
-#: Width of a histogram bucket; must equal kvpersist.l2.scan.HIST_BUCKET_NS.
+#: Width of a histogram bucket; must equal kvpersist.l2.usage.HIST_BUCKET_NS.
 BUCKET_NS = 3600 * 10**9
 #: Temp files younger than this may still be in flight.
 DEFAULT_TEMP_MIN_AGE_S = 3600.0
@@ -46,7 +46,7 @@ ACTIVE = "active"
 
 
 class UsageView(Protocol):
-    """What retention needs to know about a group of files (see kvpersist.l2.scan.Usage)."""
+    """What retention needs to know about a group of files (see kvpersist.l2.usage.Usage)."""
 
     @property
     def files(self) -> int: ...

@@ -37,16 +37,12 @@ from kvpersist.l2.layout import (
     classify,
     display_name,
     is_shard_dir_name,
-    namespace_of_prefix,
 )
 from kvpersist.l2.tree import RootDir, open_dir, walk_dirs
+from kvpersist.l2.usage import HIST_BUCKET_NS, SAMPLE_CAP, PrefixUsage, Usage
 from kvpersist.system.files import FsInfo, fs_info
 from kvpersist.system.forked import run_parts
 
-#: Width of a last-use histogram bucket (one hour), in nanoseconds.
-HIST_BUCKET_NS = 3600 * 10**9
-#: Cap on remembered examples (salts, foreign paths, errors) so memory stays bounded.
-SAMPLE_CAP = 20
 #: Trees whose root directory is at least this big (bytes of directory entries) are scanned
 #: by several processes.
 PARALLEL_MIN_DIR_BYTES = 1 << 20
@@ -61,99 +57,6 @@ QUARANTINE_PREFIX = f"{META_DIR}/{QUARANTINE_DIR}/"
 ProgressFn = Callable[[int], None]
 #: ``Dir.subdirs.append`` of the directory being scanned: queues ``(name, tag)`` for the walk
 DescendFn = Callable[[tuple[str, int]], None]
-
-
-@dataclass
-class Usage:
-    """Files and bytes of one category; ``oldest``/``newest`` are mtimes in ns (0 = none)."""
-
-    files: int = 0
-    bytes: int = 0
-    allocated_bytes: int = 0
-    oldest_mtime_ns: int = 0
-    newest_mtime_ns: int = 0
-    #: last use (max of mtime and atime) hour bucket -> [files, bytes]
-    use_hist: dict[int, list[int]] = field(default_factory=dict)
-    samples: list[str] = field(default_factory=list)
-    newest_atime_ns: int = 0
-
-    def add(self, st: os.stat_result, sample: str | None = None, hist: bool = False) -> None:
-        self.files += 1
-        self.bytes += st.st_size
-        self.allocated_bytes += st.st_blocks * 512
-        m = st.st_mtime_ns
-        if not self.oldest_mtime_ns or m < self.oldest_mtime_ns:
-            self.oldest_mtime_ns = m
-        if m > self.newest_mtime_ns:
-            self.newest_mtime_ns = m
-        a = st.st_atime_ns
-        if a > self.newest_atime_ns:
-            self.newest_atime_ns = a
-        if hist:
-            b = (a if a > m else m) // HIST_BUCKET_NS
-            h = self.use_hist.get(b)
-            if h is None:
-                self.use_hist[b] = [1, st.st_size]
-            else:
-                h[0] += 1
-                h[1] += st.st_size
-        if sample is not None and len(self.samples) < SAMPLE_CAP:
-            self.samples.append(sample)
-
-    def merge(self, other: Usage) -> None:
-        self.files += other.files
-        self.bytes += other.bytes
-        self.allocated_bytes += other.allocated_bytes
-        if other.oldest_mtime_ns and (
-            not self.oldest_mtime_ns or other.oldest_mtime_ns < self.oldest_mtime_ns
-        ):
-            self.oldest_mtime_ns = other.oldest_mtime_ns
-        self.newest_mtime_ns = max(self.newest_mtime_ns, other.newest_mtime_ns)
-        self.newest_atime_ns = max(self.newest_atime_ns, other.newest_atime_ns)
-        for b, (f, n) in other.use_hist.items():
-            h = self.use_hist.setdefault(b, [0, 0])
-            h[0] += f
-            h[1] += n
-        room = SAMPLE_CAP - len(self.samples)
-        if room > 0:
-            self.samples.extend(other.samples[:room])
-
-    @property
-    def last_use_ns(self) -> int:
-        """Newest use: the later of the newest mtime and the newest atime (0 when empty).
-
-        atime is only as fresh as the mount allows (``relatime`` updates it about daily).
-        """
-        return max(self.newest_mtime_ns, self.newest_atime_ns)
-
-
-@dataclass
-class PrefixUsage(Usage):
-    """Chunk files sharing one file-name prefix."""
-
-    prefix: str = ""
-    #: packed kv_rank values seen
-    ranks: set[int] = field(default_factory=set)
-    groups: set[int] = field(default_factory=set)
-    salted_files: int = 0
-    salts: set[str] = field(default_factory=set)
-    sharded_files: int = 0
-
-    @property
-    def namespace(self) -> str | None:
-        return namespace_of_prefix(self.prefix)
-
-    def merge(self, other: Usage) -> None:
-        super().merge(other)
-        if isinstance(other, PrefixUsage):
-            self.ranks |= other.ranks
-            self.groups |= other.groups
-            self.salted_files += other.salted_files
-            self.sharded_files += other.sharded_files
-            for s in other.salts:
-                if len(self.salts) >= SAMPLE_CAP:
-                    break
-                self.salts.add(s)
 
 
 #: A file with several names, as a walker met it: (name, path below the root, depth, under a
@@ -175,9 +78,13 @@ class ScanResult:
     symlinks: Usage = field(default_factory=Usage)
     foreign: Usage = field(default_factory=Usage)
     foreign_dirs: int = 0
-    #: foreign and metadata files with ``.tmp.`` in their names: LMCache's clean-up at a
-    #: graceful stop deletes every such file under the cache root (a subset of the others,
-    #: not added to the total)
+    #: what LMCache's clean-up at a graceful stop deletes that is not LMCache's own: it
+    #: walks the whole tree under the cache root (``os.walk``: every depth, ``.kvpersist``
+    #: too, symlinked directories not entered) and unlinks every entry that is not a
+    #: directory (a file, a symlink, a FIFO, a socket) whose name contains ``.tmp.``; counted
+    #: here are those that are not LMCache's own names where LMCache writes them (a chunk or
+    #: its temp name in the root or in its own shard directory), each name of a file with
+    #: several names once (a subset of the others, not added to the total)
     lmcache_cleans: Usage = field(default_factory=Usage)
     directories: Usage = field(default_factory=Usage)
     #: files in ``.kvpersist/quarantine/`` (moved there by ``verify --apply``; a subset of
@@ -277,7 +184,7 @@ class _Walker:
             try:
                 root_fd = open_dir(self.root)
             except OSError as exc:
-                self._error(f"{self.root}: {exc.strerror}")
+                self._error(f"{display_name(self.root)}: {exc.strerror}")
                 return res
         try:
             if self.part == 0:
@@ -401,7 +308,11 @@ class _Walker:
                     return
                 _count_file(res, name, path, depth, foreign, meta, shard, st, self.hist)
             elif e.is_symlink():
-                res.symlinks.add(e.stat(follow_symlinks=False), sample=display_name(path))
+                st = e.stat(follow_symlinks=False)
+                res.symlinks.add(st, sample=display_name(path))
+                # LMCache unlinks the link itself, unless it leads to a directory
+                if TEMP_MARKER in name and not _leads_to_dir(e):
+                    res.lmcache_cleans.add(st, sample=display_name(path))
             elif e.is_dir(follow_symlinks=False):
                 res.directories.add(e.stat(follow_symlinks=False))
                 if meta or (depth == 0 and name == META_DIR):
@@ -414,7 +325,10 @@ class _Walker:
                     descend((name, _PLAIN))
             else:
                 # sockets, fifos, devices: foreign, counted with their lstat size
-                res.foreign.add(e.stat(follow_symlinks=False), sample=display_name(path))
+                st = e.stat(follow_symlinks=False)
+                res.foreign.add(st, sample=display_name(path))
+                if TEMP_MARKER in name:
+                    res.lmcache_cleans.add(st, sample=display_name(path))
         except OSError as exc:
             self._stat_error(exc, rel, name)
 
@@ -460,12 +374,29 @@ def _prefix(res: ScanResult, prefix: str) -> PrefixUsage:
     return u
 
 
-def _count_file(res: ScanResult, name: str, path: str, depth: int, foreign: bool, meta: bool,
-                shard: tuple[str, str] | None, st: os.stat_result, hist: bool) -> None:
-    """Count one regular file into its category (the slow path, and linked files)."""
+def _leads_to_dir(e: os.DirEntry[str]) -> bool:
+    """Does the symlink ``e`` lead to a directory (``os.walk`` then lists it as one and
+    LMCache's clean-up leaves it)? A broken link does not."""
+    try:
+        return e.is_dir()
+    except OSError:
+        return False
+
+
+def _cleaned_not_lmcaches(res: ScanResult, name: str, path: str, depth: int, foreign: bool,
+                          meta: bool, shard: tuple[str, str] | None,
+                          st: os.stat_result) -> None:
+    """Count the regular file ``name`` in ``lmcache_cleans`` if LMCache's clean-up deletes
+    it (``.tmp.`` in its name) and it is not LMCache's own name where LMCache writes one."""
     if TEMP_MARKER in name and (meta or foreign or depth == 1 or classify(name, shard)[0]
                                 is Kind.FOREIGN):
         res.lmcache_cleans.add(st, sample=display_name(path))
+
+
+def _count_file(res: ScanResult, name: str, path: str, depth: int, foreign: bool, meta: bool,
+                shard: tuple[str, str] | None, st: os.stat_result, hist: bool) -> None:
+    """Count one regular file into its category (the slow path, and linked files)."""
+    _cleaned_not_lmcaches(res, name, path, depth, foreign, meta, shard, st)
     if meta:
         res.metadata.add(st)
         if path.startswith(QUARANTINE_PREFIX):
@@ -500,6 +431,8 @@ def _count_links(res: ScanResult, hist: bool) -> None:
     for name, path, depth, foreign, meta, shard, st in sorted(res.links, key=lambda x: x[1]):
         key = (st.st_dev, st.st_ino)
         if key in seen:
+            # counted once, but LMCache's clean-up unlinks each name of it
+            _cleaned_not_lmcaches(res, name, path, depth, foreign, meta, shard, st)
             continue
         seen.add(key)
         _count_file(res, name, path, depth, foreign, meta, shard, st, hist)

@@ -13,6 +13,13 @@ not and never deleted; a prune deletes only keys that *parse* as the namespace's
 (the SCAN pattern only narrows the walk), each one only if it is a string, checked and
 deleted in one script (no ``TYPE``: the recommended ACL does not grant it). Keys are sent back
 as the bytes the store gave (decoded with ``surrogateescape``).
+
+Every value is untrusted too, and so is its size: a fleet record, a prune lock's holder and a
+namespace's index are read by scripts (``EVAL``) that ask the length first (``STRLEN``,
+``SCARD``) and send the value only when it is small enough to be what its name says
+(:data:`~kvpersist.l2.fleet.MAX_RECORD_BYTES`, :data:`~kvpersist.l2.fleet.MAX_INDEX_MEMBERS`);
+a 100 MB value or a set of a million members is never fetched, only counted as foreign.
+Checking and reading in one script leaves no window for a value to grow in between.
 """
 
 from __future__ import annotations
@@ -29,15 +36,13 @@ from typing import Any
 from kvpersist.config.shared_tier import SharedSecret, SharedTier
 from kvpersist.errors import CheckFailed, KvpError
 from kvpersist.l2.fleet import (
+    MAX_RECORD_BYTES,
     WRONG_TYPE,
+    Oversized,
     Stored,
-    index_key,
     is_fleet_key,
     is_record_key,
-    parse_record_key,
-    record_key,
 )
-from kvpersist.l2.fleet import match_pattern as records_pattern
 from kvpersist.l2.layout import display_name
 from kvpersist.l2.shared_keys import (
     NOT_A_CHUNK,
@@ -92,21 +97,23 @@ def is_wrong_type(reply: Any) -> bool:
     return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")
 
 
-def _replies(pipe: Any) -> list[Any]:
+def replies(pipe: Any) -> list[Any]:
     """Run ``pipe``: its replies, a ``WRONGTYPE`` one left in its place (a foreign key);
     any other error raised."""
-    replies = list(pipe.execute(raise_on_error=False))
-    for r in replies:
+    answers = list(pipe.execute(raise_on_error=False))
+    for r in answers:
         if isinstance(r, Exception) and not is_wrong_type(r):
             raise r
-    return replies
+    return answers
 
 
-def _decode(key: Any) -> str:
+def decode_key(key: Any) -> str:
+    """A key as the store gave it, as text (bytes that are not UTF-8 kept by
+    ``surrogateescape``)."""
     return key.decode("utf-8", "surrogateescape") if isinstance(key, bytes) else str(key)
 
 
-def _raw(key: str) -> bytes:
+def raw_key(key: str) -> bytes:
     """The key as the store holds it (:meth:`SharedStore.scan` decoded it with
     ``surrogateescape``)."""
     return key.encode("utf-8", "surrogateescape")
@@ -118,6 +125,20 @@ _RELEASE = ("if redis.pcall('get', KEYS[1]) == ARGV[1] then "
             "return redis.call('del', KEYS[1]) else return 0 end")
 _REFRESH = ("if redis.pcall('get', KEYS[1]) == ARGV[1] then "
             "return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end")
+#: read a string no longer than ARGV[1] bytes: {size, value}; {size} when it is longer (the
+#: value is never sent), {-1} for a key of another type, {-2} when there is none
+_GET_BOUNDED = ("local n = redis.pcall('strlen', KEYS[1]) "
+                "if type(n) == 'table' then "
+                "if string.find(n.err, 'WRONGTYPE', 1, true) == 1 then return {-1} end "
+                "return n end "
+                "if n > tonumber(ARGV[1]) then return {n} end "
+                "local v = redis.call('get', KEYS[1]) "
+                "if not v then return {-2} end "
+                "return {n, v}")
+#: the longest prune-lock value shown (``host:pid:token``)
+MAX_LOCK_HOLDER_BYTES = 1024
+#: keys read per pipeline (one SCAN page's worth)
+READ_BATCH = SCAN_COUNT
 #: delete a key only if it is a string (a chunk): {size, deleted}, {-1, 0} for another type
 _UNLINK_STRING = ("local n = redis.pcall('strlen', KEYS[1]) "
                   "if type(n) ~= 'number' then return {-1, 0} end "
@@ -167,7 +188,7 @@ class SharedStore:
             cursor = 0
             while True:
                 cursor, page = node.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
-                keys = [_decode(k) for k in page]
+                keys = [decode_key(k) for k in page]
                 if keys:
                     yield node, keys
                 if int(cursor) == 0:
@@ -355,8 +376,8 @@ def _sizes(node: Any, keys: list[str]) -> list[int | None]:
         return []
     pipe = node.pipeline(transaction=False)
     for k in keys:
-        pipe.strlen(_raw(k))
-    return [None if is_wrong_type(v) else int(v or 0) for v in _replies(pipe)]
+        pipe.strlen(raw_key(k))
+    return [None if is_wrong_type(v) else int(v or 0) for v in replies(pipe)]
 
 
 def usage(store: SharedStore, pattern: str = "*") -> SharedUsage:
@@ -414,17 +435,17 @@ def _chunks_of(ns: str, keys: list[str], skipped: Skipped) -> list[str]:
 
 
 def _lock_holder_of(store: SharedStore, key: str) -> str:
-    """Who holds the prune lock ``key`` (its value), for the refusal's message."""
-    import redis
-
-    try:
-        other = store.client.get(key)
-    except redis.ResponseError as exc:
-        if not is_wrong_type(exc):
-            raise
-        return ("a key of another type, not a lock kvpersist wrote: delete it "
-                "if no prune of the namespace runs")
-    return _decode(other) if other is not None else "released meanwhile"
+    """Who holds the prune lock ``key`` (its value, at most :data:`MAX_LOCK_HOLDER_BYTES`
+    read), for the refusal's message."""
+    [(_, other)] = read_values(store, [key], max_bytes=MAX_LOCK_HOLDER_BYTES)
+    if other is WRONG_TYPE or isinstance(other, Oversized):
+        what = ("a key of another type" if other is WRONG_TYPE else
+                f"a value of {other.size:,} bytes" if isinstance(other, Oversized) else "")
+        return (f"{what}, not a lock kvpersist wrote: delete it if no prune of the "
+                "namespace runs")
+    if other is None:
+        return "released meanwhile"
+    return decode_key(other)
 
 
 def prune_namespace(store: SharedStore, ns: str, *, apply: bool,
@@ -459,8 +480,8 @@ def prune_namespace(store: SharedStore, ns: str, *, apply: bool,
             mine = _chunks_of(ns, keys, res.skipped)
             pipe = node.pipeline(transaction=False)
             for k in mine:
-                pipe.eval(_UNLINK_STRING, 1, _raw(k))
-            for k, (size, gone) in zip(mine, _replies(pipe), strict=True):
+                pipe.eval(_UNLINK_STRING, 1, raw_key(k))
+            for k, (size, gone) in zip(mine, replies(pipe), strict=True):
                 if int(size) < 0:
                     res.skipped.add(NOT_A_STRING, k)
                 elif int(gone):
@@ -474,75 +495,36 @@ def prune_namespace(store: SharedStore, ns: str, *, apply: bool,
     return res
 
 
-# --------------------------------------------------------------------------- fleet records
+# --------------------------------------------------------------------------- bounded reads
 
 
-def write_record(store: SharedStore, ns: str, host: str, value: str, ttl_s: int) -> int:
-    """Write (or refresh) one host's record of ``ns`` with its TTL and add the host to the
-    namespace's index (whose TTL restarts, once the index took the host: it outlives every
-    record it names); then drop the index members whose records lapsed. Returns how many
-    were dropped. Raises ForeignKey when the index's key holds another type (the record is
-    written; the foreign key is left as it is, its TTL too)."""
-    idx = index_key(ns)
-    pipe = store.client.pipeline(transaction=False)
-    pipe.set(record_key(ns, host), value, ex=ttl_s)
-    pipe.sadd(idx, host)
-    if is_wrong_type(_replies(pipe)[1]):
-        raise ForeignKey(f"{idx} holds another type than a set (not kvpersist's index of "
-                         f"{ns}): the record {record_key(ns, host)} is written but not "
-                         "indexed (other hosts find it by a scan); delete that key and the "
-                         "next write indexes the record")
-    store.client.expire(idx, ttl_s)
-    found = read_index(store, ns)
-    gone = [m for m, v in found or () if v is None]
-    if gone:
-        store.client.srem(idx, *gone)
-    return len(gone)
+def read_values(store: SharedStore, keys: list[str], *,
+                max_bytes: int = MAX_RECORD_BYTES) -> list[tuple[str, Stored]]:
+    """(key, value) of ``keys``, each value read only when it is at most ``max_bytes``
+    (one script per key, pipelined by :data:`READ_BATCH`; the cluster client routes each
+    to its node): a key that is gone has the value None, one of another type
+    :data:`~kvpersist.l2.fleet.WRONG_TYPE`, a longer one
+    :class:`~kvpersist.l2.fleet.Oversized` (never fetched)."""
+    out: list[tuple[str, Stored]] = []
+    for i in range(0, len(keys), READ_BATCH):
+        batch = keys[i:i + READ_BATCH]
+        pipe = store.client.pipeline(transaction=False)
+        for k in batch:
+            # execute_command: redis-py's cluster pipeline has no eval(), but routes an EVAL
+            # by its key like any command
+            pipe.execute_command("EVAL", _GET_BOUNDED, 1, raw_key(k), max_bytes)
+        out += [(k, _stored(r)) for k, r in zip(batch, replies(pipe), strict=True)]
+    return out
 
 
-def delete_record(store: SharedStore, ns: str, host: str) -> bool:
-    """Delete one host's record of ``ns`` and its index entry (an index of another type is
-    left as it is); True if the record existed."""
-    pipe = store.client.pipeline(transaction=False)
-    pipe.delete(record_key(ns, host))
-    pipe.srem(index_key(ns), host)
-    return bool(_replies(pipe)[0])
-
-
-def read_index(store: SharedStore, ns: str) -> list[tuple[str, Stored]] | None:
-    """(host id, record value) of every member of ``ns``'s index (``SMEMBERS``, then one
-    pipelined GET; a record that lapsed has the value None, one of another type
-    :data:`~kvpersist.l2.fleet.WRONG_TYPE`). No scan. None when the index's key holds
-    another type than a set (a foreign key: the caller finds the records another way)."""
-    import redis
-
-    try:
-        raw = store.client.smembers(index_key(ns))
-    except redis.ResponseError as exc:
-        if is_wrong_type(exc):
-            return None
-        raise
-    members = sorted(_decode(m) for m in raw)
-    return [(m, v) for m, (_, v) in zip(members, read_values(
-        store, [record_key(ns, m) for m in members]), strict=True)]
-
-
-def read_values(store: SharedStore, keys: list[str]) -> list[tuple[str, Stored]]:
-    """(key, value) of ``keys`` (one pipelined GET; the cluster client routes each key to its
-    node; a key that is gone has the value None, one of another type
-    :data:`~kvpersist.l2.fleet.WRONG_TYPE`)."""
-    if not keys:
-        return []
-    pipe = store.client.pipeline(transaction=False)
-    for k in keys:
-        pipe.get(_raw(k))
-    return [(k, WRONG_TYPE if is_wrong_type(v) else v)
-            for k, v in zip(keys, _replies(pipe), strict=True)]
-
-
-def scan_records(store: SharedStore, ns: str) -> list[tuple[str, Stored]]:
-    """(key, value) of every record key of ``ns`` found by a SCAN of every node: what
-    readers fall back on when the index is a foreign key (slow on a large store)."""
-    keys = [k for _, page in store.scan(records_pattern(ns)) for k in page
-            if (parse_record_key(k) or ("", ""))[0] == ns]
-    return read_values(store, keys)
+def _stored(reply: Any) -> Stored:
+    """A reply of :data:`_GET_BOUNDED` as a stored value."""
+    status = int(reply[0])
+    if status == -1:
+        return WRONG_TYPE
+    if status == -2:
+        return None
+    if len(reply) == 1:
+        return Oversized(status)
+    value: bytes = reply[1]
+    return value

@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Generic, TypeVar
 
 from kvpersist.errors import KvpError, UsageError
-from kvpersist.l2.layout import META_DIR, is_shard_dir_name
+from kvpersist.l2.layout import META_DIR, display_name, is_shard_dir_name
 
 #: How every directory of a walk is opened: read-only, must be a directory, never a symlink.
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -168,20 +168,21 @@ def open_root(root: str | os.PathLike[str], *, purpose: str = "open") -> RootDir
     """
     given = os.fspath(root)
     path = os.path.realpath(given)
+    shown = display_name(given)
     try:
         fd = open_dir(path)
     except FileNotFoundError:
-        raise UsageError(f"cannot {purpose} {given}: no such directory (check --root or "
+        raise UsageError(f"cannot {purpose} {shown}: no such directory (check --root or "
                          "KVP_CACHE_ROOT; only `kvp-admin launch` creates one, mode 0700)"
                          ) from None
     except NotADirectoryError:
-        raise UsageError(f"cannot {purpose} {given}: not a directory (check --root or "
+        raise UsageError(f"cannot {purpose} {shown}: not a directory (check --root or "
                          "KVP_CACHE_ROOT)") from None
     except PermissionError as exc:
-        raise KvpError(f"cannot {purpose} {given}: {exc.strerror}; run as the user that owns "
+        raise KvpError(f"cannot {purpose} {shown}: {exc.strerror}; run as the user that owns "
                        "the cache (or one that may read it)") from None
     except OSError as exc:
-        raise KvpError(f"cannot {purpose} {given}: {exc.strerror or exc}; check that the "
+        raise KvpError(f"cannot {purpose} {shown}: {exc.strerror or exc}; check that the "
                        "filesystem is mounted and healthy") from None
     return RootDir(path, fd, given)
 

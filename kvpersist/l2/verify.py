@@ -109,6 +109,7 @@ class VerifyResult:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["schema"] = SCHEMA
+        d["root"] = display_name(self.root)
         d["findings"] = [asdict(f) for f in self.findings]
         return d
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -31,16 +32,15 @@ from kvpersist.l2.fleet import (
     record_key,
     serde_fingerprint,
 )
-from kvpersist.l2.shared_keys import bounded
-from kvpersist.l2.shared_store import (
-    connect,
+from kvpersist.l2.fleet_store import (
     delete_record,
     read_index,
-    read_values,
-    scan_records,
-    store_errors,
+    scan_record_keys,
     write_record,
 )
+from kvpersist.l2.layout import display_name
+from kvpersist.l2.shared_keys import SKIPPED_SHOWN
+from kvpersist.l2.shared_store import READ_BATCH, connect, read_values, store_errors
 from kvpersist.stack.lmcache_exec import read_secret_file
 from kvpersist.system.files import service_uids
 
@@ -158,41 +158,54 @@ def delete(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
             store.close()
 
 
-def decode_all(found: list[tuple[str, Stored]]) -> tuple[list[FleetRecord], list[str]]:
-    """The valid records of (key, value) pairs and why the others were skipped, the first
-    few named and the rest counted (pure; a value None, i.e. a record that lapsed meanwhile,
-    is no problem)."""
+def decode_all(found: Iterable[tuple[str, Stored]],
+               limit: int = SKIPPED_SHOWN) -> tuple[list[FleetRecord], list[str]]:
+    """The valid records of (key, value) pairs and why the others were skipped as foreign:
+    the first ``limit`` named, the rest counted in a last line (pure; a value None, i.e. a
+    record that lapsed meanwhile, is no problem)."""
     records: list[FleetRecord] = []
     problems: list[str] = []
+    more = 0
     for key, raw in found:
         rec, why = decode_record(key, raw)
         if rec is not None:
             records.append(rec)
         elif raw is not None:
-            problems.append(why)
-    return records, bounded(problems)
+            if len(problems) < limit:
+                problems.append(why)
+            else:
+                more += 1
+    return records, problems + ([f"... and {more:,} more"] if more else [])
 
 
 def read_namespace(store: Any, ns: str) -> tuple[list[FleetRecord], list[str]]:
     """The live records of ``ns`` through its index (no scan of the keyspace); when the
-    index's key holds another type (a foreign key), through a scan of the record keys,
-    with a problem naming the key. Raises what the store raises (see
+    index's key is not kvpersist's index (another type, too many members), through a scan
+    of the record keys, with a problem naming the key. Raises what the store raises (see
     :func:`kvpersist.l2.shared_store.store_errors`)."""
 
     found = read_index(store, ns)
-    if found is not None:
-        return decode_all([(record_key(ns, host), raw) for host, raw in found])
-    records, problems = decode_all(scan_records(store, ns))
-    return records, [f"{index_key(ns)} holds another type than a set (not kvpersist's index):"
-                     " the records were found by a scan of the store; delete that key (the "
-                     "next launch or health run writes the index again)", *problems]
+    idx = display_name(index_key(ns))
+    if found.members is not None:
+        records, problems = decode_all([(record_key(ns, host), raw)
+                                        for host, raw in found.members])
+        return records, ([f"{idx} {found.problem}"] if found.problem else []) + problems
+    records, problems = read_keys(store, scan_record_keys(store, ns))
+    return records, [f"{idx} {found.problem} (not kvpersist's index): the records were "
+                     "found by a scan of the store; delete that key (the next launch or "
+                     "health run writes the index again)", *problems]
 
 
 def read_keys(store: Any, keys: list[str]) -> tuple[list[FleetRecord], list[str]]:
-    """The live records of ``keys`` (record keys a scan found). Raises what the store
-    raises."""
+    """The live records of ``keys`` (record keys a scan found), read and decoded one batch
+    at a time (each value bounded: :func:`kvpersist.l2.shared_store.read_values`). Raises
+    what the store raises."""
 
-    return decode_all(read_values(store, keys))
+    def found() -> Iterator[tuple[str, Stored]]:
+        for i in range(0, len(keys), READ_BATCH):
+            yield from read_values(store, keys[i:i + READ_BATCH])
+
+    return decode_all(found())
 
 
 def fleet_facts(dep: Deployment, timeout: float = TIMEOUT_S) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from kvpersist.config.deployment import Deployment, shared_tier_of
@@ -106,12 +106,15 @@ class Prepared:
 
 
 def prepare_launch(config: str, *, environ: Mapping[str, str] | None = None,
-                   allow_unpinned: bool = False) -> Prepared:
+                   allow_unpinned: bool = False, allow_tmp_cleanup: bool = False) -> Prepared:
     """Load ``config``, size it once (scan + other deployments on its root), render it and
-    build its launch plan. Writes nothing. Raises ConfigError for configuration or budget
-    problems."""
+    build its launch plan. ``allow_tmp_cleanup`` (``launch --allow-lmcache-tmp-cleanup``)
+    sets KVP_ALLOW_LMCACHE_TMP_CLEANUP for this launch. Writes nothing. Raises ConfigError
+    for configuration or budget problems."""
     env = dict(os.environ if environ is None else environ)
     dep = load_deployment(config, env, allow_unpinned=allow_unpinned)
+    if allow_tmp_cleanup:
+        dep = replace(dep, settings=replace(dep.settings, allow_lmcache_tmp_cleanup=True))
     sizing = size_deployment(dep, environ=env)
     rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=sizing.l1_size_gb,
                       l2_capacity_gb=sizing.l2_capacity_gb, lmcache_bin=lmcache_bin())

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from kvpersist.config.deployment import Deployment, listeners, shared_tier_of
 from kvpersist.errors import KvpError, Problem
 from kvpersist.l2.inventory import Sizing
+from kvpersist.l2.layout import display_name
 from kvpersist.l2.shared_store import TLS_UNTRUSTED, probe
 from kvpersist.stack import identity_check, vllm_args
 from kvpersist.stack.lmcache_exec import check_ca_file, read_secret_file
@@ -149,6 +150,12 @@ class PreflightFacts:
     weights: WeightsCheck
     #: None: not checked (no vLLM, or another problem came first)
     vllm_args: ArgsFacts | None = None
+    #: what LMCache's clean-up at a clean stop would delete under the cache root that is
+    #: not LMCache's own (``ScanResult.lmcache_cleans``): how many, the first few (escaped)
+    tmp_files: int = 0
+    tmp_samples: tuple[str, ...] = ()
+    #: KVP_ALLOW_LMCACHE_TMP_CLEANUP (or ``launch --allow-lmcache-tmp-cleanup``)
+    allow_tmp_cleanup: bool = False
 
 
 def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
@@ -164,6 +171,8 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
         also = service_uids(s.service_user)
     except KvpError as exc:
         user_error = str(exc)
+    scan = sizing.measurement.scan if sizing.measurement else None
+    cleans = scan.lmcache_cleans if scan else None
     trust: list[tuple[str, str]] = []
     for key, path in (("KVP_CACHE_ROOT", plan.cache_root), ("KVP_STATE_DIR", plan.state_dir),
                       ("KVP_LOG_DIR", os.path.dirname(plan.server_log)),
@@ -193,7 +202,10 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
         docker_found=bool(shutil.which("docker")) if with_vllm else False,
         identity_problems=tuple(identity.launch_problems()),
         identity_notes=tuple(identity.launch_notes()),
-        weights=check_weights(plan, pinned=dep.pinned, with_vllm=with_vllm, write_cache=False))
+        weights=check_weights(plan, pinned=dep.pinned, with_vllm=with_vllm, write_cache=False),
+        tmp_files=cleans.files if cleans else 0,
+        tmp_samples=tuple(cleans.samples) if cleans else (),
+        allow_tmp_cleanup=s.allow_lmcache_tmp_cleanup)
     if with_vllm and not judge(facts).problems:  # costs a vLLM import: last, when all passed
         args = vllm_args.check_deployment(dep, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
         facts = replace(facts, vllm_args=ArgsFacts(tuple(args.problems), tuple(args.notes)))
@@ -270,22 +282,43 @@ def listener_notes(dep: Deployment, *, with_vllm: bool) -> list[str]:
 
 def foreign_notes(sizing: Sizing) -> list[str]:
     """What launch should say about files under the cache root that are not LMCache's: they
-    are never touched by kvpersist, but LMCache deletes every file whose name contains
-    ``.tmp.`` under its root when it stops cleanly."""
+    are never touched by kvpersist (those LMCache's clean-up would delete are judged apart:
+    :func:`tmp_cleanup_verdict`)."""
     scan = sizing.measurement.scan if sizing.measurement else None
-    if scan is None:
+    if scan is None or not (scan.foreign.files or scan.foreign_dirs):
         return []
-    out = []
-    if scan.foreign.files or scan.foreign_dirs:
-        out.append(f"{scan.foreign.files} foreign file(s) and {scan.foreign_dirs} foreign "
-                   f"dir(s) under the cache root {scan.root}: kvpersist never touches them, "
-                   "but keep only LMCache's files there")
-    if scan.lmcache_cleans.files:
-        out.append(f"WARNING: {scan.lmcache_cleans.files} file(s) that are not LMCache's have "
-                   f"'.tmp.' in their names under {scan.root} (e.g. "
-                   f"{', '.join(scan.lmcache_cleans.samples[:3])}): LMCache deletes every such "
-                   "file under its cache root when it stops cleanly; move them out")
-    return out
+    return [f"{scan.foreign.files} foreign file(s) and {scan.foreign_dirs} foreign dir(s) "
+            f"under the cache root {display_name(scan.root)}: kvpersist never touches them, "
+            "but keep only LMCache's files there"]
+
+
+#: how many of the files LMCache's clean-up would delete a refusal names
+TMP_SHOWN = 5
+TMP_OPT_IN = "KVP_ALLOW_LMCACHE_TMP_CLEANUP"
+
+
+def tmp_cleanup_verdict(f: PreflightFacts) -> tuple[list[Problem], list[str]]:
+    """Files under the cache root that are not LMCache's but have ``.tmp.`` in their names
+    (pure): LMCache 0.5.6's clean-up at a clean stop (``FileDynamicNixlStorageAgent.
+    cleanup``) deletes every such file, so a launch is refused (nothing is deleted but by
+    an explicit command) unless the operator accepted it (:data:`TMP_OPT_IN`); then it is a
+    warning. LMCache's own temp files (an interrupted write, normal after a kill -9) are
+    not counted. Returns (problems, notes)."""
+    if not f.tmp_files:
+        return [], []
+    shown = ", ".join(f.tmp_samples[:TMP_SHOWN])
+    more = f.tmp_files - min(len(f.tmp_samples), TMP_SHOWN)
+    what = (f"{f.tmp_files} file(s) under the cache root {display_name(f.root.path)} that "
+            f"are not LMCache's have '.tmp.' in their names ({shown}"
+            f"{f' and {more} more' if more else ''}): LMCache deletes every such file under "
+            "its cache root when it stops cleanly")
+    if f.allow_tmp_cleanup:
+        return [], [f"WARNING: {what}; launching anyway ({TMP_OPT_IN}=true or "
+                    "--allow-lmcache-tmp-cleanup): the next clean stop deletes them"]
+    return [Problem("KVP_CACHE_ROOT", what,
+                    "move them out of the cache root (kvp-admin report lists them), or "
+                    f"accept that a clean stop deletes them: {TMP_OPT_IN}=true in the "
+                    "config, or launch --allow-lmcache-tmp-cleanup once")], []
 
 
 def budget_notes(sizing: Sizing) -> list[str]:
@@ -321,6 +354,9 @@ def judge(f: PreflightFacts, *, min_free_bytes: int = MIN_FREE_BYTES) -> Preflig
     notes += f.listener_notes
     root_problems, create = _root_verdict(f.root, min_free_bytes)
     problems += root_problems
+    tmp_problems, tmp_notes = tmp_cleanup_verdict(f)
+    problems += tmp_problems
+    notes += tmp_notes
     if create:
         notes.append(f"cache root {f.root.path} does not exist yet: the launch creates it "
                      "(mode 0700)")
@@ -425,4 +461,4 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
 __all__ = ["MIN_FREE_BYTES", "ArgsFacts", "PortFacts", "Preflight", "PreflightFacts",
            "RootFacts", "SharedFacts", "budget_notes", "foreign_notes", "gather",
            "gather_root", "gather_shared", "judge", "listener_notes", "preflight",
-           "root_creation_note", "shared_problems"]
+           "root_creation_note", "shared_problems", "tmp_cleanup_verdict"]

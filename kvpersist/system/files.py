@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpersist.errors import KvpError
+from kvpersist.system.untrusted import show_path
 
 #: mode bits that let users other than the owner and its group into a directory (the cache
 #: root: the KV data it holds reveals prompts)
@@ -51,8 +52,8 @@ def atomic_write(path: str | os.PathLike[str], text: str, mode: int = 0o600) -> 
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:
-        raise KvpError(f"cannot write {target}: {exc.strerror or exc}; check that its "
-                       "directory exists and is writable by this user") from exc
+        raise KvpError(f"cannot write {show_path(target)}: {exc.strerror or exc}; check that "
+                       "its directory exists and is writable by this user") from exc
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -63,7 +64,7 @@ def atomic_write(path: str | os.PathLike[str], text: str, mode: int = 0o600) -> 
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise KvpError(f"cannot write {target}: {exc.strerror or exc}") from exc
+        raise KvpError(f"cannot write {show_path(target)}: {exc.strerror or exc}") from exc
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -180,8 +181,8 @@ def write_textfile(path: str | os.PathLike[str], registry: Any) -> None:
     try:
         write_to_textfile(target, registry)
     except OSError as exc:
-        raise KvpError(f"cannot write {target}: {exc.strerror or exc}; check that the "
-                       "directory exists and that this user may write there") from exc
+        raise KvpError(f"cannot write {show_path(target)}: {exc.strerror or exc}; check "
+                       "that the directory exists and that this user may write there") from exc
     finally:
         os.umask(old)
 

@@ -236,6 +236,7 @@ def test_records_and_index_on_a_cluster(tmp_path: Path) -> None:
     them all without a scan, report's scan finds them, a lapsed one is dropped by the next
     write, a delete removes record and index entry."""
     from kvpersist.config.shared_tier import SharedSecret, parse_shared_tier
+    from kvpersist.l2 import fleet_store as fs
     from kvpersist.l2 import shared_store as ss
     from kvpersist.stack.fleet import read_keys, read_namespace
 
@@ -248,7 +249,7 @@ def test_records_and_index_on_a_cluster(tmp_path: Path) -> None:
                             "0.2.0", "aesgcm", serde_fingerprint(bytes([i + 1]) * 32),
                             time.time()) for i in range(6)]
         for rec in recs:
-            ss.write_record(st, OTHER_NS, rec.host_id, rec.encode(), 60)
+            fs.write_record(st, OTHER_NS, rec.host_id, rec.encode(), 60)
         per_node = [n.cli("--scan", "--pattern", "kvpersist-fleet:*").split() for n in r.nodes]
         assert sum(len(k) for k in per_node) == 7 and sum(1 for k in per_node if k) >= 2
         got, problems = read_namespace(st, OTHER_NS)
@@ -257,10 +258,10 @@ def test_records_and_index_on_a_cluster(tmp_path: Path) -> None:
         found = ss.usage(st)
         assert (found.fleet_keys, found.fleet_records, found.other_keys) == (7, 6, 0)
         assert len(read_keys(st, found.record_keys)[0]) == 6
-        assert ss.delete_record(st, OTHER_NS, recs[0].host_id)
-        assert not ss.delete_record(st, OTHER_NS, recs[0].host_id)
+        assert fs.delete_record(st, OTHER_NS, recs[0].host_id)
+        assert not fs.delete_record(st, OTHER_NS, recs[0].host_id)
         r.nodes[0].cli("-c", "del", recs[1].key)  # lapsed
-        assert ss.write_record(st, OTHER_NS, recs[2].host_id, recs[2].encode(), 60) == 1
+        assert fs.write_record(st, OTHER_NS, recs[2].host_id, recs[2].encode(), 60) == 1
         left = {m for m in r.nodes[0].cli("-c", "smembers", f"kvpersist-fleet:{OTHER_NS}")
                 .split()}
         assert left == {x.host_id for x in recs[2:]}

@@ -307,26 +307,40 @@ def test_health_reports_a_running_server_whose_pid_file_is_gone(stack: Stack) ->
 
 
 def test_lmcache_clean_stop_never_reaches_kvpersist_state(stack: Stack) -> None:
-    """Stock LMCache deletes every file with '.tmp.' in its name anywhere under the cache root
-    when it stops cleanly. kvpersist keeps its state beside the root, names nothing it writes
-    under the root that way (the quarantine renames '.tmp.'), and warns about foreign files
-    that will be lost; this test watches the real server do it."""
+    """Stock LMCache 0.5.6 deletes, when it stops cleanly, every entry that is no directory
+    and whose name contains '.tmp.', anywhere under the cache root (``os.walk``). A launch
+    refuses while files that are not LMCache's would be lost that way, naming them, unless
+    the operator opts in; with the opt-in this test watches the real server delete exactly
+    the files the refusal named, and leave a symlink to a directory. kvpersist keeps its
+    state beside the root and names nothing it writes under the root that way (the
+    quarantine renames '.tmp.'); LMCache's own leftover temp files never block a launch."""
     ns = stack.render()["namespace"]
     stack.root.mkdir(mode=0o700)
-    planted = [stack.root / "notes.tmp.txt", stack.root / "sub" / "draft.tmp.1"]
-    planted[1].parent.mkdir()
-    for p in planted:
+    planted = [stack.root / "notes.tmp.keep", stack.root / "sub" / "draft.tmp.1",
+               stack.root / ".kvpersist" / "pins" / "x.tmp.y", stack.root / "fifo.tmp.f",
+               stack.root / "link.tmp.broken"]
+    for p in planted[:3]:
+        p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text("operator's file\n")
+    os.mkfifo(planted[3], 0o600)
+    planted[4].symlink_to("/nonexistent")
+    (stack.root / "dirlink.tmp.d").symlink_to(stack.root / "sub")  # a directory to os.walk
     stale_temp = stack.root / f"{ns}_01000100_0_{'ab' * 8}.bin.tmp.{'cd' * 16}"
     stale_temp.write_bytes(b"\0" * 4096)  # an interrupted write, as LMCache leaves one
 
     check = stack.kvp("launch", stack.config, "--check", "--no-vllm")
-    assert check.returncode == 0, check.stderr
-    assert "2 file(s) that are not LMCache's have '.tmp.'" in check.stderr, check.stderr
+    assert check.returncode == 2, check.stderr
+    assert "5 file(s) under the cache root" in check.stderr, check.stderr
+    assert all(str(p.relative_to(stack.root)) in check.stderr for p in planted)
+    assert stale_temp.name not in check.stderr and "dirlink" not in check.stderr
+    refused = stack.kvp("launch", stack.config, "--no-vllm")
+    assert refused.returncode == 2 and "--allow-lmcache-tmp-cleanup" in refused.stderr
+    assert not stack.pid_file.exists()  # nothing started
     report = json.loads(stack.kvp("report", "--root", str(stack.root), "--json").stdout)
-    assert report["lmcache_deletes_at_stop"]["files"] == 2
+    assert report["lmcache_deletes_at_stop"]["files"] == 5
 
-    stack.launch("--no-vllm")
+    info = stack.launch("--no-vllm", "--allow-lmcache-tmp-cleanup")
+    assert any("the next clean stop deletes them" in n for n in info["notes"]), info["notes"]
     verify = stack.kvp("verify", stack.config, "--apply", "--temp-age", "0", "--json")
     assert json.loads(verify.stdout)["quarantined"], verify.stdout + verify.stderr
     state = sorted(p.relative_to(stack.state_dir) for p in stack.state_dir.rglob("*"))
@@ -335,12 +349,19 @@ def test_lmcache_clean_stop_never_reaches_kvpersist_state(stack: Stack) -> None:
     assert not stack.state_dir.is_relative_to(stack.root)
 
     stack.stop()  # a clean stop: LMCache's clean-up runs
-    assert not any(p.exists() for p in planted), "LMCache deleted the operator's files"
+    assert not any(os.path.lexists(p) for p in planted), "LMCache deleted what launch named"
+    assert (stack.root / "dirlink.tmp.d").is_symlink()
     assert sorted((stack.root / ".kvpersist" / "quarantine").iterdir()) == quarantine
     after = sorted(p.relative_to(stack.state_dir) for p in stack.state_dir.rglob("*"))
     assert [p for p in state if "pids" not in p.parts] == [p for p in after
                                                            if "pids" not in p.parts]
     assert Path("keys/l2-master.key") in after and Path(f"manifests/{ns}.json") in after
+
+    # LMCache's own leftover temp files alone (normal after a kill -9) never block a launch
+    stale_temp.write_bytes(b"\0" * 4096)
+    (stack.root / "dirlink.tmp.d").unlink()
+    again = stack.kvp("launch", stack.config, "--check", "--no-vllm")
+    assert again.returncode == 0 and "'.tmp.'" not in again.stderr, again.stderr
 
 
 def test_a_0_1_state_dir_inside_the_cache_root_is_kept(stack: Stack) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import replace
 from fnmatch import fnmatchcase
 
 import pytest
@@ -17,7 +18,10 @@ from kvpersist.l2 import keys
 from kvpersist.l2.fleet import (
     ALL_PATTERN,
     RECORD_TTL_S,
+    WRONG_TYPE,
     FleetRecord,
+    Oversized,
+    Stored,
     by_namespace,
     decode_record,
     describe_hosts,
@@ -148,19 +152,53 @@ def _with(r: FleetRecord, **change: object) -> str:
     return json.dumps({**r.to_dict(), **change})
 
 
-@pytest.mark.parametrize("value", [
-    None, "not json", "[1]", b"\xff\xfe",
-    _with(rec(), schema="kvpersist.fleet-record/0"),
-    _with(rec(), host=7),
-    _with(rec(), updated_at=True),
-    _with(rec(), updated_at="now"),
-    _with(rec(), ttl_s=1.5),
-    _with(rec(), namespace=NS2),  # names another key
-    _with(rec(), host_id="x:y"),
-])
-def test_bad_records_are_refused_with_a_reason(value: str | bytes | None) -> None:
-    got, why = decode_record(rec().key, value)
-    assert got is None and why.startswith(rec().key)
+def _without(r: FleetRecord, field: str) -> str:
+    return json.dumps({k: v for k, v in r.to_dict().items() if k != field})
+
+
+#: (value as stored, what the reason says): every one is foreign, none is guessed at
+BAD_RECORDS: list[tuple[Stored, str]] = [
+    (None, "gone"), ("not json", "not valid JSON"), ("[1]", "not a kvpersist.fleet-record/1"),
+    (b"\xff\xfe", "not UTF-8"), (WRONG_TYPE, "not a string"),
+    (Oversized(100 << 20), "104,857,600 bytes, more than the 4,096"),
+    ("x" * 4097, "4,097 bytes"),
+    ("[" * 2000 + "]" * 2000, "nested deeper than the 64 levels"),
+    ('{"a":' * 65 + "1" + "}" * 65, "nested 65 levels deep"),
+    (_with(rec(), schema="kvpersist.fleet-record/0"), "not a kvpersist.fleet-record/1"),
+    (_with(rec(), host=7), "host is a number, not text"),
+    (_with(rec(), host=["h"]), "host is an array, not text"),
+    (_with(rec(), deployment={"a": 1}), "deployment is an object, not text"),
+    (_with(rec(), serde=None), "serde is missing, not text"),
+    (_without(rec(), "version"), "version is missing, not text"),
+    (_with(rec(), host="gpu\x1b[2J"), "host is not printable text"),
+    (_with(rec(), deployment="d" * 257), "deployment is not printable text"),
+    (_with(rec(), updated_at=True), "updated_at is not a number"),
+    (_with(rec(), updated_at="now"), "updated_at is not a number"),
+    (_with(rec(), updated_at=-1), "updated_at is not a number"),
+    (_with(rec(), ttl_s=1.5), "ttl_s is not a whole number"),
+    (_with(rec(), ttl_s=0), "ttl_s is not a whole number"),
+    (_with(rec(), ttl_s=False), "ttl_s is not a whole number"),
+    (_without(rec(), "ttl_s"), "ttl_s is not a whole number"),  # never the default
+    (_with(rec(), namespace=NS2), "names another key"),
+    (_with(rec(), host_id="x:y"), "bad namespace or host id"),
+]
+for _const in ("NaN", "Infinity", "-Infinity", "1e309"):
+    BAD_RECORDS.append((_with(rec(), updated_at=12345).replace("12345", _const),
+                        "not a number JSON allows" if "e" not in _const else "out of range"))
+
+
+@pytest.mark.parametrize(("value", "why"), BAD_RECORDS)
+def test_bad_records_are_foreign_with_a_reason(value: Stored, why: str) -> None:
+    got, reason = decode_record(rec().key, value)
+    assert got is None and reason.startswith(rec().key) and why in reason, reason
+    if value is not None:
+        assert reason.endswith("skipped") and "foreign" in reason
+
+
+def test_fields_a_newer_version_adds_are_ignored() -> None:
+    r = rec()
+    assert decode_record(r.key, _with(r, zone="eu-1")) == (r, "")
+    assert decode_record(r.key, _with(r, updated_at=7)) == (replace(r, updated_at=7.0), "")
 
 
 def test_a_record_under_a_wrong_key_is_not_trusted() -> None:

@@ -9,6 +9,7 @@ The verdict tests are table-driven on :func:`kvpersist.stack.preflight.judge`.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -18,12 +19,14 @@ from pathlib import Path
 import pytest
 
 from kvpersist.errors import KvpError
+from kvpersist.l2.layout import display_name
 from kvpersist.stack.preflight import PortFacts, PreflightFacts, RootFacts, judge
 from kvpersist.stack.weights import WeightsCheck
 from kvpersist.system.files import accessible_to_others, read_owner_only, readable_by_others
 
 from ..cli import kvp
 from ..conftest import REPO, clean_env, free_port
+from ..l2_roots import scan_at
 from ..model_dirs import plain_dir
 
 Snapshot = dict[str, tuple[str, int, int, int]]
@@ -165,3 +168,93 @@ def test_read_owner_only_refuses_what_it_should_not_trust(tmp_path: Path) -> Non
         read_owner_only(tmp_path / "fifo", what="secret", max_bytes=3)
     with pytest.raises(KvpError, match="No such file"):
         read_owner_only(tmp_path / "missing", what="secret", max_bytes=3)
+
+
+# --------------------------------------------------------------------------- LMCache's clean-up
+#: what LMCache 0.5.6 deletes at a clean stop that is not its own (every name with '.tmp.'
+#: that is no directory, at any depth, .kvpersist included) and what it also deletes that is
+#: its own (a temp file of an interrupted write, normal after a kill -9: never a refusal)
+NS = "kvp-8a8877c212dbb9f802c2eb354e22b53a"  # configs/cpu-demo
+OPERATORS = ["notes.tmp.keep", "sub/draft.tmp.1", ".kvpersist/x.tmp.y", "ab/cd/z.tmp.1",
+             "fifo.tmp.f", "link.tmp.broken", "bad\udcff.tmp.k"]
+LMCACHES = [f"{NS}_01000100_0_{'ab' * 8}.bin.tmp.{'cd' * 16}",
+            f"ab/cd/{NS}_01000100_0_abcd{'0' * 60}.bin.tmp.{'ef' * 16}"]
+
+
+def plant_tmp_files(root: Path, names: list[str]) -> None:
+    for name in names:
+        p = os.path.join(os.fsencode(root), os.fsencode(name))
+        os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
+        if name.startswith("fifo"):
+            os.mkfifo(p, 0o600)
+        elif name.startswith("link"):
+            os.symlink(b"/nonexistent", p)
+        else:
+            with open(p, "wb") as f:
+                f.write(b"an operator's file\n")
+    os.symlink("/tmp", root / "dirlink.tmp.d")  # LMCache's os.walk lists it as a directory
+
+
+def test_launch_check_refuses_what_lmcache_would_delete(
+        tree: tuple[Path, str, dict[str, str]]) -> None:
+    top, config, env = tree
+    root = top / "srv" / "cache"
+    root.mkdir(mode=0o700)
+    plant_tmp_files(root, OPERATORS + LMCACHES)
+    before = snapshot(top)
+    res = kvp("launch", config, "--check", "--no-vllm", "--json", env=env, timeout=600)
+    assert res.returncode == 2, res.stdout + res.stderr
+    [problem] = [p for p in json.loads(res.stdout)["problems"] if ".tmp." in p]
+    assert f"{len(OPERATORS)} file(s) under the cache root {root}" in problem, problem
+    named = [n for n in OPERATORS if display_name(n) in problem]
+    assert len(named) == 5 and f"and {len(OPERATORS) - 5} more" in problem, problem
+    assert "\udcff" not in problem and not any(n.split("/")[-1] in problem for n in LMCACHES)
+    assert "KVP_ALLOW_LMCACHE_TMP_CLEANUP=true" in problem and "dirlink" not in problem
+    # the systemd unit's start (launch --foreground) goes through the same verdict
+    unit = kvp("launch", config, "--foreground", env=env, timeout=120)
+    assert unit.returncode == 2 and "'.tmp.' in their names" in unit.stderr, unit.stderr
+    # the opt-in, by flag or in the config's environment: a warning, and a launch would go on
+    for extra, more_env in ((["--allow-lmcache-tmp-cleanup"], {}),
+                            ([], {"KVP_ALLOW_LMCACHE_TMP_CLEANUP": "true"})):
+        ok = kvp("launch", config, "--check", "--no-vllm", *extra, env={**env, **more_env},
+                 timeout=600)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        assert f"WARNING: {len(OPERATORS)} file(s) under the cache root" in ok.stderr
+        assert "the next clean stop deletes them" in ok.stderr
+    assert snapshot(top) == before  # --check wrote nothing, deleted nothing
+    # LMCache's own temp files alone never block
+    for name in OPERATORS:
+        os.unlink(os.path.join(os.fsencode(root), os.fsencode(name)))
+    alone = kvp("launch", config, "--check", "--no-vllm", env=env, timeout=600)
+    assert alone.returncode == 0 and "'.tmp.'" not in alone.stderr, alone.stderr
+
+
+@pytest.mark.parametrize(("files", "allowed", "problem", "note"), [
+    (0, False, False, False), (3, False, True, False), (3, True, False, True),
+    (0, True, False, False)], ids=["none", "refused", "allowed", "none-allowed"])
+def test_the_tmp_cleanup_verdict(files: int, allowed: bool, problem: bool, note: bool) -> None:
+    f = replace(FACTS, tmp_files=files, tmp_samples=("a.tmp.1", "b.tmp.2", "c.tmp.3")[:files],
+                allow_tmp_cleanup=allowed)
+    pre = judge(f)
+    found = [p for p in pre.problems if "'.tmp.'" in p.message]
+    assert bool(found) == problem and all(p.where == "KVP_CACHE_ROOT" for p in found)
+    assert any("'.tmp.'" in n and n.startswith("WARNING") for n in pre.notes) == note
+    if problem:
+        assert "a.tmp.1, b.tmp.2, c.tmp.3)" in found[0].message and "more" not in found[0].message
+
+
+def test_each_name_of_a_linked_file_is_one_lmcache_deletes(tmp_path: Path) -> None:
+    """A file with two names: counted once in the totals (as du does), but LMCache's clean-up
+    unlinks each name with '.tmp.' in it, whichever name the scan met first; a symlink to a
+    directory is never unlinked (os.walk lists it as a directory)."""
+    root = tmp_path / "cache"
+    (root / "d").mkdir(parents=True, mode=0o700)
+    (root / "b.txt").write_text("kept under one name\n")
+    os.link(root / "b.txt", root / "z.tmp.1")  # met after b.txt
+    (root / "a.tmp.1").write_text("lost under both names\n")
+    os.link(root / "a.tmp.1", root / "d" / "c.tmp.2")
+    (root / "dir.tmp.link").symlink_to(root / "d")
+    for workers in (1, 2):
+        res = scan_at(root, workers=workers)
+        assert res.foreign.files == 2, workers  # each inode once
+        assert sorted(res.lmcache_cleans.samples) == ["a.tmp.1", "d/c.tmp.2", "z.tmp.1"]

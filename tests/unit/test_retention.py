@@ -29,7 +29,7 @@ UNP = "kvp-unpinned-" + "d" * 32
 
 @dataclass
 class U:
-    """A stand-in for kvpersist.l2.scan.Usage: hist = {hour bucket: [files, bytes]}."""
+    """A stand-in for kvpersist.l2.usage.Usage: hist = {hour bucket: [files, bytes]}."""
 
     use_hist: dict[int, list[int]] = field(default_factory=dict)
 

@@ -101,6 +101,8 @@ def test_a_fleet_record_of_another_type_is_a_problem_not_a_record() -> None:
     rec, why = decode_record(key, WRONG_TYPE)
     assert rec is None and "not a string" in why
     assert decode_record(key + "\n\x1b", b"{}")[1].startswith(f"{key}\\x0a\\x1b")
-    assert decode_record(key, b"[" * 100_000)[1].endswith("not JSON")  # no RecursionError
+    assert "more than the 4,096" in decode_record(key, b"[" * 100_000)[1]  # not parsed
+    deep = decode_record(key, b"[" * 2000 + b"]" * 2000)[1]  # no RecursionError
+    assert "nested deeper than the 64 levels" in deep and deep.endswith("skipped"), deep
     records, problems = decode_all([(key, WRONG_TYPE)] * 30 + [(key, None)])
     assert records == [] and len(problems) == 11 and problems[-1] == "... and 20 more"
