@@ -18,6 +18,13 @@ from kvpersist.errors import ConfigError, Problem, UsageError
 from kvpersist.stack.identity_check import check_deployment
 from kvpersist.system import software
 from kvpersist.system.files import atomic_write
+from kvpersist.system.untrusted import (
+    MAX_MODEL_JSON_BYTES,
+    UnreadableFile,
+    decode,
+    read_bytes,
+    show_path,
+)
 
 if TYPE_CHECKING:
     from kvpersist.config.derive import Derivation, DeriveOptions
@@ -73,14 +80,20 @@ def diff(config_a: str, config_b: str) -> IdentityDiff:
 
 
 def template_sha(template: Path) -> str:
-    """KVP_CHAT_TEMPLATE_SHA256 of a .jinja file or a tokenizer_config.json. Raises
-    ConfigError naming the file if it cannot be read."""
+    """KVP_CHAT_TEMPLATE_SHA256 of a .jinja file or a tokenizer_config.json. The file is read
+    as untrusted (a FIFO, a device, a directory, a file past 64 MiB, bad UTF-8 are refused;
+    its bytes as they are: no newline translation, which Jinja does itself) and the template
+    rendered in a bounded sandbox. Raises ConfigError naming the file if it cannot be read
+    or its template does not render."""
+    fix = "give a chat template file or tokenizer_config.json"
     try:
-        text = template.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(Problem(str(template), f"cannot read: {exc}",
-                                  "give a chat template file or tokenizer_config.json")) from exc
-    return template_sha256(extract_template(text))
+        text = decode(read_bytes(template, max_bytes=MAX_MODEL_JSON_BYTES, fix=fix),
+                      show_path(template), fix)
+    except FileNotFoundError:
+        raise ConfigError(Problem(show_path(template), "not found", fix)) from None
+    except UnreadableFile as exc:
+        raise ConfigError(exc.problem()) from None
+    return template_sha256(extract_template(text, show_path(template)), show_path(template))
 
 
 def derive(model_dir: str, opts: DeriveOptions) -> Derivation:

@@ -127,7 +127,9 @@ def _check_model(cfg: Mapping[str, Any], m: ModelFacts) -> dict[str, FieldCheck]
         if org.revision:
             out[n] = _compare(n, cfg[n], org.revision, org.source, "", REDERIVE)
         elif org.revisions and (len(org.revisions) > 1 or cfg[n] not in org.revisions):
-            out[n] = FieldCheck(n, MISMATCH, cfg[n], ", ".join(org.revisions), org.source,
+            shown = ", ".join(org.revisions[:4]) + (f" and {len(org.revisions) - 4} more"
+                                                    if len(org.revisions) > 4 else "")
+            out[n] = FieldCheck(n, MISMATCH, cfg[n], shown, org.source,
                                 org.why_no_revision, REDERIVE)
         else:
             out[n] = FieldCheck(n, UNCHECKED, cfg[n], detail=org.why_no_revision)

@@ -3,7 +3,8 @@
 The checkpoint's ``torch_dtype``/``dtype`` when it is bfloat16 or float16. float32 (vLLM's
 ``auto`` serves it in a platform-dependent half type), a missing or contradictory dtype, and a
 checkpoint that declares a quantized KV cache (which vLLM applies under ``--kv-cache-dtype
-auto``) are refused as ambiguous.
+auto``) are refused as ambiguous; so is a dtype key that is present but not a string (never
+skipped for the other key).
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpersist.config.derived_field import Derived, unknown
-from kvpersist.config.model_facts import ModelFacts, text_config
+from kvpersist.config.model_facts import (
+    SHOWN_CHARS,
+    ModelFacts,
+    bad_text_config,
+    shown,
+    text_config,
+)
 
 
 def kv_quantization(m: ModelFacts) -> str:
@@ -47,20 +54,28 @@ def model_dtype(m: ModelFacts) -> Derived:
         return unknown("kv_cache_dtype", f"the checkpoint declares a quantized KV cache "
                         f"({declared}): vLLM stores 'fp8' (e4m3 on CUDA, e4m3fnuz on ROCm); "
                         "name the stored dtype with --kv-cache-dtype (e.g. fp8_e4m3)")
+    bad = bad_text_config(m.config, where)
+    if bad:
+        return unknown("kv_cache_dtype", f"{bad}: pass --kv-cache-dtype")
     tc, p = text_config(m.config)
     found: dict[str, str] = {}
     for prefix, cfg in (("", m.config), (p, tc)):
         for k in ("torch_dtype", "dtype"):
-            if isinstance(cfg.get(k), str):
-                found[prefix + k] = cfg[k]
+            value = cfg.get(k)
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                return unknown("kv_cache_dtype", f"{where}: {prefix}{k} is {shown(value)}, "
+                               "not a dtype name: pass --kv-cache-dtype")
+            found[prefix + k] = value
     values = set(found.values())
     if not values:
         return unknown("kv_cache_dtype", f"{where} names no torch_dtype/dtype: pass "
                         "--kv-cache-dtype")
     if len(values) > 1:
         return unknown("kv_cache_dtype", f"{where} names several dtypes "
-                        f"({', '.join(f'{k}={v}' for k, v in sorted(found.items()))}): pass "
-                        "--kv-cache-dtype")
+                        f"({', '.join(f'{k}={v[:SHOWN_CHARS]}' for k, v in sorted(found.items()))}"
+                        "): pass --kv-cache-dtype")
     (value,) = values
     key = sorted(found)[0]
     if value in ("bfloat16", "float16"):
@@ -69,5 +84,5 @@ def model_dtype(m: ModelFacts) -> Derived:
         return unknown("kv_cache_dtype", f"{where}: {key} is float32, which vLLM's auto "
                         "serves in a half type that depends on the platform: pass "
                         "--kv-cache-dtype bfloat16, float16 or float32")
-    return unknown("kv_cache_dtype", f"{where}: {key} is {value!r}, not a KV dtype kvpersist "
-                    "can name: pass --kv-cache-dtype")
+    return unknown("kv_cache_dtype", f"{where}: {key} is {value[:SHOWN_CHARS]!r}, not a KV "
+                    "dtype kvpersist can name: pass --kv-cache-dtype")

@@ -10,6 +10,12 @@
   and revision pin the rest.
 * The maximum length is vLLM's derived maximum: the smallest of ``max_position_embeddings``
   and its aliases, times the RoPE factor for the RoPE types vLLM scales.
+
+Nothing is guessed from a value of the wrong type: a key that is present (not null) but not
+a positive integer (a string, a float, a boolean, zero or less, more than
+:data:`~kvpersist.config.model_facts.MAX_CONFIG_INT`), or a RoPE factor that is not a
+positive finite number, makes the field unknown with that reason; it never falls back to the
+next key, because vLLM would use the value as it is, or fail.
 """
 
 from __future__ import annotations
@@ -19,7 +25,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvpersist.config.derived_field import Derived, unknown
-from kvpersist.config.model_facts import text_config
+from kvpersist.config.model_facts import (
+    MAX_CONFIG_INT,
+    bad_text_config,
+    config_int,
+    quoted,
+    shown,
+    text_config,
+)
 
 #: config keys vLLM reads for the number of KV heads, in its order
 KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num",
@@ -36,57 +49,21 @@ HETEROGENEOUS_KEYS = ("swa_num_key_value_heads", "swa_head_dim", "v_head_dim",
                       "swa_v_head_dim", "global_head_dim", "num_global_key_value_heads")
 
 
-def _positive_int(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        return None
-    return value
-
-
 def kv_geometry(config: Mapping[str, Any], where: str) -> tuple[Derived, Derived, list[str]]:
     """(num_kv_heads, head_dim, notes) as vLLM computes them from ``config``; ``where``
-    names the file in sources."""
-    tc, p = text_config(config)
+    names the file in sources. A field is unknown, with why, when a key it is computed from
+    is missing or present with a value vLLM could not use as a positive integer."""
     notes: list[str] = []
+    bad = bad_text_config(config, where)
+    if bad:
+        return unknown("num_kv_heads", bad), unknown("head_dim", bad), notes
+    tc, p = text_config(config)
     if tc.get("kv_lora_rank") is not None and "compress_ratios" not in tc:
-        rank = _positive_int(tc.get("kv_lora_rank"))
-        rope = _positive_int(tc.get("qk_rope_head_dim"))
-        if rank is None or rope is None:
-            why = f"{where} has an MLA kv_lora_rank but no usable {p}qk_rope_head_dim"
-            return unknown("num_kv_heads", why), unknown("head_dim", why), notes
-        notes.append("MLA model: vLLM caches one latent vector per token and layer (1 x "
-                     f"{rank + rope} values); with VLLM_MLA_DISABLE=1 it would cache full "
-                     "heads instead, a different geometry")
-        return (Derived("num_kv_heads", 1, f"{where}: {p}kv_lora_rank (MLA: one latent "
-                        "vector per token, cached as a single head)"),
-                Derived("head_dim", rank + rope, f"{where}: {p}kv_lora_rank {rank} + "
-                        f"{p}qk_rope_head_dim {rope} (MLA latent)"),
-                notes)
-    heads = _positive_int(tc.get("num_attention_heads"))
-    kv: Derived | None = None
-    for key in KV_HEAD_KEYS:
-        if tc.get(key) is not None:
-            value = _positive_int(tc.get(key))
-            kv = Derived("num_kv_heads", value, f"{where}: {p}{key}") if value else \
-                unknown("num_kv_heads", f"{where}: {p}{key} is not a positive integer")
-            break
-    if kv is None:
-        kv = (Derived("num_kv_heads", heads, f"{where}: {p}num_attention_heads (no "
-                      "num_key_value_heads: multi-head attention caches every head)")
-              if heads else unknown("num_kv_heads", f"{where} names neither "
-                                     f"{p}num_key_value_heads nor {p}num_attention_heads"))
-    head_dim = _positive_int(tc.get("head_dim"))
-    if head_dim:
-        hd = Derived("head_dim", head_dim, f"{where}: {p}head_dim")
-    elif _positive_int(tc.get("hidden_size_per_head")):
-        hd = Derived("head_dim", tc["hidden_size_per_head"], f"{where}: {p}hidden_size_per_head")
-    elif heads and _positive_int(tc.get("hidden_size")):
-        hidden = tc["hidden_size"]
-        hd = Derived("head_dim", hidden // heads,
-                     f"{where}: {p}hidden_size {hidden} / {p}num_attention_heads {heads}")
-    else:
-        hd = unknown("head_dim", f"{where} names neither {p}head_dim nor "
-                      f"{p}hidden_size and {p}num_attention_heads")
-    odd = [f"{p}{k}={tc[k]}" for k in HETEROGENEOUS_KEYS
+        return (*_mla(tc, where, p, notes), notes)
+    heads, heads_why = config_int(tc, "num_attention_heads", where, p)
+    kv = _kv_heads(tc, where, p, heads, heads_why)
+    hd = _head_dim(tc, where, p, heads, heads_why)
+    odd = [f"{p}{k}={quoted(tc[k])}" for k in HETEROGENEOUS_KEYS
            if tc.get(k) is not None and tc.get(k) not in (kv.value, hd.value)]
     if odd:
         notes.append(f"not every layer shares one KV geometry ({', '.join(odd)}): the identity "
@@ -96,41 +73,113 @@ def kv_geometry(config: Mapping[str, Any], where: str) -> tuple[Derived, Derived
     return kv, hd, notes
 
 
+def _mla(tc: Mapping[str, Any], where: str, p: str,
+         notes: list[str]) -> tuple[Derived, Derived]:
+    """MLA: one latent vector of kv_lora_rank + qk_rope_head_dim values per token."""
+    rank, rank_why = config_int(tc, "kv_lora_rank", where, p)
+    rope, rope_why = config_int(tc, "qk_rope_head_dim", where, p)
+    if rank is None or rope is None:
+        why = rank_why or rope_why or (f"{where} has an MLA kv_lora_rank but no usable "
+                                       f"{p}qk_rope_head_dim")
+        return unknown("num_kv_heads", why), unknown("head_dim", why)
+    notes.append("MLA model: vLLM caches one latent vector per token and layer (1 x "
+                 f"{rank + rope} values); with VLLM_MLA_DISABLE=1 it would cache full "
+                 "heads instead, a different geometry")
+    return (Derived("num_kv_heads", 1, f"{where}: {p}kv_lora_rank (MLA: one latent "
+                    "vector per token, cached as a single head)"),
+            Derived("head_dim", rank + rope, f"{where}: {p}kv_lora_rank {rank} + "
+                    f"{p}qk_rope_head_dim {rope} (MLA latent)"))
+
+
+def _kv_heads(tc: Mapping[str, Any], where: str, p: str, heads: int | None,
+              heads_why: str) -> Derived:
+    """The first KV-head key vLLM reads that is set, else every attention head."""
+    for key in KV_HEAD_KEYS:
+        if tc.get(key) is not None:
+            value, why = config_int(tc, key, where, p)
+            return Derived("num_kv_heads", value, f"{where}: {p}{key}") if value else \
+                unknown("num_kv_heads", why)
+    if heads:
+        return Derived("num_kv_heads", heads, f"{where}: {p}num_attention_heads (no "
+                       "num_key_value_heads: multi-head attention caches every head)")
+    return unknown("num_kv_heads", heads_why or f"{where} names neither "
+                   f"{p}num_key_value_heads nor {p}num_attention_heads")
+
+
+def _head_dim(tc: Mapping[str, Any], where: str, p: str, heads: int | None,
+              heads_why: str) -> Derived:
+    """head_dim, else hidden_size_per_head, else hidden_size / num_attention_heads: the
+    first one set decides (a value of the wrong type is unknown, not skipped)."""
+    for key in ("head_dim", "hidden_size_per_head"):
+        if tc.get(key) is not None:
+            value, why = config_int(tc, key, where, p)
+            return Derived("head_dim", value, f"{where}: {p}{key}") if value else \
+                unknown("head_dim", why)
+    hidden, hidden_why = config_int(tc, "hidden_size", where, p)
+    if hidden and heads:
+        return Derived("head_dim", hidden // heads,
+                       f"{where}: {p}hidden_size {hidden} / {p}num_attention_heads {heads}")
+    return unknown("head_dim", hidden_why or heads_why or (
+        f"{where} names neither {p}head_dim nor {p}hidden_size and {p}num_attention_heads"))
+
+
 def max_model_len(config: Mapping[str, Any], where: str) -> Derived:
-    """vLLM's derived maximum length of ``config`` (what --max-model-len may not exceed)."""
+    """vLLM's derived maximum length of ``config`` (what --max-model-len may not exceed):
+    unknown, with why, when a length key or a RoPE factor is present with a value vLLM could
+    not use (see the module's docstring), or the product is past
+    :data:`~kvpersist.config.model_facts.MAX_CONFIG_INT`."""
+    bad = bad_text_config(config, where)
+    if bad:
+        return unknown("max_model_len", bad)
     tc, p = text_config(config)
-    best: float = math.inf
+    best = 0
     key = ""
     for k in MAX_LEN_KEYS:
-        v = tc.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < best:
+        v, why = config_int(tc, k, where, p)
+        if why:
+            return unknown("max_model_len", why)
+        if v is not None and (not best or v < best):
             best, key = v, k
-    mml = tc.get("model_max_length")
-    if isinstance(mml, (int, float)) and not isinstance(mml, bool) and mml:
+    mml, _ = config_int(tc, "model_max_length", where, p)
+    if mml:
         best, key = mml, "model_max_length"  # Command-R: vLLM takes it as is
-    if best == math.inf or best <= 0:
+    if not best:
         return unknown("max_model_len", f"{where} names no maximum length "
                         f"({p}max_position_embeddings or an alias)")
-    factor = 1.0
+    factor: float = 1.0
     rope_type = ""
     if "gemma3" not in str(config.get("model_type", "")):
-        for rp in _rope_parameters(tc):
+        for rp, rp_key in _rope_parameters(tc):
             kind = str(rp.get("rope_type") or rp.get("type") or "default")
-            if kind not in ROPE_UNSCALED and isinstance(rp.get("factor"), (int, float)):
-                factor, rope_type = float(rp["factor"]), kind
-    value = int(best * factor)
+            if kind in ROPE_UNSCALED or rp.get("factor") is None:
+                continue  # vLLM: a null factor is 1.0
+            value = rp["factor"]
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not 0 < value <= MAX_CONFIG_INT:
+                return unknown("max_model_len", f"{where}: {p}{rp_key}.factor is "
+                               f"{shown(value)}, not a positive number vLLM can scale the "
+                               "maximum length by")
+            factor, rope_type = float(value), kind[:40]
+    scaled = best * factor
+    if not math.isfinite(scaled) or scaled > MAX_CONFIG_INT:
+        return unknown("max_model_len", f"{where}: {p}{key} {best:,} x RoPE factor "
+                       f"{factor:g} is more than {MAX_CONFIG_INT:,} tokens")
+    value = int(scaled)
     src = f"{where}: {p}{key}"
     if factor != 1.0:
         src += f" {best:g} x RoPE factor {factor:g} ({rope_type})"
     return Derived("max_model_len", value, src)
 
 
-def _rope_parameters(tc: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    rope = tc.get("rope_parameters")
+def _rope_parameters(tc: Mapping[str, Any]) -> list[tuple[Mapping[str, Any], str]]:
+    """The RoPE parameter sets vLLM scales by, each with the key naming it in messages."""
+    name = "rope_parameters"
+    rope = tc.get(name)
     if not isinstance(rope, Mapping):
-        rope = tc.get("rope_scaling")
+        name = "rope_scaling"
+        rope = tc.get(name)
     if not isinstance(rope, Mapping) or not rope:
         return []
     if all(isinstance(v, Mapping) for v in rope.values()):  # one per layer type
-        return [v for v in rope.values() if isinstance(v, Mapping) and v]
-    return [rope]
+        return [(v, f"{name}.{k}") for k, v in rope.items() if isinstance(v, Mapping) and v]
+    return [(rope, name)]

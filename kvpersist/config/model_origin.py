@@ -46,7 +46,7 @@ def origin(m: ModelFacts) -> Origin:
     stale = [r.filename for r in m.records if not r.fresh]
     why = ""
     if len(commits) > 1:
-        why = f"the files come from several revisions ({', '.join(commits)})"
+        why = f"the files come from several revisions ({_few(commits)})"
     elif stale:
         why = (f"{len(stale)} file(s) changed after download or have a bad record "
                f"({_few(stale)}): their recorded commit no longer describes them")
@@ -61,5 +61,6 @@ def origin(m: ModelFacts) -> Origin:
 
 
 def _few(names: list[str] | tuple[str, ...], n: int = 4) -> str:
-    shown = ", ".join(sorted(names)[:n])
+    """The first ``n`` of ``names`` (each cut to 200 characters), and how many more."""
+    shown = ", ".join(x if len(x) <= 200 else x[:200] + "…" for x in sorted(names)[:n])
     return shown + (f" and {len(names) - n} more" if len(names) > n else "")

@@ -20,14 +20,18 @@ What counts and how digests combine is in :mod:`kvpersist.config.fingerprint` (p
   the manifest with the record kept from the first launch (or made now, at the first).
 
 The digest cache and the manifest live in ``KVP_STATE_DIR``, which preflight requires to be
-owned by the service user: whoever can write there could forge digests.
+owned by the service user: whoever can write there could forge digests. Both are still read
+as untrusted (:mod:`kvpersist.system.untrusted`: a regular file, never through a link, within
+a cap, depth-limited JSON): a digest cache that cannot be used is ignored with a note and
+every file is read again; a manifest that cannot be read is a problem. A counted file of the
+model that is not a regular file (a FIFO, a device) is refused, never opened.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
+import math
 import os
 import stat
 import time
@@ -57,11 +61,24 @@ from kvpersist.config.fingerprint import (
 from kvpersist.errors import KvpError, Problem
 from kvpersist.stack.locate import Location
 from kvpersist.system.files import atomic_write_json
+from kvpersist.system.untrusted import (
+    MAX_RECORD_BYTES,
+    MAX_STATE_BYTES,
+    UnreadableFile,
+    decode,
+    read_bytes,
+    read_json,
+    read_json_object,
+)
 
 CACHE_SCHEMA = "kvpersist.weights-digests/1"
 READ_CHUNK = 1 << 20
 HUB_REPO_PREFIXES = ("models--",)
 LOCAL_DIR_METADATA = (".cache", "huggingface", "download")
+#: the most entries the top level of a model directory may hold
+MAX_MODEL_ENTRIES = 100_000
+#: the largest digest cache read: MAX_ENTRIES entries with paths of up to 4,096 bytes
+MAX_CACHE_BYTES = 48 << 20
 
 
 class WeightsError(KvpError):
@@ -88,7 +105,13 @@ def model_files(model_path: str) -> list[tuple[str, str]]:
         raise WeightsError(f"KVP_MODEL_PATH {model_path} is neither a directory nor a file")
     out = []
     try:
-        entries = list(os.scandir(model_path))
+        with os.scandir(model_path) as it:
+            entries = []
+            for e in it:
+                entries.append(e)
+                if len(entries) > MAX_MODEL_ENTRIES:
+                    raise WeightsError(f"KVP_MODEL_PATH {model_path} holds more than "
+                                       f"{MAX_MODEL_ENTRIES:,} entries: not a model directory")
     except OSError as exc:
         raise WeightsError(f"cannot list {model_path}: {exc.strerror}") from exc
     for e in entries:
@@ -98,6 +121,9 @@ def model_files(model_path: str) -> list[tuple[str, str]]:
             if not e.is_file(follow_symlinks=True):
                 if e.is_symlink() and not os.path.exists(e.path):
                     raise WeightsError(f"{e.path} is a broken link")
+                if not e.is_dir(follow_symlinks=True):
+                    raise WeightsError(f"{e.path} is not a regular file (a FIFO, a device "
+                                       "or a socket): vLLM cannot load it")
                 continue
         except OSError as exc:
             raise WeightsError(f"cannot stat {e.path}: {exc.strerror}") from exc
@@ -124,15 +150,16 @@ def local_dir_sha256(model_dir: str, name: str, mtime: float) -> str:
 
     Valid only as huggingface_hub itself decides: the file's mtime at most one second after
     the metadata's timestamp (a file modified after its download has outdated metadata).
-    A 40-hex etag (git sha1 of a small non-LFS file) is not a content sha256: ''."""
+    A 40-hex etag (git sha1 of a small non-LFS file) is not a content sha256: ''. A record
+    that cannot be read (not a regular file, past its cap, not UTF-8, a timestamp that is
+    not a finite number) names nothing."""
     meta = os.path.join(model_dir, *LOCAL_DIR_METADATA, name + ".metadata")
     try:
-        with open(meta, encoding="utf-8") as f:
-            lines = f.read(4096).splitlines()
+        lines = decode(read_bytes(meta, max_bytes=MAX_RECORD_BYTES), meta).splitlines()
         etag, timestamp = lines[1].strip(), float(lines[2].strip())
-    except (OSError, ValueError, IndexError, UnicodeDecodeError):
+    except (OSError, UnreadableFile, ValueError, IndexError):
         return ""
-    if is_sha256(etag) and mtime - 1 <= timestamp:
+    if is_sha256(etag) and math.isfinite(timestamp) and mtime - 1 <= timestamp:
         return etag
     return ""
 
@@ -140,14 +167,18 @@ def local_dir_sha256(model_dir: str, name: str, mtime: float) -> str:
 def read_sha256(path: str) -> tuple[str, StatKey]:
     """sha256 of ``path``'s content, streamed (bounded memory), and the stat it had.
 
-    Raises WeightsError if it cannot be read or changed while being read."""
+    Raises WeightsError if it cannot be read, is not a regular file (a FIFO put there since
+    it was listed: opened without blocking, never read) or changed while being read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise WeightsError(f"cannot read {path}: {exc.strerror}") from exc
     with os.fdopen(fd, "rb", buffering=0) as f:
         try:
-            before = StatKey.of(os.fstat(fd))
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise WeightsError(f"{path} is not a regular file: vLLM cannot load it")
+            before = StatKey.of(st)
             with contextlib.suppress(OSError, AttributeError):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             h = hashlib.sha256()
@@ -179,14 +210,17 @@ class Cached:
 
 def load_cache(path: str) -> tuple[dict[str, Cached], list[str]]:
     """The digest cache at ``path`` by :func:`~kvpersist.config.fingerprint.cache_id`
-    (empty if missing) and notes about what was ignored."""
+    (empty if missing) and notes about what was ignored: a cache that is not a regular file
+    of at most :data:`MAX_CACHE_BYTES` (never a link), not JSON, or not the schema is ignored
+    as a whole, an entry that is not what :meth:`CacheEntry.to_dict` writes is dropped;
+    either way the files are read again, never trusted."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = read_json(path, max_bytes=MAX_CACHE_BYTES, follow=False)
     except FileNotFoundError:
         return {}, []
-    except (OSError, ValueError) as exc:
-        return {}, [f"weights digest cache {path} ignored ({exc}); the files are read again"]
+    except UnreadableFile as exc:
+        return {}, [f"weights digest cache {exc.path} ignored ({exc.why}); the files are "
+                    "read again"]
     if not isinstance(data, dict) or data.get("schema") != CACHE_SCHEMA \
             or not isinstance(data.get("files"), dict):
         return {}, [f"weights digest cache {path} ignored (not {CACHE_SCHEMA})"]
@@ -304,10 +338,14 @@ def fingerprint_weights(model_path: str, cache_file: str, *, rehash: bool = Fals
         except OSError as exc:
             raise WeightsError(f"cannot stat {path}: {exc.strerror}") from exc
         key = StatKey.of(st)
-        named, named_source = hub_blob_sha256(real), "hub-blob"
-        if not named and not os.path.islink(path):
-            named, named_source = local_dir_sha256(model_dir, name, st.st_mtime), "hf-metadata"
         old = cache.get(cache_id(key))
+        if old is not None and old.entry.key == key and not rehash:
+            named, named_source = old.entry.named, ""  # a hit: no name is read
+        else:
+            named, named_source = hub_blob_sha256(real), "hub-blob"
+            if not named and not os.path.islink(path):
+                named, named_source = (local_dir_sha256(model_dir, name, st.st_mtime),
+                                       "hf-metadata")
         replaced = old is None and bool(ids_at.get(real))
         d = decide(key, old.entry if old else None, named, named_source, rehash=rehash,
                    replaced=replaced)
@@ -353,20 +391,29 @@ def save_digests(check: WeightsCheck | None) -> list[str]:
 
 def read_record(manifest_file: str) -> WeightsRecord | None:
     """The weights record of the manifest at ``manifest_file``: None if there is no manifest
-    or it has no record. Raises WeightsError if it cannot be read or parsed."""
-    try:
-        with open(manifest_file, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
+    or it has no record. Raises WeightsError if it cannot be read or parsed (see
+    :func:`_read_manifest`)."""
+    data = _read_manifest(manifest_file)
+    if data is None:
         return None
-    except (OSError, ValueError) as exc:
-        raise WeightsError(f"cannot read the namespace manifest {manifest_file}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise WeightsError(f"{manifest_file} is not a manifest")
     try:
         return record_from_manifest(data)
     except ValueError as exc:
         raise WeightsError(f"{manifest_file}: {exc}") from exc
+
+
+def _read_manifest(manifest_file: str) -> dict[str, Any] | None:
+    """The namespace manifest at ``manifest_file`` as an object, None if there is none.
+    Raises WeightsError if it is not a regular file of at most
+    :data:`~kvpersist.system.untrusted.MAX_STATE_BYTES` (a link included), not JSON or not
+    an object."""
+    try:
+        return read_json_object(manifest_file, max_bytes=MAX_STATE_BYTES, follow=False)
+    except FileNotFoundError:
+        return None
+    except UnreadableFile as exc:
+        raise WeightsError(f"cannot read the namespace manifest {exc.path}: {exc.why}") \
+            from None
 
 
 @dataclass(frozen=True)
@@ -463,15 +510,9 @@ def record_in_manifest(manifest_file: str, record: WeightsRecord,
     why = _not_mine(os.path.dirname(os.path.dirname(manifest_file)))
     if why:
         return f"weights not recorded: {why}; the next launch records them"
-    try:
-        with open(manifest_file, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
+    data = _read_manifest(manifest_file)
+    if data is None:
         data = fresh()
-    except (OSError, ValueError) as exc:
-        raise WeightsError(f"cannot read the namespace manifest {manifest_file}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise WeightsError(f"{manifest_file} is not a manifest")
     if data.get("weights") is not None:
         return "weights already recorded"
     atomic_write_json(manifest_file, {**data, "weights": record.to_dict()})
