@@ -57,7 +57,8 @@ class FieldCheck:
 
     def problem(self) -> Problem:
         """The mismatch as a launch problem: ``KEY: config says X, SOURCE says Y``."""
-        message = f"config says {self.configured}, {self.source} says {self.found}"
+        said = f"says {self.found}" if self.found is not None else "states no usable value"
+        message = f"config says {self.configured}, {self.source} {said}"
         if self.detail:
             message += f" ({self.detail})"
         return Problem(self.key, message, self.fix)
@@ -84,6 +85,9 @@ class CheckContext:
 
 REDERIVE = ("point KVP_MODEL_PATH at the weights this identity describes, or set the identity "
             "from these weights (`kvp-admin identity derive MODEL_DIR`; a new namespace)")
+MALFORMED_FIX = ("the model states a value vLLM would use as it is or fail on, and kvpersist "
+                 "cannot tell what it would cache: fix or download the model again, then "
+                 "`kvp-admin identity derive MODEL_DIR`")
 
 
 def check_identity(ident: CacheIdentity, ctx: CheckContext) -> tuple[FieldCheck, ...]:
@@ -135,13 +139,20 @@ def _check_model(cfg: Mapping[str, Any], m: ModelFacts) -> dict[str, FieldCheck]
             out[n] = FieldCheck(n, UNCHECKED, cfg[n], detail=org.why_no_revision)
     where = m.file("config.json")
     kv, hd, _ = kv_geometry(m.config, where)
-    for d in (kv, hd):
-        out[d.name] = (_compare(d.name, cfg[d.name], d.value, *_split(d.source, where))
-                       if d.value is not None
-                       else FieldCheck(d.name, UNCHECKED, cfg[d.name], detail=d.note))
     limit = max_model_len(m.config, where)
+    for d in (kv, hd, limit):
+        if d.value is None and d.malformed:
+            out[d.name] = FieldCheck(d.name, MISMATCH, cfg[d.name], None, where, d.note,
+                                     MALFORMED_FIX)
+    for d in (kv, hd):
+        if d.name not in out:
+            out[d.name] = (_compare(d.name, cfg[d.name], d.value, *_split(d.source, where))
+                           if d.value is not None
+                           else FieldCheck(d.name, UNCHECKED, cfg[d.name], detail=d.note))
     src, key = _split(limit.source, where)
-    if limit.value is None:
+    if "max_model_len" in out:
+        pass  # malformed: a mismatch, above
+    elif limit.value is None:
         out["max_model_len"] = FieldCheck("max_model_len", UNCHECKED, cfg["max_model_len"],
                                           detail=limit.note)
     elif int(cfg["max_model_len"]) > int(limit.value):

