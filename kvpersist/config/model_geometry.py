@@ -44,6 +44,15 @@ MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 #: RoPE types whose ``factor`` vLLM does not apply to the maximum length again
 ROPE_UNSCALED = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling",
                  "default", "mrope")
+#: model types vLLM 0.32 caches as MLA when ``kv_lora_rank`` is set (its
+#: ``ModelArchConfigConvertor.is_deepseek_mla``); any other type with a ``kv_lora_rank`` caches
+#: ordinary heads
+MLA_MODEL_TYPES = frozenset((
+    "axk1", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "deepseek_v41",
+    "dots3_note", "deepseek_mtp", "k3_dspark", "glm5_next", "glm5_next_text", "glm_moe_dsa",
+    "glm4_moe_lite", "glm4_moe_lite_mtp", "kimi_k2", "kimi_linear", "longcat_flash",
+    "pangu_ultra_moe", "pangu_ultra_moe_mtp", "bailing_hybrid", "bailing_hybrid_mtp",
+    "bailing_hybrid_v3_mtp", "hy_v4", "hy_v4_mtp"))
 #: keys that show a model whose layers do not all share one KV geometry
 HETEROGENEOUS_KEYS = ("swa_num_key_value_heads", "swa_head_dim", "v_head_dim",
                       "swa_v_head_dim", "global_head_dim", "num_global_key_value_heads")
@@ -58,7 +67,8 @@ def kv_geometry(config: Mapping[str, Any], where: str) -> tuple[Derived, Derived
     if bad:
         return (unknown("num_kv_heads", bad, True), unknown("head_dim", bad, True), notes)
     tc, p = text_config(config)
-    if tc.get("kv_lora_rank") is not None and "compress_ratios" not in tc:
+    if (tc.get("kv_lora_rank") is not None and "compress_ratios" not in tc
+            and tc.get("model_type") in MLA_MODEL_TYPES):
         return (*_mla(tc, where, p, notes), notes)
     heads, heads_why = config_int(tc, "num_attention_heads", where, p)
     kv = _kv_heads(tc, where, p, heads, heads_why)

@@ -150,6 +150,17 @@ def test_geometry_of_mla_is_the_cached_latent() -> None:
     assert kv.value is None and hd.value is None
 
 
+def test_a_kv_lora_rank_makes_mla_only_for_the_model_types_vllm_caches_as_mla() -> None:
+    """vLLM 0.32 decides MLA by model type (``is_deepseek_mla``): a llama config that
+    happens to carry ``kv_lora_rank`` caches ordinary heads."""
+    cfg = {"model_type": "llama", "num_attention_heads": 32, "num_key_value_heads": 8,
+           "head_dim": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    kv, hd, notes = model_geometry.kv_geometry(cfg, "c")
+    assert (kv.value, hd.value) == (8, 128) and not any("MLA" in n for n in notes)
+    kv, hd, _ = model_geometry.kv_geometry({**cfg, "model_type": "kimi_k2"}, "c")
+    assert (kv.value, hd.value) == (1, 576)
+
+
 def test_geometry_of_mimo_v2_records_the_full_attention_layers() -> None:
     """MiMo-V2-Flash: full-attention layers 4 KV heads of 192 (V 128), SWA layers 8."""
     cfg = {"model_type": "mimo_v2_flash", "num_attention_heads": 64,
