@@ -116,7 +116,9 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
             "sharded_files": u.sharded_files,
             "warm_pins": None if prefix not in pins else {
                 **pins[prefix][1].to_dict(), "listed": len(pins[prefix][0].files),
-                "warm_file_sha256": pins[prefix][0].warm_file_sha256},
+                "warm_file_sha256": pins[prefix][0].warm_file_sha256,
+                # the manifest cannot be read: every file of the namespace is held
+                "unreadable": pins[prefix][0].unreadable or None},
             "manifest": None if man is None else {
                 **{k: man.field(k) for k in MANIFEST_FIELDS},
                 "config": man.deployment.get("config"),

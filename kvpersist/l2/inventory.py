@@ -196,9 +196,11 @@ def scan(root: RootDir, *, hist: bool = False,
 @dataclass(frozen=True)
 class Snapshot:
     """One look at an open cache root (report, prune, metrics): the scan; the manifests of its
-    deployments (empty unless asked for); each namespace's warm-set pins and what they hold
-    on disk, measured just after the scan; and the problems met reading the manifests and the
-    pins (each names the file it is about)."""
+    deployments (empty unless asked for); each namespace's warm-set pins (a namespace whose
+    pin manifest is unreadable is held whole: :attr:`~kvpersist.l2.pins.PinSet.held`) and
+    what they hold on disk, measured just after the scan; the problems met reading the
+    manifests and the pins (each names the file it is about); and why the pins directory
+    could not be listed ("" when it could; else every namespace is held)."""
 
     scan: ScanResult
     manifests: Mapping[str, Manifest]
@@ -206,6 +208,7 @@ class Snapshot:
     pinned: Mapping[str, PinnedUsage]
     manifest_problems: tuple[str, ...] = ()
     pin_problems: tuple[str, ...] = ()
+    pins_unreadable_dir: str = ""
 
 
 def snapshot(root: RootDir, deployments: Sequence[Deployment] = (), *,
@@ -216,13 +219,14 @@ def snapshot(root: RootDir, deployments: Sequence[Deployment] = (), *,
     manifests of the root and of ``deployments``. Raises UsageError/KvpError as :func:`scan`
     does; a manifest or pin manifest that cannot be read is a problem, not an error."""
     res = scan(root, hist=hist, progress=progress)
-    pins, pin_problems = read_pins(root)
-    pinned = {ns: measure_pins(root, p, hist=pin_hist) for ns, p in pins.items()}
+    read = read_pins(root)
+    pinned = {ns: measure_pins(root, p, hist=pin_hist) for ns, p in read.pins.items()}
     found: dict[str, Manifest] = {}
     bad: list[str] = []
     if manifests:
         found, bad = read_manifests(root, manifest_dirs(deployments))
-    return Snapshot(res, found, pins, pinned, tuple(bad), tuple(pin_problems))
+    return Snapshot(res, found, read.pins, pinned, tuple(bad), read.problems,
+                    read.unreadable_dir)
 
 
 def measurement_of(res: ScanResult, ram_bytes: int | None = None) -> Measurement:

@@ -19,7 +19,6 @@ from typing import Any
 from kvpersist.errors import KvpError
 from kvpersist.l2 import keys
 from kvpersist.l2.pin_store import read_pins
-from kvpersist.l2.pins import all_names
 from kvpersist.l2.tree import open_root
 from kvpersist.l2.verify import verify_root
 from kvpersist.stack.locate import Location
@@ -163,12 +162,13 @@ def check(loc: Location, window: CrashWindow, *, rate_mb_s: float | None = DEFAU
     else:
         res.warnings.append(SERDE_NONE_WARNING)
     with open_root(loc.cache_root, purpose="verify") as root:
-        pins, _ = read_pins(root)
+        pins = read_pins(root)
         # the warm set first: within the time bound, what every session needs is read first
         v = verify_root(root, loc.namespace, serde=loc.serde, key=key, apply=True,
                         rate_mb_s=rate_mb_s or None, since_ns=window.since_ns,
-                        deadline_s=deadline_s, first=all_names(pins.values()))
+                        deadline_s=deadline_s, first=pins.names)
     res.ran = True
+    res.warnings.extend(pins.problems)
     res.files, res.authenticated, res.bytes_read = v.files, v.authenticated, v.bytes_read
     res.reference_reads, res.unchecked = v.reference_reads, v.unchecked
     res.failed = len(v.findings)
