@@ -76,7 +76,9 @@ def check_request(req: PruneRequest) -> None:
 
 
 def check_inventory(req: PruneRequest, inv: Inventory, configs: Sequence[str]) -> None:
-    """Refuse --stale/--to-budget when the active namespaces are not certain."""
+    """Raise UsageError for --stale/--to-budget when the active namespaces are not certain,
+    and for --unpinned/--to-budget when an unpinned deployment's active namespace is not
+    (:attr:`~kvpersist.l2.inventory.Inventory.unsure`)."""
     if (req.stale or req.to_budget) and not configs and not inv.deployments:
         raise UsageError(
             "no deployment config uses this root, so every namespace would look stale; name "
@@ -89,6 +91,12 @@ def check_inventory(req: PruneRequest, inv: Inventory, configs: Sequence[str]) -
         )
     if req.to_budget and not inv.deployments:
         raise UsageError("--to-budget needs a deployment config on this root (--config)")
+    if (req.unpinned or req.to_budget) and inv.unsure:
+        raise UsageError(
+            "the active namespace of an unpinned deployment on this root is not certain, "
+            "since a manifest cannot be read (" + "; ".join(inv.unsure[:3]) + "): fix or "
+            "remove it, or name namespaces with --namespace"
+        )
 
 
 def unpinned_usage(res: ScanResult, pinned: Mapping[str, PinnedUsage],

@@ -184,7 +184,7 @@ def report_on(root: RootDir, inv: Inventory, *, progress: ProgressFn | None = No
     """:func:`report` of the open ``root`` (``inv``'s, opened by the caller). The problems met
     reading manifests and pins are added to ``inv.notes``."""
     snap = snapshot(root, inv.deployments, progress=progress)
-    inv.notes.extend(snap.manifest_problems)
+    inv.notes.extend(p for p in snap.manifest_problems if p not in inv.notes)
     inv.notes.extend(snap.pin_problems)
     pins = {ns: (p, snap.pinned[ns]) for ns, p in snap.pins.items()}
     budget, limit, reserve = budget_figures(inv, snap.scan)

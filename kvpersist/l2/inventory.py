@@ -52,6 +52,9 @@ class Inventory:
     deployments: list[Deployment] = field(default_factory=list)
     active: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
+    #: why the active namespace of an unpinned deployment may be missing from ``active`` (a
+    #: manifest that could not be read may be its newest); empty when it is certain
+    unsure: list[str] = field(default_factory=list)
 
     def others(self, dep: Deployment) -> tuple[Deployment, ...]:
         """The deployments on this root other than ``dep`` (by namespace)."""
@@ -71,7 +74,8 @@ def resolve_inventory(
     root. With no ``configs`` and ``discover``, every config under configs/ is tried and those
     whose cache root is ``root`` count as active (a config that does not load is skipped and
     noted). Raises UsageError if neither a root nor a config is given, or the configs disagree.
-    An unpinned deployment's active namespace is the newest manifest written for it.
+    An unpinned deployment's active namespace is the newest manifest written for it; when a
+    manifest cannot be read, that is not certain (``unsure`` and ``notes`` name it).
     """
 
     deps = [load_deployment(c, environ) for c in configs]
@@ -101,7 +105,9 @@ def resolve_inventory(
     for d in deps:
         if d not in on_root and configs:
             notes.append(f"config {d.name} uses another cache root ({d.settings.cache_root})")
-    manifests, _ = read_manifests_at(root, manifest_dirs(on_root))
+    manifests, bad = read_manifests_at(root, manifest_dirs(on_root))
+    unsure = bad if any(not d.pinned for d in on_root) else []
+    notes += unsure
     active: set[str] = set()
     for d in on_root:
         if d.pinned:
@@ -111,7 +117,8 @@ def resolve_inventory(
                 if not m.pinned and m.deployment.get("config") == d.name]
         if mine:
             active.add(max(mine, key=lambda m: m.mtime_ns).namespace)
-    return Inventory(root=root, deployments=on_root, active=active, notes=notes)
+    return Inventory(root=root, deployments=on_root, active=active, notes=notes,
+                     unsure=unsure)
 
 
 def other_deployments(dep: Deployment,
