@@ -86,6 +86,7 @@ def test_judge(rec: dict[str, Any] | None, kw: dict[str, Any], status: str | Non
     ("2027-01-15T08:00:00+00:00", 1800000000.0), ("2027-01-15T08:00:00Z", 1800000000.0),
     ("2027-01-15T08:00:00", 1800000000.0), ("2027-01-15 09:00:00+01:00", 1800000000.0),
     (None, None), ("", None), ("yesterday", None), (True, None), ([1], None),
+    (10 ** 400, None),  # a JSON integer too big for a float
 ])
 def test_epoch_of(value: Any, want: float | None) -> None:
     assert epoch_of(value) == want
@@ -206,6 +207,25 @@ def test_gather_reads_the_record_and_checks_the_pid_file(tmp_path: Path) -> None
     assert judged is not None and judged[0] == "degraded"
     Path(loc.warmup_state_file).write_text("{not json")
     assert readiness.gather(loc, None).error
+
+
+def test_the_record_is_read_typed_and_its_error_cut(tmp_path: Path) -> None:
+    """Only the record's own fields, each of its type; a long error is cut for showing; a
+    field of another type makes the record unreadable (health: degraded), never a guess."""
+    path = tmp_path / "warmup.json"
+    path.write_text(json.dumps({**record("failed", error="e" * 50_000), "extra": [1] * 1000}))
+    rec, error = readiness.read_record(str(path))
+    assert error == "" and rec is not None and "extra" not in rec
+    assert rec["state"] == "failed" and len(rec["error"]) < 1100
+    assert "49,000 more characters" in rec["error"]
+    for field, value in [("state", ["done"]), ("requested_chunks", 1.5),
+                         ("found_chunks", True), ("bytes", -1), ("namespace", "n" * 300),
+                         ("started", {"at": 1})]:
+        path.write_text(json.dumps({**record("done"), field: value}))
+        rec, error = readiness.read_record(str(path))
+        assert rec is None and str(path) in error and field in error, (field, error)
+        judged = judge(WarmupFacts(None, error), NS)
+        assert judged is not None and judged[0] == "degraded"
 
 
 def test_warmup_argv_is_the_contract() -> None:
