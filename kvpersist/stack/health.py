@@ -38,7 +38,7 @@ from kvpersist.stack.readiness import WarmupFacts, gather, judge
 from kvpersist.stack.render import serde_warnings
 from kvpersist.system import procs
 from kvpersist.system.files import accessible_to_others, fs_info, service_uids
-from kvpersist.system.untrusted import MAX_STATE_BYTES, UnreadableFile, read_json_object
+from kvpersist.system.untrusted import MAX_STATE_BYTES, UnreadableFile, parse_json, read_json_object
 
 SCHEMA = "kvpersist.health/1"
 EXIT = {"healthy": 0, "degraded": 1, "down": 2, "warming": 3}
@@ -244,9 +244,9 @@ def _kv_port_of(pid: int) -> int | None:
             raw = arg.split("=", 1)[1]
         if raw:
             try:
-                port = json.loads(raw)["kv_connector_extra_config"]["lmcache.mp.port"]
-                return int(port)
-            except (ValueError, KeyError, TypeError):
+                doc = parse_json(raw, "--kv-transfer-config")  # any process's argv
+                return int(doc["kv_connector_extra_config"]["lmcache.mp.port"])
+            except (UnreadableFile, ValueError, KeyError, TypeError):
                 return None
     return None
 

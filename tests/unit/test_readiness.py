@@ -268,3 +268,19 @@ def test_root_runs_the_warmup_as_the_service_user(tmp_path: Path) -> None:
                                  allow_unpinned=True))
     want = (65534, pwd.getpwuid(65534).pw_gid) if os.geteuid() == 0 else None
     assert readiness.service_ids(loc) == want
+
+
+def test_the_kv_port_is_read_from_a_process_argv_as_untrusted() -> None:
+    """vLLM's ``--kv-transfer-config`` is read from whatever process the pid file names: a
+    document nested 100,000 deep is no port, never a RecursionError."""
+    good = '{"kv_connector_extra_config": {"lmcache.mp.port": 5555}}'
+    procs_ = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", *args])
+              for args in (["--kv-transfer-config", good],
+                           ["--kv-transfer-config=" + "[" * 100_000],
+                           ["--kv-transfer-config", '{"kv_connector_extra_config": []}'])]
+    try:
+        assert [health._kv_port_of(p.pid) for p in procs_] == [5555, None, None]
+    finally:
+        for p in procs_:
+            p.kill()
+            p.wait()
