@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvpersist.l2.pin_store import read_pins, remove_pins, write_pins
-from kvpersist.l2.pins import PinSet
+from kvpersist.l2.pins import PinRead
 from kvpersist.l2.prune import PruneResult, prune_lock, prune_stream
 from kvpersist.l2.retention import Selection
 from kvpersist.l2.runs import read_runs, record_run
@@ -46,7 +46,7 @@ def write_pins_at(root: Root, doc: dict[str, Any]) -> str:
         return write_pins(r, doc)
 
 
-def read_pins_at(root: Root) -> tuple[dict[str, PinSet], list[str]]:
+def read_pins_at(root: Root) -> PinRead:
     with open_root(root, purpose="read the pins of") as r:
         return read_pins(r)
 

@@ -170,6 +170,11 @@ class StopOutcome:
     #: this host's fleet record (None: no shared tier)
     fleet_record: RecordOutcome | None = None
 
+    @property
+    def ok(self) -> bool:
+        """No stale pid file was left that could not be removed (else exit 1)."""
+        return not any(s.error for s in self.stopped)
+
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config, "namespace": self.namespace,
                 "stopped": [asdict(s) for s in self.stopped],

@@ -3,6 +3,11 @@
 The guard rules live here, not in the command: what may be selected, when the active
 namespaces are certain enough for ``--stale`` and ``--to-budget``, and how ``--to-budget``
 turns every deployment's budget plan into bytes to free.
+
+A namespace whose pin manifest cannot be read is held whole (:mod:`kvpersist.l2.pins`):
+``--stale``, ``--unpinned`` and ``--to-budget`` neither plan on its bytes nor delete any of
+its files (the executor checks each file against it), and the result's warnings name the
+manifest. Only ``--namespace`` deletes a held namespace, as it deletes pinned files.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from kvpersist.l2.inventory import (
 )
 from kvpersist.l2.manifests import manifest_dirs
 from kvpersist.l2.pin_store import read_pins
-from kvpersist.l2.pins import PinnedUsage, all_names, without_pins
+from kvpersist.l2.pins import PinnedUsage, PinSet, Unpinned, all_names, without_pins
 from kvpersist.l2.prune import PruneResult, prune_lock, prune_stream
 from kvpersist.l2.retention import (
     RetentionPlan,
@@ -71,7 +76,9 @@ def check_request(req: PruneRequest) -> None:
 
 
 def check_inventory(req: PruneRequest, inv: Inventory, configs: Sequence[str]) -> None:
-    """Refuse --stale/--to-budget when the active namespaces are not certain."""
+    """Raise UsageError for --stale/--to-budget when the active namespaces are not certain,
+    and for --unpinned/--to-budget when an unpinned deployment's active namespace is not
+    (:attr:`~kvpersist.l2.inventory.Inventory.unsure`)."""
     if (req.stale or req.to_budget) and not configs and not inv.deployments:
         raise UsageError(
             "no deployment config uses this root, so every namespace would look stale; name "
@@ -84,29 +91,44 @@ def check_inventory(req: PruneRequest, inv: Inventory, configs: Sequence[str]) -
         )
     if req.to_budget and not inv.deployments:
         raise UsageError("--to-budget needs a deployment config on this root (--config)")
+    if (req.unpinned or req.to_budget) and inv.unsure:
+        raise UsageError(
+            "the active namespace of an unpinned deployment on this root is not certain, "
+            "since a manifest cannot be read (" + "; ".join(inv.unsure[:3]) + "): fix or "
+            "remove it, or name namespaces with --namespace"
+        )
 
 
-def unpinned_usage(res: ScanResult,
-                   pinned: Mapping[str, PinnedUsage]) -> dict[str, UsageView]:
+def unpinned_usage(res: ScanResult, pinned: Mapping[str, PinnedUsage],
+                   held: Mapping[str, PinSet] | None = None,
+                   hold_all: bool = False) -> dict[str, UsageView]:
     """Each prefix's scan figures less its warm-set pins (measured just after the scan), so
-    that a plan never counts on bytes it may not delete (pure)."""
+    that a plan never counts on bytes it may not delete (pure). A namespace whose pins are
+    held whole (``held`` with :attr:`~kvpersist.l2.pins.PinSet.held`; every prefix with
+    ``hold_all``) has nothing left to choose from."""
     out: dict[str, UsageView] = dict(res.prefixes)
     for ns, pu in pinned.items():
         u = res.prefixes.get(ns)
         if u is not None:
             out[ns] = without_pins(u.files, u.bytes, u.use_hist, u.last_use_ns, pu)
+    for ns, u in res.prefixes.items():
+        p = (held or {}).get(ns)
+        if hold_all or (p is not None and p.held):
+            out[ns] = Unpinned(0, 0, {}, u.last_use_ns)
     return out
 
 
 def select(res: ScanResult, inv: Inventory, req: PruneRequest,
            ram_bytes: int | None = None,
            pinned: Mapping[str, PinnedUsage] | None = None,
+           held: Mapping[str, PinSet] | None = None, hold_all: bool = False,
            ) -> tuple[RetentionPlan, dict[str, Any] | None]:
     """The retention plan for ``req`` from one scan (and, for --to-budget, the budget of the
     deployment that needs the most freed). ``pinned``: what each namespace's warm-set pins
-    hold; they are left out of what --stale, --unpinned and --to-budget may choose."""
+    hold; they are left out of what --stale, --unpinned and --to-budget may choose, and so
+    is every namespace held whole (``held``, ``hold_all``: see :func:`unpinned_usage`)."""
     now = time.time_ns()
-    prefixes = unpinned_usage(res, pinned or {})
+    prefixes = unpinned_usage(res, pinned or {}, held, hold_all)
     if not req.to_budget:
         return plan_explicit(prefixes, res.temp, active=inv.active, now_ns=now,
                              namespaces=req.namespaces, stale=req.stale,
@@ -172,9 +194,13 @@ def prune(root: str | None, configs: Sequence[str], req: PruneRequest, *, apply:
                 snap = snapshot(handle, manifests=False, hist=req.to_budget, pin_hist=True,
                                 progress=bar("scanned entries"))
                 pins, pin_problems = dict(snap.pins), list(snap.pin_problems)
-                plan, budget_doc = select(snap.scan, inv, req, pinned=snap.pinned)
+                hold_all = bool(snap.pins_unreadable_dir)
+                plan, budget_doc = select(snap.scan, inv, req, pinned=snap.pinned, held=pins,
+                                          hold_all=hold_all)
             else:
-                pins, pin_problems = read_pins(handle)
+                read = read_pins(handle)
+                pins, pin_problems = dict(read.pins), list(read.problems)
+                hold_all = bool(read.unreadable_dir)
                 plan = select_named(active=inv.active, now_ns=time.time_ns(),
                                     namespaces=req.namespaces,
                                     temp_older_than_s=req.temp_older_than_s, force=req.force)
@@ -182,7 +208,10 @@ def prune(root: str | None, configs: Sequence[str], req: PruneRequest, *, apply:
                                   dry_run=not apply, list_paths=list_paths,
                                   progress=bar("files deleted" if apply else "files selected"),
                                   lock=False, manifest_dirs=manifest_dirs(inv.deployments),
-                                  keep=all_names(pins.values()))
+                                  keep=all_names(pins.values()),
+                                  keep_namespaces=frozenset(
+                                      ns for ns, p in pins.items() if p.held),
+                                  keep_all=hold_all)
             result.warnings.extend(pin_problems)
             if apply:
                 warning = record_run(handle, "prune", ok=not result.errors, counts={

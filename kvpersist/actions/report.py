@@ -117,7 +117,9 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
             "sharded_files": u.sharded_files,
             "warm_pins": None if prefix not in pins else {
                 **pins[prefix][1].to_dict(), "listed": len(pins[prefix][0].files),
-                "warm_file_sha256": pins[prefix][0].warm_file_sha256},
+                "warm_file_sha256": pins[prefix][0].warm_file_sha256,
+                # the manifest cannot be read: every file of the namespace is held
+                "unreadable": pins[prefix][0].unreadable or None},
             "manifest": None if man is None else {
                 **{k: man.field(k) for k in MANIFEST_FIELDS},
                 "config": man.deployment.get("config"),
@@ -185,7 +187,7 @@ def report_on(root: RootDir, inv: Inventory, *, progress: ProgressFn | None = No
     """:func:`report` of the open ``root`` (``inv``'s, opened by the caller). The problems met
     reading manifests and pins are added to ``inv.notes``."""
     snap = snapshot(root, inv.deployments, progress=progress)
-    inv.notes.extend(snap.manifest_problems)
+    inv.notes.extend(p for p in snap.manifest_problems if p not in inv.notes)
     inv.notes.extend(snap.pin_problems)
     pins = {ns: (p, snap.pinned[ns]) for ns, p in snap.pins.items()}
     budget, limit, reserve = budget_figures(inv, snap.scan)

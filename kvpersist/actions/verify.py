@@ -8,7 +8,6 @@ from kvpersist.config.loader import load_deployment
 from kvpersist.l2 import keys
 from kvpersist.l2.inventory import open_root
 from kvpersist.l2.pin_store import read_pins
-from kvpersist.l2.pins import all_names
 from kvpersist.l2.runs import record_run
 from kvpersist.l2.verify import VerifyResult, verify_root
 from kvpersist.system.files import service_uids
@@ -27,12 +26,12 @@ def verify(config: str, *, apply: bool = False, all_namespaces: bool = False,
     also = service_uids(s.service_user)
     key = keys.read_key(s.serde_key_file, also) if s.serde == "aesgcm" else None
     with open_root(s.cache_root, purpose="verify") as root:
-        pins, pin_problems = read_pins(root)
+        pins = read_pins(root)
         res = verify_root(root, dep.namespace, serde=s.serde, key=key, apply=apply,
                           temp_age=temp_age, rate_mb_s=rate_mb_s or None,
                           all_namespaces=all_namespaces, progress=progress,
-                          first=all_names(pins.values()))
-        res.warnings.extend(pin_problems)
+                          first=pins.names)
+        res.warnings.extend(pins.problems)
         left = len(res.findings) - (len(res.quarantined) if apply else 0)
         warning = record_run(root, "verify", ok=left == 0, mode="apply" if apply else "check",
                              counts={"files": res.files, "findings": len(res.findings),

@@ -156,13 +156,17 @@ def stop(config: str, timeout: float, no_vllm: bool, systemd_stop_post: bool,
     out = lifecycle.stop(config, timeout=timeout, vllm=not no_vllm)
     if as_json:
         echo_json(out.to_dict())
-        return
-    for r in out.stopped:
-        pid = f"pid {r.pid}" if r.pid else "-"
-        extra = f" ({r.detail})" if r.detail else ""
-        click.echo(f"{r.what:15} {pid:12} {r.how}{extra}")
-    if out.fleet_record is not None:
-        click.echo(out.fleet_record.note(), err=not out.fleet_record.ok)
+    else:
+        for r in out.stopped:
+            pid = f"pid {r.pid}" if r.pid else "-"
+            extra = f" ({r.detail})" if r.detail else ""
+            click.echo(f"{r.what:15} {pid:12} {r.how}{extra}")
+            if r.error:
+                click.echo(f"kvp-admin: {r.error}", err=True)
+        if out.fleet_record is not None:
+            click.echo(out.fleet_record.note(), err=not out.fleet_record.ok)
+    if not out.ok:
+        exit_with(1)
 
 
 @click.command("status")

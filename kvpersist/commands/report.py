@@ -20,9 +20,12 @@ from kvpersist.l2.shared_keys import skipped_lines
 
 
 def _pins(p: dict[str, Any] | None) -> str:
-    """``files (size)`` of a namespace's warm-set pins, with the missing ones; '-' if none."""
+    """``files (size)`` of a namespace's warm-set pins, with the missing ones; '-' if none;
+    ``all (held)`` when the pin manifest is unreadable (the note names it)."""
     if not p:
         return "-"
+    if p.get("unreadable"):
+        return "all (held)"
     missing = f", {p['missing']:,} missing" if p["missing"] else ""
     return f"{p['files']:,} ({format_size(p['bytes'])}{missing})"
 
@@ -82,6 +85,9 @@ def format_report(doc: dict[str, Any]) -> str:
     if any(r.get("warm_pins") for r in doc["namespaces"]):
         out.append("warm pins: the warm set's files (kvp-admin warmup); prune --to-budget and "
                    "--stale never delete them")
+    if any((r.get("warm_pins") or {}).get("unreadable") for r in doc["namespaces"]):
+        out.append("all (held): the pin manifest cannot be read (see the notes); every file "
+                   "of the namespace is kept by prune until it is fixed or removed")
     if not doc["active"]:
         out.append("no active deployment on this root (give --config to mark one)")
     else:

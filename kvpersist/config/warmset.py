@@ -8,9 +8,11 @@ The warm set is a JSONL file, one JSON object a line, each the start every sessi
   true, as for a chat request);
 * ``{"prompt": "..."}`` -- a text prompt, tokenized the way ``/v1/completions`` does.
 
-Blank lines are skipped. Anything else is an error naming its line; every error of the file is
-reported at once (:class:`~kvpersist.errors.ConfigError`, exit 2). The file's digest
-(sha256 of its bytes) keys the token-id cache and the pin manifest.
+Blank lines are skipped. Anything else is an error naming its line; the errors of the file are
+reported at once (:class:`~kvpersist.errors.ConfigError`, exit 2; the first 20, then where
+reading stopped and how many lines were left unchecked). Each line is untrusted JSON: nested
+at most 64 deep, finite numbers only. The file's digest (sha256 of its bytes) keys the
+token-id cache and the pin manifest.
 
 Also here: the token-id cache document (``kvpersist.warm-tokens/1``) and its validation.
 """
@@ -18,16 +20,19 @@ Also here: the token-id cache document (``kvpersist.warm-tokens/1``) and its val
 from __future__ import annotations
 
 import hashlib
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpersist.errors import ConfigError, Problem
+from kvpersist.errors import ConfigError, Problem, Problems
+from kvpersist.system.untrusted import UnreadableFile, parse_json
 
 #: a warm set is the shared start of sessions, not a corpus
 MAX_BYTES = 16 << 20
 MAX_ENTRIES = 10_000
+#: the most arrays and objects one line may hold (~64 bytes each once parsed: a 16 MiB line
+#: of ``[{},{},...]`` is refused before it costs 400 MB); counted as its ``[`` and ``{``
+MAX_LINE_CONTAINERS = 1_000_000
 TOKENS_SCHEMA = "kvpersist.warm-tokens/1"
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_KEYS = ("messages", "tools", "add_generation_prompt")
@@ -61,8 +66,14 @@ def file_digest(data: bytes) -> str:
 def parse_warm_set(data: bytes, source: str) -> WarmSet:
     """Validate the bytes of a warm-set file named ``source`` (for messages).
 
-    Returns the :class:`WarmSet`; raises ConfigError listing every bad line
-    (``<source>:<line>``) at once, or a file that is too big, not UTF-8 or empty."""
+    Returns the :class:`WarmSet`; raises ConfigError for a file that is too big, not UTF-8,
+    empty or holding more than :data:`MAX_ENTRIES` entries, or listing its bad lines
+    (``<source>:<line>``). Each line is parsed as untrusted JSON
+    (:func:`~kvpersist.system.untrusted.parse_json`: nested at most 64 deep, finite numbers
+    only, at most :data:`MAX_LINE_CONTAINERS` arrays and objects), so no line costs more than
+    its share of memory. The first :data:`~kvpersist.errors.MAX_PROBLEMS` bad lines are
+    listed; at the next one reading stops, and the last problem counts the lines left
+    unchecked: a file of a million bad lines costs the time and output of 21."""
     if len(data) > MAX_BYTES:
         raise ConfigError(Problem(source, f"is {len(data):,} bytes, more than {MAX_BYTES:,}",
                                   "a warm set holds the shared starts of sessions, not a "
@@ -72,30 +83,56 @@ def parse_warm_set(data: bytes, source: str) -> WarmSet:
     except UnicodeDecodeError as exc:
         raise ConfigError(Problem(source, f"is not UTF-8 text ({exc.reason} at byte "
                                           f"{exc.start})", _FIX), source) from None
-    problems: list[Problem] = []
+    problems = Problems()
     entries: list[WarmEntry] = []
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
+    for number, line, after in _lines(text):
+        if not line or line.isspace():
             continue
         where = f"{source}:{number}"
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            problems.append(Problem(where, f"not JSON: {exc.msg} (column {exc.colno})", _FIX))
-            continue
-        entry, why = _entry(number, obj)
+            obj = parse_json(line, where, max_containers=MAX_LINE_CONTAINERS)
+        except UnreadableFile as exc:
+            # the line is parsed alone: its "line 1" is the file's line ``number``
+            why = exc.why.replace("(line 1 column ", "(column ")
+        else:
+            entry, why = _entry(number, obj)
+            if entry is not None:
+                entries.append(entry)
         if why:
-            problems.append(Problem(where, why, _FIX))
-        elif entry is not None:
-            entries.append(entry)
+            problems.add(Problem(where, why, _FIX))
+        if problems.more:
+            left = _lines_from(text, after)
+            raise ConfigError([*problems.kept, Problem(
+                where, f"is bad too; reading stopped there ({left:,} more line(s) not "
+                "checked)", f"fix the first {problems.limit} bad lines, then check again")],
+                source)
+        if len(entries) > MAX_ENTRIES:
+            problems.add(Problem(source, f"holds more than {MAX_ENTRIES:,} entries (reading "
+                                 f"stopped at line {number:,})", "keep the warm set small"))
+            break
     if not problems and not entries:
-        problems.append(Problem(source, "holds no entry", _FIX))
-    if len(entries) > MAX_ENTRIES:
-        problems.append(Problem(source, f"holds {len(entries):,} entries, more than "
-                                        f"{MAX_ENTRIES:,}", "keep the warm set small"))
+        problems.add(Problem(source, "holds no entry", _FIX))
     if problems:
         raise ConfigError(problems, source)
     return WarmSet(source, file_digest(data), tuple(entries))
+
+
+def _lines(text: str) -> Iterator[tuple[int, str, int]]:
+    """``(number, line, where the next line starts)`` of ``text`` split at newlines, one at
+    a time: a list of eight million lines would cost half a gigabyte."""
+    pos, number, size = 0, 0, len(text)
+    while pos <= size:
+        end = text.find("\n", pos)
+        if end < 0:
+            end = size
+        number += 1
+        yield number, text[pos:end], end + 1
+        pos = end + 1
+
+
+def _lines_from(text: str, pos: int) -> int:
+    """How many lines ``text`` holds from ``pos`` on (counted in C)."""
+    return 0 if pos >= len(text) else text.count("\n", pos) + (not text.endswith("\n"))
 
 
 def _entry(line: int, obj: Any) -> tuple[WarmEntry | None, str]:

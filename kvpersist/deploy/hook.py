@@ -32,6 +32,7 @@ from typing import Any
 from kvpersist.config.engine_args import ArgsError, canonical_value, describe, parse
 from kvpersist.config.engine_flags import FLAGS, KV
 from kvpersist.errors import EXIT_USAGE, KvpError
+from kvpersist.system.untrusted import MAX_STATE_BYTES, UnreadableFile, read_json_object, show_path
 
 
 class HookError(KvpError):
@@ -119,14 +120,54 @@ def persist_argv(argv: list[str], rendered: dict[str, Any]) -> list[str]:
     return [*out, "--kv-transfer-config", ktc]
 
 
+def read_rendered(path: str) -> dict[str, Any]:
+    """The rendering at ``path`` (``kvp-admin render CONFIG --json``), read as untrusted
+    (:mod:`kvpersist.system.untrusted`: a regular file, links followed, at most
+    :data:`~kvpersist.system.untrusted.MAX_STATE_BYTES`, depth-limited, finite numbers) and
+    checked for the fields the hook uses, each of its type. Raises HookError (exit 2) naming
+    the file and the field."""
+    fix = "write it again with `kvp-admin render CONFIG --json`"
+    try:
+        doc = read_json_object(path, max_bytes=MAX_STATE_BYTES, fix=fix)
+    except FileNotFoundError:
+        raise HookError(f"{show_path(path)}: no such file; {fix}") from None
+    except UnreadableFile as exc:
+        raise HookError(str(exc)) from None
+    manifest = doc.get("manifest")
+    ident = manifest.get("identity") if isinstance(manifest, dict) else None
+    checks = [
+        ("namespace", isinstance(doc.get("namespace"), str)),
+        ("model_link.target", isinstance(doc.get("model_link"), dict)
+         and isinstance(doc["model_link"].get("target"), str)),
+        ("kv_transfer_config", isinstance(doc.get("kv_transfer_config"), dict)),
+        ("manifest.deployment.served_model_name", isinstance(manifest, dict)
+         and isinstance(manifest.get("deployment"), dict)
+         and isinstance(manifest["deployment"].get("served_model_name"), str)),
+        ("manifest.identity", ident is None or isinstance(ident, dict) and isinstance(
+            ident.get("engine_args", {}), dict) and all(
+            isinstance(v, str) for v in ident.get("engine_args", {}).values())),
+    ]
+    for field, ok in checks:
+        if not ok:
+            raise HookError(f"{show_path(path)}: {field} is missing or of the wrong type; "
+                            f"{fix}")
+    return doc
+
+
 def main(args: list[str] | None = None) -> int:
+    """``python -m kvpersist.deploy.hook RENDER_JSON_FILE -- ARGV...``: the new argv on
+    stdout, NUL-separated; returns 0, 1 (the recipe cannot be made persistent) or 2 (a usage
+    error, or a rendering that cannot be read or is not one), the message on stderr."""
     args = list(sys.argv[1:] if args is None else args)
     if len(args) < 2 or args[1] != "--":
         print("usage: python -m kvpersist.deploy.hook RENDER_JSON_FILE -- VLLM_ARGV...",
               file=sys.stderr)
         return 2
-    with open(args[0], encoding="utf-8") as f:
-        rendered = json.load(f)
+    try:
+        rendered = read_rendered(args[0])
+    except HookError as exc:
+        print(f"kv-persist-hook: {exc}", file=sys.stderr)
+        return 2
     try:
         new = persist_argv(args[2:], rendered)
     except HookError as exc:

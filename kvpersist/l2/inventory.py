@@ -53,6 +53,9 @@ class Inventory:
     deployments: list[Deployment] = field(default_factory=list)
     active: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
+    #: why the active namespace of an unpinned deployment may be missing from ``active`` (a
+    #: manifest that could not be read may be its newest); empty when it is certain
+    unsure: list[str] = field(default_factory=list)
 
     def others(self, dep: Deployment) -> tuple[Deployment, ...]:
         """The deployments on this root other than ``dep`` (by namespace)."""
@@ -72,7 +75,8 @@ def resolve_inventory(
     root. With no ``configs`` and ``discover``, every config under configs/ is tried and those
     whose cache root is ``root`` count as active (a config that does not load is skipped and
     noted). Raises UsageError if neither a root nor a config is given, or the configs disagree.
-    An unpinned deployment's active namespace is the newest manifest written for it.
+    An unpinned deployment's active namespace is the newest manifest written for it; when a
+    manifest cannot be read, that is not certain (``unsure`` and ``notes`` name it).
     """
 
     deps = [load_deployment(c, environ) for c in configs]
@@ -102,7 +106,9 @@ def resolve_inventory(
     for d in deps:
         if d not in on_root and configs:
             notes.append(f"config {d.name} uses another cache root ({d.settings.cache_root})")
-    manifests, _ = read_manifests_at(root, manifest_dirs(on_root))
+    manifests, bad = read_manifests_at(root, manifest_dirs(on_root))
+    unsure = bad if any(not d.pinned for d in on_root) else []
+    notes += unsure
     active: set[str] = set()
     for d in on_root:
         if d.pinned:
@@ -112,7 +118,8 @@ def resolve_inventory(
                 if not m.pinned and m.deployment.get("config") == d.name]
         if mine:
             active.add(max(mine, key=lambda m: m.mtime_ns).namespace)
-    return Inventory(root=root, deployments=on_root, active=active, notes=notes)
+    return Inventory(root=root, deployments=on_root, active=active, notes=notes,
+                     unsure=unsure)
 
 
 def other_deployments(dep: Deployment,
@@ -198,9 +205,11 @@ def scan(root: RootDir, *, hist: bool = False,
 @dataclass(frozen=True)
 class Snapshot:
     """One look at an open cache root (report, prune, metrics): the scan; the manifests of its
-    deployments (empty unless asked for); each namespace's warm-set pins and what they hold
-    on disk, measured just after the scan; and the problems met reading the manifests and the
-    pins (each names the file it is about)."""
+    deployments (empty unless asked for); each namespace's warm-set pins (a namespace whose
+    pin manifest is unreadable is held whole: :attr:`~kvpersist.l2.pins.PinSet.held`) and
+    what they hold on disk, measured just after the scan; the problems met reading the
+    manifests and the pins (each names the file it is about); and why the pins directory
+    could not be listed ("" when it could; else every namespace is held)."""
 
     scan: ScanResult
     manifests: Mapping[str, Manifest]
@@ -208,6 +217,7 @@ class Snapshot:
     pinned: Mapping[str, PinnedUsage]
     manifest_problems: tuple[str, ...] = ()
     pin_problems: tuple[str, ...] = ()
+    pins_unreadable_dir: str = ""
 
 
 def snapshot(root: RootDir, deployments: Sequence[Deployment] = (), *,
@@ -218,13 +228,14 @@ def snapshot(root: RootDir, deployments: Sequence[Deployment] = (), *,
     manifests of the root and of ``deployments``. Raises UsageError/KvpError as :func:`scan`
     does; a manifest or pin manifest that cannot be read is a problem, not an error."""
     res = scan(root, hist=hist, progress=progress)
-    pins, pin_problems = read_pins(root)
-    pinned = {ns: measure_pins(root, p, hist=pin_hist) for ns, p in pins.items()}
+    read = read_pins(root)
+    pinned = {ns: measure_pins(root, p, hist=pin_hist) for ns, p in read.pins.items()}
     found: dict[str, Manifest] = {}
     bad: list[str] = []
     if manifests:
         found, bad = read_manifests(root, manifest_dirs(deployments))
-    return Snapshot(res, found, pins, pinned, tuple(bad), tuple(pin_problems))
+    return Snapshot(res, found, read.pins, pinned, tuple(bad), read.problems,
+                    read.unreadable_dir)
 
 
 def measurement_of(res: ScanResult, ram_bytes: int | None = None) -> Measurement:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvpersist.errors import KvpError
-from kvpersist.system.files import atomic_write, read_owner_only, trust_problems
+from kvpersist.system.files import atomic_write, make_dirs, read_owner_only, trust_problems
+from kvpersist.system.untrusted import MAX_RECORD_BYTES, UnreadableFile, read_text
 
 KEY_BYTES = 32
 FINGERPRINT_FILE = "l2-master.key.fingerprint"
@@ -79,7 +80,7 @@ def ensure_key(path: str | os.PathLike[str], also: tuple[int, ...] = ()) -> KeyI
     p = Path(path)
     created = False
     if not p.exists():
-        p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(p.parent)
         # never ".tmp." in a name kvpersist writes: LMCache deletes such names under its root
         tmp = p.with_name(f".{p.name}.new-{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -100,11 +101,16 @@ def ensure_key(path: str | os.PathLike[str], also: tuple[int, ...] = ()) -> KeyI
 
 
 def recorded_fingerprint(state_dir: str | os.PathLike[str]) -> str | None:
-    """The key fingerprint recorded for a cache (``<state_dir>/keys/...fingerprint``)."""
+    """The key fingerprint recorded for a cache (``<state_dir>/keys/...fingerprint``), or
+    None when none is recorded, or the record is not one (read as untrusted: not a regular
+    file, a link, bigger than a record, not 16 hex digits): then launch does not warn of a
+    key change and records the fingerprint again. Never raises."""
     try:
-        return (Path(state_dir) / "keys" / FINGERPRINT_FILE).read_text().strip() or None
-    except OSError:
+        text = read_text(Path(state_dir) / "keys" / FINGERPRINT_FILE, follow=False,
+                         max_bytes=MAX_RECORD_BYTES).strip()
+    except (FileNotFoundError, UnreadableFile):
         return None
+    return text if len(text) == 16 and all(c in "0123456789abcdef" for c in text) else None
 
 
 def record_fingerprint(state_dir: str | os.PathLike[str], fp: str) -> None:

@@ -1,9 +1,13 @@
 """Pin manifests on a cache root (I/O): write, read, measure, remove.
 
 ``<root>/.kvpersist/pins/<namespace>.json`` (:mod:`kvpersist.l2.pins`). Everything is opened
-relative to directory descriptors, never through a symlink, as :mod:`kvpersist.l2.runs` does.
-Reading never creates anything; a manifest that is unreadable or not ours is reported and
-ignored (its files are then not protected, and the problem says so).
+relative to directory descriptors, never through a symlink, as :mod:`kvpersist.l2.runs` does,
+and read as untrusted (:mod:`kvpersist.system.untrusted`: a FIFO, a device, a link, a directory,
+a file past :data:`~kvpersist.l2.pins.MAX_BYTES`, a document nested deep or holding NaN are
+each refused without hanging or reading it whole). Reading never creates anything; a
+manifest that is unreadable or not ours is reported by name and its namespace is *held*
+whole (every file of it counts as pinned: ``prune --stale/--unpinned/--to-budget`` leaves
+them); a pins directory that cannot be listed holds every namespace.
 
 Every function takes the open root (:class:`~kvpersist.l2.tree.RootDir`, opened and closed by the
 use case).
@@ -16,18 +20,22 @@ import os
 import stat as stat_mod
 from typing import Any
 
-from kvpersist.errors import KvpError
+from kvpersist.errors import MAX_PROBLEMS, KvpError, Problem, Problems
 from kvpersist.l2.layout import META_DIR, is_namespace
 from kvpersist.l2.pins import (
     MAX_BYTES,
+    MAX_CONTAINERS,
     PINS_DIR,
     PinnedUsage,
+    PinRead,
     PinSet,
+    held_set,
     parse_pin_document,
     pins_name,
 )
-from kvpersist.l2.tree import RootDir, meta_dir, open_rel, read_small_at, replace_at
+from kvpersist.l2.tree import RootDir, meta_dir, open_rel, replace_at
 from kvpersist.l2.usage import HIST_BUCKET_NS
+from kvpersist.system.untrusted import UnreadableFile, read_json
 
 
 def pins_path(root: str | os.PathLike[str], namespace: str) -> str:
@@ -38,10 +46,14 @@ def pins_path(root: str | os.PathLike[str], namespace: str) -> str:
 
 def write_pins(root: RootDir, doc: dict[str, Any]) -> str:
     """Write a pin manifest (atomic, owner-only) into the root; return its path.
-    Raises KvpError when it cannot be written (e.g. ``.kvpersist`` is a symlink)."""
+    Raises KvpError when it cannot be written (e.g. ``.kvpersist`` is a symlink) or would be
+    bigger than its readers accept (:data:`~kvpersist.l2.pins.MAX_BYTES`)."""
     namespace = str(doc["namespace"])
     data = (json.dumps(doc, sort_keys=True) + "\n").encode()
     final = pins_name(namespace)
+    if len(data) > MAX_BYTES:
+        raise KvpError(f"the pin manifest of {namespace} would be {len(data):,} bytes, more "
+                       f"than the {MAX_BYTES:,} its readers accept: make the warm set smaller")
     dfd = meta_dir(root, PINS_DIR)
     try:
         replace_at(dfd, final, data)
@@ -53,68 +65,78 @@ def write_pins(root: RootDir, doc: dict[str, Any]) -> str:
     return pins_path(root.path, namespace)
 
 
-def read_pins(root: RootDir) -> tuple[dict[str, PinSet], list[str]]:
-    """Every namespace's pins on ``root`` and problems met (a manifest not ours, unreadable,
-    or naming files that are not its namespace's chunk files). Never creates anything."""
+def read_pins(root: RootDir) -> PinRead:
+    """Every namespace's pins on ``root``: the readable manifests, and for each one that is
+    unreadable, not ours, or naming files that are not its namespace's chunk files, a
+    *held* set (:func:`~kvpersist.l2.pins.held_set`) and a problem naming it (the first
+    :data:`~kvpersist.errors.MAX_PROBLEMS` listed, the others counted). A pins directory
+    that cannot be listed is :attr:`~kvpersist.l2.pins.PinRead.unreadable_dir` (every
+    namespace held). Never raises for what it reads; never creates anything."""
     pins: dict[str, PinSet] = {}
-    problems: list[str] = []
+    problems = Problems()
+    where_dir = f"{META_DIR}/{PINS_DIR}"
     try:
-        dfd = open_rel(root.fd, f"{META_DIR}/{PINS_DIR}")
+        dfd = meta_dir(root, PINS_DIR, create=False)
     except FileNotFoundError:
-        return pins, problems
-    except OSError as exc:
-        return pins, [f"{META_DIR}/{PINS_DIR}: {exc.strerror or exc}"]
+        return PinRead(pins)
+    except KvpError as exc:  # a link or a file in its place, or no permission
+        why = f"{where_dir} cannot be listed: {exc}"
+        return PinRead(pins, (f"{why}; every namespace is held as pinned until it is fixed",),
+                       why)
     try:
-        for name in sorted(os.listdir(dfd)):
+        names = sorted(os.listdir(dfd))
+        for name in names:
             ns = name[:-5] if name.endswith(".json") else ""
             if not is_namespace(ns):
                 continue
             pset, why = _read(dfd, name, ns)
-            if pset is not None:
-                pins[ns] = pset
-            elif why:
-                problems.append(f"{META_DIR}/{PINS_DIR}/{name}: {why}; its files are "
-                                "not protected")
+            if pset is None:
+                problem = Problem(f"{where_dir}/{name}", why)  # a quote cut to its bound
+                pset = held_set(ns, problem.message)
+                problems.add(problem)
+            pins[ns] = pset
+    except OSError as exc:
+        why = f"{where_dir}: cannot be listed ({exc.strerror or exc})"
+        return PinRead(pins, (f"{why}; every namespace is held as pinned until it is fixed",),
+                       why)
     finally:
         os.close(dfd)
-    return pins, problems
+    listed = [f"{p.where}: {p.message}; every file of its namespace is held as pinned until "
+              "it is fixed or removed" for p in problems.kept]
+    if problems.more:
+        listed.append(f"and {problems.more:,} more unreadable pin manifest(s) in {where_dir} "
+                      f"(the first {MAX_PROBLEMS} are listed); their namespaces are held too")
+    return PinRead(pins, tuple(listed))
 
 
 def _read(dfd: int, name: str, namespace: str) -> tuple[PinSet | None, str]:
     try:
         doc = _load(dfd, name)
-    except _Unreadable as exc:
-        return None, str(exc)
+    except UnreadableFile as exc:
+        return None, exc.why
     return parse_pin_document(doc, namespace)
 
 
-class _Unreadable(KvpError):
-    pass
-
-
 def _load(dfd: int, name: str) -> Any:
-    """The JSON document in ``name`` (never through a symlink); raises _Unreadable."""
+    """The JSON document in ``name`` (never through a symlink, at most
+    :data:`~kvpersist.l2.pins.MAX_BYTES`); raises UnreadableFile (also when it is absent)."""
     try:
-        data = read_small_at(dfd, name, MAX_BYTES)
-    except OSError as exc:
-        raise _Unreadable(str(exc.strerror or exc)) from None
-    if data is None:
-        raise _Unreadable("too big")
-    try:
-        return json.loads(data)
-    except ValueError:
-        raise _Unreadable("not JSON") from None
+        return read_json(name, dir_fd=dfd, follow=False, max_bytes=MAX_BYTES,
+                         max_containers=MAX_CONTAINERS, where=f"{META_DIR}/{PINS_DIR}/{name}")
+    except FileNotFoundError:
+        raise UnreadableFile(name, "is gone") from None
 
 
 def read_pin_document(root: RootDir, namespace: str) -> dict[str, Any] | None:
-    """The pin manifest of ``namespace`` as a document, if it is a valid one (else None)."""
+    """The pin manifest of ``namespace`` as a document, if it is a valid one (else None:
+    the warm-up then computes the pins again and writes a valid one over it)."""
     try:
         dfd = open_rel(root.fd, f"{META_DIR}/{PINS_DIR}")
     except OSError:
         return None
     try:
         doc = _load(dfd, pins_name(namespace))
-    except _Unreadable:
+    except UnreadableFile:
         return None
     finally:
         os.close(dfd)

@@ -15,14 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from kvpersist.l2.layout import is_shard_dir_name, parse_chunk_name
 
 SCHEMA = "kvpersist.pins/1"
 PINS_DIR = "pins"
-#: a pin manifest bigger than this is not ours
-MAX_BYTES = 64 << 20
+#: a pin manifest bigger than this is not ours (~130,000 pinned files: about what a 16 MiB
+#: warm set pins at 256-token chunks and 8 ranks); what it costs once parsed stays far below
+#: 512 MiB
+MAX_BYTES = 16 << 20
+#: a pin manifest holds one object and one array (file names hold no brackets)
+MAX_CONTAINERS = 8
 
 
 @dataclass(frozen=True)
@@ -32,11 +36,52 @@ class PinSet:
     namespace: str
     warm_file_sha256: str
     files: frozenset[str]
+    #: why the manifest could not be read ("" when it could): then ``files`` is empty and
+    #: the namespace is held whole (:attr:`held`)
+    unreadable: str = ""
 
     @property
     def names(self) -> frozenset[str]:
         """The file names alone (a chunk's name is unique in its root, sharded or not)."""
         return frozenset(f.rsplit("/", 1)[-1] for f in self.files)
+
+    @property
+    def held(self) -> bool:
+        """Every file of the namespace counts as pinned (its manifest is unreadable)."""
+        return bool(self.unreadable)
+
+
+def held_set(namespace: str, why: str) -> PinSet:
+    """The pins of a namespace whose manifest cannot be read: all of its files."""
+    return PinSet(namespace, "", frozenset(), why)
+
+
+@dataclass(frozen=True)
+class PinRead:
+    """What :func:`kvpersist.l2.pin_store.read_pins` found on a root: the pins by namespace
+    (held ones included), the problems met (each names its file), and why the pins directory
+    could not be listed ("" when it could: then every namespace is held)."""
+
+    pins: Mapping[str, PinSet]
+    problems: tuple[str, ...] = ()
+    unreadable_dir: str = ""
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Every pinned file name (:func:`all_names`)."""
+        return all_names(self.pins.values())
+
+    @property
+    def held(self) -> frozenset[str]:
+        """The namespaces held whole (their manifest is unreadable)."""
+        return frozenset(ns for ns, p in self.pins.items() if p.held)
+
+    def holds(self, namespace: str) -> bool:
+        """Whether every file of ``namespace`` counts as pinned."""
+        if self.unreadable_dir:
+            return True
+        p = self.pins.get(namespace)
+        return p is not None and p.held
 
 
 def pins_name(namespace: str) -> str:
@@ -85,13 +130,18 @@ def parse_pin_document(doc: Any, namespace: str) -> tuple[PinSet | None, str]:
     files = doc.get("files")
     sha = doc.get("warm_file_sha256")
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files) \
-            or not isinstance(sha, str):
+            or not _is_sha256(sha):
         return None, "malformed (files, warm_file_sha256)"
     for rel in files:
         why = relpath_problem(rel, namespace)
         if why:
             return None, why
     return PinSet(namespace, sha, frozenset(files)), ""
+
+
+def _is_sha256(value: Any) -> TypeGuard[str]:
+    return isinstance(value, str) and len(value) == 64 and all(
+        c in "0123456789abcdef" for c in value)
 
 
 @dataclass(frozen=True)

@@ -212,9 +212,26 @@ class _PartResult:
     ino_mismatch: int = 0
 
 
+@dataclass(frozen=True)
+class Keep:
+    """What only a selection named on the command line may delete: the warm-set pins by file
+    name (``names``), every file of the namespaces held whole (``namespaces``: their pin
+    manifest is unreadable) and, with ``every_namespace`` (the pins directory cannot be
+    listed), every chunk file."""
+
+    names: frozenset[str] = frozenset()
+    namespaces: frozenset[str] = frozenset()
+    every_namespace: bool = False
+
+    def keeps(self, name: str, prefix: str | None) -> bool:
+        """Whether the chunk file ``name`` of ``prefix`` (None: a temp file) is kept."""
+        return name in self.names or (prefix is not None and (
+            self.every_namespace or prefix in self.namespaces))
+
+
 def _stream_part(root: RootDir, selections: Sequence[Selection], part: int, parts: int,
                  dry_run: bool, list_paths: bool, progress: Callable[[int], None] | None,
-                 started_ns: int, keep: frozenset[str] = frozenset()) -> _PartResult:
+                 started_ns: int, keep: Keep | None = None) -> _PartResult:
     """One worker of :func:`prune_stream`: its share of the root's entries (by name hash) and
     of the shard directories (by directory). The root is listed once (the walker finds the
     shard directories in the same listing)."""
@@ -226,6 +243,7 @@ def _stream_part(root: RootDir, selections: Sequence[Selection], part: int, part
     out = _PartResult([[0, 0] for _ in selections], paths=[] if list_paths else None)
     done, paths, errors = out.done, out.paths, out.errors
     lstat, unlink, s_isreg = os.lstat, os.unlink, stat_mod.S_ISREG
+    keep = Keep() if keep is None else keep
     count = 0
 
     def error(rel: str, exc: OSError) -> None:
@@ -285,7 +303,7 @@ def _stream_part(root: RootDir, selections: Sequence[Selection], part: int, part
                 if use >= started_ns:
                     out.used += 1
                 continue
-            pinned = name in keep
+            pinned = keep.keeps(name, key)
             if pinned and not selections[hit].named:
                 out.kept_pinned += 1  # a warm-set pin: only --namespace deletes it
                 continue
@@ -355,12 +373,16 @@ def prune_stream(
     lock: bool = True,
     manifest_dirs: Sequence[str] = (),
     keep: frozenset[str] = frozenset(),
+    keep_namespaces: frozenset[str] = frozenset(),
+    keep_all: bool = False,
 ) -> PruneResult:
     """Plan and delete in one pass (what ``kvp-admin prune`` runs; see the module docstring).
 
     ``keep``: the file names of the root's warm-set pins; only a selection named on the
     command line deletes one (and, after an ``--apply`` that leaves its namespace without
-    files, its pin manifest is removed too).
+    files, its pin manifest is removed too). ``keep_namespaces``: namespaces held whole (their
+    pin manifest is unreadable), ``keep_all``: every namespace held (the pins directory cannot
+    be listed); their files are kept, and counted as pinned, the same way.
 
     After an ``--apply``, the manifest of a namespace pruned whole is removed from the root's
     default manifest directories and from ``manifest_dirs`` (those of its deployments).
@@ -380,7 +402,8 @@ def prune_stream(
         parts: list[_PartResult] = []
         if sels:
             n = _stream_workers(root, workers)
-            parts = _run_parts(root, sels, n, dry_run, list_paths, progress, keep)
+            parts = _run_parts(root, sels, n, dry_run, list_paths, progress,
+                               Keep(keep, keep_namespaces, keep_all))
         done = [[0, 0] for _ in sels]
         for p in parts:
             for d, x in zip(done, p.done, strict=True):
@@ -418,7 +441,7 @@ def prune_stream(
 
 def _run_parts(root: RootDir, selections: tuple[Selection, ...], n: int, dry_run: bool,
                list_paths: bool, progress: Callable[[int], None] | None,
-               keep: frozenset[str] = frozenset()) -> list[_PartResult]:
+               keep: Keep) -> list[_PartResult]:
     # "since the prune began" (for all workers alike). File timestamps come from the kernel's
     # coarse clock, never ahead of this one: a file changed before now never counts as changed
     started_ns = time.time_ns()

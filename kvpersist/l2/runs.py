@@ -9,7 +9,10 @@ alone.
 
 Recording never fails the command that recorded: a root this user may read but not write
 (or a ``.kvpersist`` that is a symlink) gives a warning instead. Everything is opened relative to
-directory descriptors, never through a symlink.
+directory descriptors, never through a symlink. A record is read as untrusted
+(:mod:`kvpersist.system.untrusted`): one that is not a regular file, bigger than
+:data:`~kvpersist.system.untrusted.MAX_RECORD_BYTES`, not JSON, nested, or of the wrong shape
+is a problem naming it and counts as no record (the run is then not exported).
 """
 
 from __future__ import annotations
@@ -21,12 +24,11 @@ from typing import Any
 
 from kvpersist.errors import KvpError
 from kvpersist.l2.layout import META_DIR, RUNS_DIR
-from kvpersist.l2.tree import RootDir, meta_dir, open_rel, read_small_at, replace_at
+from kvpersist.l2.tree import RootDir, meta_dir, open_rel, replace_at
+from kvpersist.system.untrusted import MAX_RECORD_BYTES, UnreadableFile, read_json_object
 
 SCHEMA = "kvpersist.run/1"
 KINDS = ("verify", "prune")
-#: a record bigger than this is not ours
-_MAX_BYTES = 1 << 16
 
 
 def run_record(kind: str, *, ok: bool, finished_ns: int, counts: dict[str, int],
@@ -85,19 +87,23 @@ def read_runs(root: RootDir) -> tuple[dict[str, dict[str, Any]], list[str]]:
 
 
 def _read(dfd: int, name: str, kind: str) -> tuple[dict[str, Any] | None, str]:
+    """The record ``name`` in the runs directory ``dfd``, or (None, why it is not one)."""
     where = f"{META_DIR}/{RUNS_DIR}/{name}"
     try:
-        data = read_small_at(dfd, name, _MAX_BYTES)
+        doc = read_json_object(name, dir_fd=dfd, follow=False, max_bytes=MAX_RECORD_BYTES,
+                               max_containers=8, where=where)
     except FileNotFoundError:
         return None, ""
-    except OSError as exc:
-        return None, f"{where}: {exc.strerror or exc}"
-    try:
-        doc = json.loads(data) if data is not None else None
-    except ValueError:
-        doc = None
-    if (not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("kind") != kind
-            or not isinstance(doc.get("finished_ns"), int) or not isinstance(doc.get("ok"), bool)
-            or not isinstance(doc.get("counts"), dict)):
+    except UnreadableFile as exc:
+        return None, f"{where}: {exc.why}; ignored"
+    counts = doc.get("counts")
+    if (doc.get("schema") != SCHEMA or doc.get("kind") != kind
+            or not _is_int(doc.get("finished_ns")) or not isinstance(doc.get("ok"), bool)
+            or not isinstance(counts, dict) or not all(_is_int(v) for v in counts.values())
+            or not isinstance(doc.get("mode", ""), str)):
         return None, f"{where}: not a kvpersist run record; ignored"
     return doc, ""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -118,27 +118,6 @@ class RootDir:
         self.close()
 
 
-def read_small_at(dfd: int, name: str, max_bytes: int) -> bytes | None:
-    """The bytes of the regular file ``name`` in the directory ``dfd`` (never through a
-    symlink, never blocking on a FIFO), or None when it holds more than ``max_bytes``.
-    Raises OSError: FileNotFoundError when it is absent, EINVAL ("not a regular file")."""
-    fd = os.open(name, FILE_FLAGS, dir_fd=dfd)
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        while size <= max_bytes:
-            block = os.read(fd, 1 << 20)
-            if not block:
-                break
-            chunks.append(block)
-            size += len(block)
-    finally:
-        os.close(fd)
-    return None if size > max_bytes else b"".join(chunks)
-
-
 def replace_at(dfd: int, final: str, data: bytes) -> None:
     """Write ``data`` to ``final`` in the directory ``dfd`` atomically (a temp file created
     owner-only without following a symlink, fsynced, then renamed over ``final``); the temp

@@ -19,14 +19,14 @@ from typing import Any
 from kvpersist.errors import KvpError
 from kvpersist.l2 import keys
 from kvpersist.l2.pin_store import read_pins
-from kvpersist.l2.pins import all_names
 from kvpersist.l2.tree import open_root
 from kvpersist.l2.verify import verify_root
 from kvpersist.stack.locate import Location
 from kvpersist.stack.render import SERDE_NONE_WARNING
 from kvpersist.stack.stops import CleanStop, CrashWindow, Launched, decide
 from kvpersist.system import procs
-from kvpersist.system.files import atomic_write_json, service_uids
+from kvpersist.system.files import atomic_write_json, make_dirs, service_uids
+from kvpersist.system.untrusted import MAX_RECORD_BYTES, UnreadableFile, read_json_object
 
 SCHEMA = "kvpersist.crash-window/1"
 LAUNCH_LOG = "launch.log"
@@ -47,26 +47,38 @@ def _beside_pid_file(loc: Location, suffix: str) -> str:
     return (base[:-len(".pid")] if base.endswith(".pid") else base) + "." + suffix
 
 
-def _read_json(path: str) -> Any:
+def read_record(path: str) -> tuple[dict[str, Any] | None, str]:
+    """The JSON object at ``path`` and why it could not be read: ``(None, "")`` when it is
+    absent. Read as untrusted (:mod:`kvpersist.system.untrusted`: a FIFO, a device, a link,
+    a directory, more than :data:`~kvpersist.system.untrusted.MAX_RECORD_BYTES`, deep
+    nesting, NaN are each a reason, never a hang or a traceback). Never raises."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+        return read_json_object(path, follow=False, max_bytes=MAX_RECORD_BYTES), ""
+    except FileNotFoundError:
+        return None, ""
+    except UnreadableFile as exc:
+        return None, exc.why
 
 
 def window_of(loc: Location, pid_state: procs.PidState) -> CrashWindow:
     """The decision for ``loc`` given its server pid file's state (read before launch
-    removes a stale pid file)."""
+    removes a stale pid file). A clean-stop record that cannot be read, or is not one, is no
+    clean stop; a launch record that cannot be read, or is not one, makes every file of the
+    namespace checked (:func:`~kvpersist.stack.stops.decide`). Never raises."""
     mtime: int | None = None
     if pid_state.state == "stale":
         try:
-            mtime = os.stat(pid_state.pid_file).st_mtime_ns
+            mtime = os.stat(pid_state.pid_file, follow_symlinks=False).st_mtime_ns
         except OSError:
             mtime = None
-    return decide(pid_state=pid_state.state, pid_file_mtime_ns=mtime,
-                  launched=Launched.from_dict(_read_json(launched_record(loc))),
-                  clean_stop=CleanStop.from_dict(_read_json(clean_stop_record(loc))))
+    doc, why = read_record(launched_record(loc))
+    launched = Launched.from_dict(doc)
+    if doc is not None and launched is None:
+        why = "not a kvpersist launch record"
+    clean, _ = read_record(clean_stop_record(loc))
+    return decide(pid_state=pid_state.state, pid_file_mtime_ns=mtime, launched=launched,
+                  clean_stop=CleanStop.from_dict(clean),
+                  launched_unreadable=f"{launched_record(loc)}: {why}" if why else "")
 
 
 def record_launch(loc: Location, *, carry_since_ns: int | None = None) -> Launched:
@@ -88,7 +100,7 @@ def record_clean_stop(loc: Location, pid: int | None, how: str) -> CleanStop:
 
 def _write(path: str, obj: dict[str, Any]) -> None:
     try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        make_dirs(os.path.dirname(path))
         atomic_write_json(path, obj)
     except OSError as exc:
         raise KvpError(f"cannot write {path}: {exc.strerror}") from exc
@@ -163,12 +175,13 @@ def check(loc: Location, window: CrashWindow, *, rate_mb_s: float | None = DEFAU
     else:
         res.warnings.append(SERDE_NONE_WARNING)
     with open_root(loc.cache_root, purpose="verify") as root:
-        pins, _ = read_pins(root)
+        pins = read_pins(root)
         # the warm set first: within the time bound, what every session needs is read first
         v = verify_root(root, loc.namespace, serde=loc.serde, key=key, apply=True,
                         rate_mb_s=rate_mb_s or None, since_ns=window.since_ns,
-                        deadline_s=deadline_s, first=all_names(pins.values()))
+                        deadline_s=deadline_s, first=pins.names)
     res.ran = True
+    res.warnings.extend(pins.problems)
     res.files, res.authenticated, res.bytes_read = v.files, v.authenticated, v.bytes_read
     res.reference_reads, res.unchecked = v.reference_reads, v.unchecked
     res.failed = len(v.findings)

@@ -43,6 +43,7 @@ from kvpersist.l2.shared_keys import SKIPPED_SHOWN
 from kvpersist.l2.shared_store import READ_BATCH, connect, read_values, store_errors
 from kvpersist.stack.lmcache_exec import read_secret_file
 from kvpersist.system.files import service_uids
+from kvpersist.system.untrusted import MAX_RECORD_BYTES, UnreadableFile, read_bytes
 
 #: short: a launch, stop or health run never waits long for a store that does not answer
 TIMEOUT_S = 2.0
@@ -50,12 +51,14 @@ MACHINE_ID_FILE = "/etc/machine-id"
 
 
 def machine_id(path: str = MACHINE_ID_FILE) -> str:
-    """This machine's id (systemd's ``/etc/machine-id``), or '' where there is none."""
+    """This machine's id (systemd's ``/etc/machine-id``: 32 hex digits), or '' where there is
+    none or it is not one (read as untrusted, links followed: not a regular file, bigger than
+    a record, anything but hex digits). Never raises."""
     try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read(64).strip()
-    except OSError:
+        text = read_bytes(path, max_bytes=MAX_RECORD_BYTES).decode("ascii", "replace").strip()
+    except (FileNotFoundError, UnreadableFile):
         return ""
+    return text if 0 < len(text) <= 64 and all(c in "0123456789abcdef" for c in text) else ""
 
 
 def own_record(dep: Deployment, now: float | None = None) -> FleetRecord:

@@ -38,6 +38,7 @@ from kvpersist.stack.readiness import WarmupFacts, gather, judge
 from kvpersist.stack.render import serde_warnings
 from kvpersist.system import procs
 from kvpersist.system.files import accessible_to_others, fs_info, service_uids
+from kvpersist.system.untrusted import MAX_STATE_BYTES, UnreadableFile, parse_json, read_json_object
 
 SCHEMA = "kvpersist.health/1"
 EXIT = {"healthy": 0, "degraded": 1, "down": 2, "warming": 3}
@@ -112,20 +113,26 @@ def read_budget_record(path: str) -> tuple[dict[str, Any] | None, str]:
     """The budget figures of the last launch (``S/budget.json``) and an error message.
 
     Health reports these instead of scanning the root: a scan of a big root takes longer than
-    any probe may."""
+    any probe may. Read as untrusted (:mod:`kvpersist.system.untrusted`) and typed: the byte
+    figures and ``recorded_at_ns`` integers from 0 to 2**63 - 1, ``within_budget`` a
+    boolean; else the figures are None and the message names the file and why (the
+    ``cache_root.budget`` check is then *skipped*). Never raises."""
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-        plan = doc["plan"]
-        return {"on_disk_bytes": int(plan["on_disk_bytes"]), "own_bytes": int(plan["own_bytes"]),
-                "limit_bytes": int(plan["limit_bytes"]),
-                "l2_max_capacity_bytes": int(plan["l2_max_capacity_bytes"]),
-                "within_budget": bool(plan["within_budget"]),
-                "recorded_at_ns": int(doc["recorded_at_ns"])}, ""
+        doc = read_json_object(path, follow=False, max_bytes=MAX_STATE_BYTES)
     except FileNotFoundError:
         return None, "no budget recorded yet (written by `kvp-admin launch`)"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return None, f"budget record {path} unreadable: {exc}"
+    except UnreadableFile as exc:
+        return None, f"budget record unreadable: {exc}"
+    plan = doc["plan"] if isinstance(doc.get("plan"), dict) else {}
+    out = {k: plan.get(k) for k in ("on_disk_bytes", "own_bytes", "limit_bytes",
+                                    "l2_max_capacity_bytes", "within_budget")}
+    out["recorded_at_ns"] = doc.get("recorded_at_ns")
+    for key, value in out.items():
+        if not (isinstance(value, bool) if key == "within_budget" else isinstance(value, int)
+                and not isinstance(value, bool) and 0 <= value < 1 << 63):
+            where = key if key == "recorded_at_ns" else f"plan.{key}"
+            return None, f"budget record {path} unreadable: {where} is absent or mistyped"
+    return out, ""
 
 
 def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
@@ -237,9 +244,9 @@ def _kv_port_of(pid: int) -> int | None:
             raw = arg.split("=", 1)[1]
         if raw:
             try:
-                port = json.loads(raw)["kv_connector_extra_config"]["lmcache.mp.port"]
-                return int(port)
-            except (ValueError, KeyError, TypeError):
+                doc = parse_json(raw, "--kv-transfer-config")  # any process's argv
+                return int(doc["kv_connector_extra_config"]["lmcache.mp.port"])
+            except (UnreadableFile, ValueError, KeyError, TypeError):
                 return None
     return None
 

@@ -46,7 +46,7 @@ from kvpersist.stack.readiness import NO_WARM_SET, WarmupRun, run_warmup
 from kvpersist.stack.render import Rendered
 from kvpersist.stack.weights import WeightsCheck, manifest_with_weights, save_digests
 from kvpersist.system import procs
-from kvpersist.system.files import atomic_write_json, service_uids
+from kvpersist.system.files import atomic_write_json, make_dirs, service_uids
 
 # --------------------------------------------------------------------------- after the verdict
 
@@ -85,7 +85,7 @@ def prepare_state(plan: LaunchPlan, rendered: Rendered, sizing: Sizing, *,
     notes: list[str] = []
     for d in (plan.state_dir, str(Path(plan.server_log).parent)):
         try:
-            Path(d).mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_dirs(d)
         except OSError as exc:
             raise KvpError(f"cannot create {d}: {exc.strerror}; check KVP_STATE_DIR and "
                            "KVP_LOG_DIR and their owner") from exc

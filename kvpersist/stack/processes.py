@@ -25,6 +25,7 @@ from kvpersist.stack.locate import Location
 from kvpersist.stack.plan import LaunchPlan
 from kvpersist.stack.preread import start_preread
 from kvpersist.system import procs
+from kvpersist.system.untrusted import UnreadableFile, read_tail
 
 Progress = Callable[[str], None]
 
@@ -96,11 +97,14 @@ class Started:
 
 
 def _log_tail(path: str, lines: int = 15) -> str:
+    """The last ``lines`` lines of the log ``path`` (each cut to 500 characters), read from
+    its last 64 KiB only; '' when it is absent or not a regular file (a FIFO, a device)."""
     try:
-        text = Path(path).read_text(errors="replace").splitlines()
-    except OSError:
+        tail = read_tail(path, max_bytes=64 << 10, follow=False)
+    except (FileNotFoundError, UnreadableFile):
         return ""
-    return "\n".join(text[-lines:])
+    text = tail.decode("utf-8", "replace").splitlines()
+    return "\n".join(line[:500] for line in text[-lines:])
 
 
 def refuse_if_running(state: procs.PidState, what: str, progress: Progress) -> None:
@@ -210,6 +214,8 @@ class Stopped:
     how: str  # terminated / killed / not-running / stale
     seconds: float = 0.0
     detail: str = ""
+    #: what went wrong ("" when nothing did): a stale pid file that could not be removed
+    error: str = ""
 
 
 def stop_vllm(plan: Location, *, timeout: float = 60.0) -> Stopped:
@@ -235,9 +241,14 @@ def stop_server(plan: Location, *, timeout: float = 30.0) -> Stopped:
 
 
 def _stop_by_pid_file(name: str, st: procs.PidState, timeout: float) -> Stopped:
-    """Stop the process a checked pid file names (a stale pid file is only removed)."""
+    """Stop the process a checked pid file names. A stale pid file is only removed; one that
+    cannot be (a directory in its place) is the result's ``error``, never raised: stopping
+    the next process must not depend on it."""
     if st.state == "stale":
-        procs.remove_pid_file(st.pid_file)
+        try:
+            procs.remove_pid_file(st.pid_file)
+        except KvpError as exc:  # a directory in its place: named, and the stop goes on
+            return Stopped(name, st.pid, "stale", detail=st.reason, error=str(exc))
         return Stopped(name, st.pid, "stale", detail=st.reason)
     if not st.running or st.pid is None:
         return Stopped(name, None, "not-running")

@@ -23,7 +23,6 @@ into health checks; :func:`run_warmup` and :func:`warmup_after_vllm` do the I/O.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -37,6 +36,12 @@ from kvpersist.errors import KvpError
 from kvpersist.stack.locate import Location
 from kvpersist.stack.processes import vllm_ready
 from kvpersist.system import procs
+from kvpersist.system.untrusted import (
+    MAX_STATE_BYTES,
+    UnreadableFile,
+    read_json_object,
+    read_tail,
+)
 
 #: the warm-up child's module (``python -m``; the engine and its ``main``)
 WARMUP_MODULE = "kvpersist.stack.warmup"
@@ -46,6 +51,8 @@ WARMUP_MARKERS = (WARMUP_MODULE,)
 #: before the launch stops it; also how long past that a "warming" record without a known
 #: process still counts as warming
 GRACE_S = 90.0
+#: how much of the end of a log is read for its last line
+LOG_TAIL_BYTES = 64 << 10
 
 Progress = Callable[[str], None]
 
@@ -79,11 +86,15 @@ class WarmupFacts:
 
 def epoch_of(value: Any) -> float | None:
     """Epoch seconds of a record's time (pure): a number (seconds; nanoseconds when above
-    1e12) or an ISO 8601 string (a naive one is UTC); None when absent or unreadable."""
+    1e12) or an ISO 8601 string (a naive one is UTC); None when absent or unreadable (a
+    number too big for a float included)."""
     if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, int | float):
-        return float(value) / 1e9 if value > 1e12 else float(value)
+        try:
+            return float(value) / 1e9 if value > 1e12 else float(value)
+        except OverflowError:
+            return None
     if isinstance(value, str) and value:
         try:
             dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
@@ -162,19 +173,51 @@ def judge(f: WarmupFacts, namespace: str) -> tuple[str, str] | None:
 # --------------------------------------------------------------------------- reading (I/O)
 
 
+#: the fields of a warm-up record (``kvpersist.warmup/1``) and what each may hold; a record
+#: is read as these fields only (others are dropped), each checked
+_RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "schema": (str,), "state": (str,), "namespace": (str,), "started": (str, int, float),
+    "finished": (str, int, float), "requested_chunks": (int,), "found_chunks": (int,),
+    "bytes": (int,), "seconds": (int, float), "error": (str,), "warm_set": (bool,),
+    "warm_file_sha256": (str,)}
+#: the longest string a record's field may hold but ``error`` (cut, when shown, to
+#: :data:`ERROR_SHOWN`)
+_FIELD_CHARS = 256
+ERROR_SHOWN = 1000
+
+
 def read_record(path: str) -> tuple[dict[str, Any] | None, str]:
     """The warm-up record at ``path`` and an error message (``(None, "")`` when absent).
-    Never raises."""
+
+    Read as untrusted (:mod:`kvpersist.system.untrusted`: never through a link, never
+    blocking on a FIFO, at most :data:`~kvpersist.system.untrusted.MAX_STATE_BYTES`,
+    depth-limited, finite numbers only) and typed: the record holds the fields of
+    :data:`_RECORD_FIELDS` only, each null or of its type (strings at most 256 characters,
+    ``error`` cut to :data:`ERROR_SHOWN`; integers from 0 to 2**63 - 1). One that fails is
+    the error (health: *degraded*, "warm-up record unreadable"). Never raises."""
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+        doc = read_json_object(path, follow=False, max_bytes=MAX_STATE_BYTES)
     except FileNotFoundError:
         return None, ""
-    except (OSError, ValueError) as exc:
-        return None, f"{path}: {exc}"
-    if not isinstance(doc, dict):
-        return None, f"{path}: not a JSON object"
-    return doc, ""
+    except UnreadableFile as exc:
+        return None, str(exc)
+    record: dict[str, Any] = {}
+    for key, types in _RECORD_FIELDS.items():
+        value: Any = doc.get(key)
+        if value is None:
+            record[key] = None
+            continue
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            return None, f"{path}: {key} is a JSON {type(value).__name__}, not what a " \
+                "warm-up record holds there"
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < 1 << 63:
+            return None, f"{path}: {key} is out of range"
+        if isinstance(value, str) and key != "error" and len(value) > _FIELD_CHARS:
+            return None, f"{path}: {key} is longer than {_FIELD_CHARS} characters"
+        if key == "error" and isinstance(value, str) and len(value) > ERROR_SHOWN:
+            value = f"{value[:ERROR_SHOWN]}… ({len(value) - ERROR_SHOWN:,} more characters)"
+        record[key] = value
+    return record, ""
 
 
 def gather(loc: Location, server_pid: int | None) -> WarmupFacts:
@@ -304,11 +347,13 @@ def run_warmup(loc: Location, config: str, *, env: Mapping[str, str],
 
 
 def _last_line(path: str) -> str:
+    """The last non-blank line of the log ``path`` (at most 300 characters), read from its
+    last :data:`LOG_TAIL_BYTES` only (a log may be huge, a FIFO or a device: '' then)."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = [ln.strip() for ln in f.read().splitlines()[-20:] if ln.strip()]
-    except OSError:
+        tail = read_tail(path, max_bytes=LOG_TAIL_BYTES, follow=False)
+    except (FileNotFoundError, UnreadableFile):
         return ""
+    lines = [ln.strip() for ln in tail.decode("utf-8", "replace").splitlines() if ln.strip()]
     return lines[-1][:300] if lines else ""
 
 

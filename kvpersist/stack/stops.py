@@ -19,7 +19,7 @@ them before the server starts (:mod:`kvpersist.stack.crash_window`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 LAUNCHED_SCHEMA = "kvpersist.launched/1"
 CLEAN_STOP_SCHEMA = "kvpersist.clean-stop/1"
@@ -42,7 +42,7 @@ class Launched:
         if not isinstance(d, dict) or d.get("schema") != LAUNCHED_SCHEMA:
             return None
         at, since = d.get("launched_at_ns"), d.get("check_since_ns", d.get("launched_at_ns"))
-        if not (isinstance(at, int) and isinstance(since, int)):
+        if not (_ns(at) and _ns(since)):
             return None
         return cls(at, since)
 
@@ -59,12 +59,19 @@ class CleanStop:
 
     @classmethod
     def from_dict(cls, d: Any) -> CleanStop | None:
+        """The record, or None if ``d`` is not one (a field of the wrong type included)."""
         if not isinstance(d, dict) or d.get("schema") != CLEAN_STOP_SCHEMA:
             return None
-        at, pid = d.get("stopped_at_ns"), d.get("pid")
-        if not isinstance(at, int) or not (pid is None or isinstance(pid, int)):
+        at, pid, how = d.get("stopped_at_ns"), d.get("pid"), d.get("how", "")
+        if not _ns(at) or not (pid is None or _ns(pid)) or not (
+                isinstance(how, str) and len(how) <= 64):
             return None
-        return cls(at, pid, str(d.get("how", "")))
+        return cls(at, pid, how)
+
+
+def _ns(value: Any) -> TypeGuard[int]:
+    """A time in nanoseconds (or a pid): an int, not a bool, from 0 to 2**63 - 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
 
 
 @dataclass(frozen=True)
@@ -77,19 +84,26 @@ class CrashWindow:
 
 
 def decide(*, pid_state: str, pid_file_mtime_ns: int | None, launched: Launched | None,
-           clean_stop: CleanStop | None) -> CrashWindow:
+           clean_stop: CleanStop | None, launched_unreadable: str = "") -> CrashWindow:
     """Decide from the pid file's state (``absent`` / ``stale`` / ``running``, see
-    :func:`kvpersist.system.procs.check_pid_file`) and the two records.
+    :func:`kvpersist.system.procs.check_pid_file`) and the two records (an unreadable
+    clean-stop record is no clean stop).
 
     * a clean stop recorded at or after the last launch: clean, nothing to check;
     * a launch recorded and no clean stop after it: unclean, check files modified since the
       launch (or since the start of an earlier check that did not finish);
+    * a launch record that exists but cannot be read (``launched_unreadable`` says why):
+      when the last launch was is unknown, so unclean, and every file is checked (since 0;
+      the check's time bound holds, and what it leaves carries over to the next launch);
     * no launch record (a deployment started before kvpersist wrote one) but the pid file of
       a dead server: unclean, since the pid file was written (at that server's start);
     * otherwise (first launch, nothing known): nothing to check.
     """
     if pid_state == "running":
         return CrashWindow(False, None, "the server is running")
+    if launched is None and launched_unreadable:
+        return CrashWindow(True, 0, f"the launch record is unreadable ({launched_unreadable}):"
+                           " when the last launch was is unknown, so every file is checked")
     if launched is not None:
         if clean_stop is not None and clean_stop.stopped_at_ns >= launched.launched_at_ns:
             return CrashWindow(False, None, f"clean stop ({clean_stop.how})")

@@ -36,6 +36,7 @@ from typing import Any
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import load_deployment
 from kvpersist.config.warmset import MAX_BYTES as WARM_FILE_MAX_BYTES
+from kvpersist.config.warmset import MAX_ENTRIES as WARM_MAX_ENTRIES
 from kvpersist.config.warmset import (
     WarmSet,
     parse_tokens_document,
@@ -46,19 +47,23 @@ from kvpersist.config.warmset import (
 from kvpersist.errors import ConfigError, KvpError, Problem
 from kvpersist.l2.pin_store import measure_pins, pins_path, read_pin_document, write_pins
 from kvpersist.l2.pins import parse_pin_document, pin_document
-from kvpersist.l2.tree import RootDir, open_dir, open_root, read_small_at
+from kvpersist.l2.tree import RootDir, open_dir, open_root
 from kvpersist.stack import prefetch
 from kvpersist.stack.locate import Location, locate
 from kvpersist.stack.render import TEMPLATE_NAMES, render
 from kvpersist.stack.warm_keys import chunk_files, key_scheme
 from kvpersist.stack.warm_tokens import tokenize
-from kvpersist.system.files import atomic_write_json
+from kvpersist.system.files import atomic_write, atomic_write_json
 from kvpersist.system.templates import read_templates
+from kvpersist.system.untrusted import UnreadableFile, read_bytes, read_json, show_path
 
 STATE_SCHEMA = "kvpersist.warmup/1"
 DEFAULT_WAIT_S = 120.0
-#: a token-id cache bigger than this is ignored (the ids are computed again)
-TOKENS_MAX_BYTES = 64 << 20
+#: a token-id cache bigger than this is ignored (the ids are computed again): ~2 million
+#: token ids; parsed, such a file stays far below 512 MiB
+TOKENS_MAX_BYTES = 16 << 20
+#: a token-id cache holds an object, a list of entries and two containers per entry
+TOKENS_MAX_CONTAINERS = 2 * WARM_MAX_ENTRIES + 8
 Progress = Callable[[str], None]
 
 
@@ -129,17 +134,23 @@ def _now() -> str:
 
 
 def read_warm_set(dep: Deployment) -> WarmSet:
-    """Read and validate the deployment's warm file. Raises ConfigError (exit 2)."""
+    """Read and validate the deployment's warm file (:func:`parse_warm_set`).
+
+    The operator's file is read as untrusted (:mod:`kvpersist.system.untrusted`): a link is
+    followed, but what it names must be a regular file (a FIFO never blocks, ``/dev/zero``
+    is never read) of at most :data:`~kvpersist.config.warmset.MAX_BYTES`. Raises
+    ConfigError (exit 2) naming KVP_WARMUP_FILE and the file for each way of failing."""
     path = dep.settings.warmup_file
+    fix = "point it at a readable JSONL file, or leave it empty"
     try:
-        with open(path, "rb") as fh:
-            data = fh.read(WARM_FILE_MAX_BYTES + 1)  # more: the parser refuses it
-    except OSError as exc:
-        raise ConfigError(Problem(f"KVP_WARMUP_FILE {path}", f"cannot be read: "
-                                  f"{exc.strerror or exc}",
-                                  "point it at a readable JSONL file, or leave it empty"),
+        data = read_bytes(path, max_bytes=WARM_FILE_MAX_BYTES)
+    except FileNotFoundError:
+        raise ConfigError(Problem(f"KVP_WARMUP_FILE {show_path(path)}",
+                                  "cannot be read: no such file", fix), dep.source) from None
+    except UnreadableFile as exc:
+        raise ConfigError(Problem(f"KVP_WARMUP_FILE {exc.path}", exc.why, fix),
                           dep.source) from None
-    return parse_warm_set(data, path)
+    return parse_warm_set(data, show_path(path))
 
 
 def world_size(dep: Deployment) -> int:
@@ -254,39 +265,57 @@ def _token_ids(dep: Deployment, loc: Location, ws: WarmSet, vllm_argv: list[str]
     assert dep.identity is not None
     expected = dep.identity.chat_template_sha256
     name = tokens_cache_name(loc.namespace, ws.sha256)
-    cached = _cached_tokens(loc.warmup_tokens_dir, name)
-    if cached is not None:
-        ids = parse_tokens_document(cached, loc.namespace, ws.sha256, expected)
-        if ids is not None and len(ids) == len(ws.entries):
-            res.tokens_cached = True
-            return ids
+    ids = _cached_ids(loc, ws, expected, res)
+    if ids is not None:
+        res.tokens_cached = True
+        return ids
     say("tokenizing the warm set with vLLM's renderer (the deployment's tokenizer and chat "
         "template)")
     tok = tokenize(vllm_argv, dep.settings.model_path, ws.entries,
                    expected_template_sha256=expected, source=ws.source)
+    text = json.dumps(tokens_document(loc.namespace, ws.sha256, expected, tok.token_ids,
+                                      [e.line for e in ws.entries]), separators=(",", ":"))
     try:
-        atomic_write_json(os.path.join(loc.warmup_tokens_dir, name),
-                          tokens_document(loc.namespace, ws.sha256, expected, tok.token_ids,
-                                          [e.line for e in ws.entries]))
+        if len(text) >= TOKENS_MAX_BYTES:
+            raise KvpError(f"{len(text):,} bytes, more than the {TOKENS_MAX_BYTES:,} a cache "
+                           "may hold")
+        atomic_write(os.path.join(loc.warmup_tokens_dir, name), text + "\n")
     except KvpError as exc:
         res.warnings.append(f"the token ids were not cached: {exc}")
     return tok.token_ids
 
 
-def _cached_tokens(directory: str, name: str) -> Any:
-    """The JSON document of the token-id cache ``name`` in ``directory``, or None when it is
-    absent, not a regular file, too big or not JSON (then the ids are computed again)."""
+def _cached_ids(loc: Location, ws: WarmSet, template_sha256: str,
+                res: WarmupResult) -> list[list[int]] | None:
+    """The warm set's token ids from its cache in ``loc.warmup_tokens_dir``, or None when
+    there is none or it is unusable. The cache is read as untrusted (never through a link,
+    never blocking on a FIFO, at most :data:`TOKENS_MAX_BYTES`, depth-limited, finite
+    numbers, a bounded count of arrays and objects) and must be the document of exactly this
+    namespace, warm file, template and number of entries. An unusable one is never trusted:
+    a warning names it, and the ids are computed again and written over it."""
+    name = tokens_cache_name(loc.namespace, ws.sha256)
     try:
-        dfd = open_dir(directory)
+        dfd = open_dir(loc.warmup_tokens_dir)
     except OSError:
         return None
+    where = show_path(os.path.join(loc.warmup_tokens_dir, name))
     try:
-        data = read_small_at(dfd, name, TOKENS_MAX_BYTES)
-        return None if data is None else json.loads(data)
-    except (OSError, ValueError, RecursionError):
+        doc = read_json(name, dir_fd=dfd, follow=False, max_bytes=TOKENS_MAX_BYTES,
+                        max_containers=TOKENS_MAX_CONTAINERS, where=where)
+    except FileNotFoundError:
+        return None
+    except UnreadableFile as exc:
+        res.warnings.append(f"the token-id cache {where} {exc.why}: ignored, the ids are "
+                            "computed again")
         return None
     finally:
         os.close(dfd)
+    ids = parse_tokens_document(doc, loc.namespace, ws.sha256, template_sha256)
+    if ids is None or len(ids) != len(ws.entries):
+        res.warnings.append(f"the token-id cache {where} is not the one of this warm set and "
+                            "template: ignored, the ids are computed again")
+        return None
+    return ids
 
 
 def _reusable_pins(root: _Root, dep: Deployment, loc: Location, ws: WarmSet,

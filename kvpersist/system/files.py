@@ -41,15 +41,36 @@ def readable_by_others(mode: int) -> bool:
     return bool(stat.S_IMODE(mode) & SECRET_BITS)
 
 
+def make_dirs(path: str | os.PathLike[str], mode: int = 0o700) -> None:
+    """Create the directory ``path`` and every missing directory above it, each with
+    ``mode`` (``Path.mkdir(parents=True, mode=...)`` gives the parents the default mode: a
+    fresh state dir's ``.kvpersist`` was seen at 0755). An existing directory is left as it
+    is. Raises OSError (FileExistsError when something else than a directory is there)."""
+    target = Path(os.path.abspath(path))
+    missing: list[Path] = []
+    while not target.is_dir():
+        missing.append(target)
+        if target.parent == target:
+            break
+        target = target.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            if not d.is_dir():  # another process may have made it meanwhile
+                raise
+
+
 def atomic_write(path: str | os.PathLike[str], text: str, mode: int = 0o600) -> None:
     """Write ``text`` to ``path`` through a temp file + fsync + rename, with ``mode``.
 
     Readers see the old file or the new one, never a half-written one. Missing parent
-    directories are created 0700. Raises KvpError if the file cannot be written.
+    directories are created 0700 (:func:`make_dirs`). Raises KvpError if the file cannot be
+    written.
     """
     target = Path(path)
     try:
-        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_dirs(target.parent)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:
         raise KvpError(f"cannot write {show_path(target)}: {exc.strerror or exc}; check that "

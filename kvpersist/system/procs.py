@@ -24,6 +24,7 @@ import psutil
 
 from kvpersist.errors import KvpError
 from kvpersist.system.files import atomic_write
+from kvpersist.system.untrusted import MAX_RECORD_BYTES, UnreadableFile, read_bytes
 
 #: A process may be created up to this long after its pid file's mtime (the file is
 #: written right after the fork, but file system timestamps are coarse).
@@ -47,12 +48,31 @@ class PidState:
 
 def read_pid_file(path: str | os.PathLike[str]) -> int | None:
     """The pid recorded in ``path``, or None if the file is missing or not a positive int."""
+    return pid_file_problem(path)[0]
+
+
+#: the largest pid Linux hands out (``pid_max`` is at most 2**22)
+_MAX_PID = 1 << 22
+
+
+def pid_file_problem(path: str | os.PathLike[str]) -> tuple[int | None, str]:
+    """The pid recorded in ``path`` and why there is none ("" when the file is absent, or
+    holds one).
+
+    Read as untrusted (:mod:`kvpersist.system.untrusted`): a pid file is kvpersist's own,
+    so a symbolic link, a FIFO (never blocking), a device, a directory or a file bigger than
+    :data:`~kvpersist.system.untrusted.MAX_RECORD_BYTES` is refused with the reason; so is
+    text that is not one decimal pid from 1 to 2**22 on its first line. Never raises."""
     try:
-        text = Path(path).read_text(encoding="ascii").strip()
-    except (OSError, ValueError):  # missing, a directory, unreadable, not text
-        return None
-    first = text.splitlines()[0].strip() if text else ""
-    return int(first) if first.isdigit() and int(first) > 0 else None
+        data = read_bytes(path, follow=False, max_bytes=MAX_RECORD_BYTES)
+    except FileNotFoundError:
+        return None, ""
+    except UnreadableFile as exc:
+        return None, f"pid file unreadable: {exc.why}"
+    first = data.split(b"\n", 1)[0].strip()
+    if first.isdigit() and len(first) <= 8 and 0 < int(first) <= _MAX_PID:
+        return int(first), ""
+    return None, "pid file does not hold a pid"
 
 
 def write_pid_file(path: str | os.PathLike[str], pid: int) -> None:
@@ -90,17 +110,18 @@ def cmdline_matches(cmdline: Sequence[str], markers: Iterable[str],
 
 def check_pid_file(path: str | os.PathLike[str], markers: Iterable[str],
                    pairs: Iterable[tuple[str, str]] = ()) -> PidState:
-    """Classify the pid file at ``path`` (see module docstring); never raises for a bad file.
-    The process must carry ``markers`` and ``pairs`` (:func:`cmdline_matches`)."""
+    """Classify the pid file at ``path`` (see module docstring); never raises for a bad file
+    (one that cannot be read, :func:`pid_file_problem`, is *stale* with the reason). The
+    process must carry ``markers`` and ``pairs`` (:func:`cmdline_matches`)."""
     path = Path(path)
     markers = tuple(markers)
-    pid = read_pid_file(path)
+    pid, why = pid_file_problem(path)
     if pid is None:
-        if os.path.lexists(path):
-            return PidState("stale", None, "pid file does not hold a pid", str(path))
+        if why or os.path.lexists(path):
+            return PidState("stale", None, why or "pid file does not hold a pid", str(path))
         return PidState("absent", None, "", str(path))
     try:
-        mtime = path.stat().st_mtime
+        mtime = path.stat(follow_symlinks=False).st_mtime
         proc = psutil.Process(pid)
         created = proc.create_time()
         cmdline = proc.cmdline()

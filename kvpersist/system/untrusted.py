@@ -131,6 +131,34 @@ def read_bytes(path: str | os.PathLike[str], *, max_bytes: int, follow: bool = T
         os.close(fd)
 
 
+def read_tail(path: str | os.PathLike[str], *, max_bytes: int, follow: bool = True) -> bytes:
+    """The last ``max_bytes`` (at most) of the regular file ``path`` (a log), read with one
+    ``pread`` whatever its size: a FIFO, a device or a directory is refused as by
+    :func:`read_bytes`. Raises FileNotFoundError or :class:`UnreadableFile`."""
+    shown = show_path(path)
+    flags = _FLAGS | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow:
+            raise UnreadableFile(shown, "is a symbolic link, where a file is expected") \
+                from None
+        raise UnreadableFile(shown, f"cannot open: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise UnreadableFile(shown, f"cannot open: {exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnreadableFile(shown, f"is not a regular file ({_kind(st.st_mode)})")
+        return os.pread(fd, max_bytes, max(0, st.st_size - max_bytes))
+    except OSError as exc:
+        raise UnreadableFile(shown, f"cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
 def _kind(mode: int) -> str:
     for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
@@ -160,22 +188,27 @@ def decode(data: bytes, where: str, fix: str = "") -> str:
 
 def json_depth(doc: Any) -> int:
     """The deepest nesting of arrays and objects in the parsed document ``doc`` (a scalar is
-    0, ``[]`` is 1). Iterative: never recursive, whatever the depth."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(doc, 0)]
+    0, ``[]`` is 1). Iterative and in memory of its depth, not its width: never recursive,
+    and a document of five million empty objects costs one iterator a level."""
+    if not isinstance(doc, dict | list):
+        return 0
+    deepest = 1
+    stack: list[Any] = [iter(doc.values() if isinstance(doc, dict) else doc)]
     while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children: Any = value.values()
-        elif isinstance(value, list):
-            children = value
+        for child in stack[-1]:
+            if isinstance(child, dict | list):
+                stack.append(iter(child.values() if isinstance(child, dict) else child))
+                deepest = max(deepest, len(stack))
+                break
         else:
-            continue
-        depth += 1
-        deepest = max(deepest, depth)
-        stack.extend((child, depth) for child in children
-                     if isinstance(child, dict | list))
+            stack.pop()
     return deepest
+
+
+def containers_at_most(text: str) -> int:
+    """An upper bound of the arrays and objects the JSON ``text`` holds: its ``[`` and ``{``
+    (those inside strings counted too). Counted in C, before anything is parsed."""
+    return text.count("[") + text.count("{")
 
 
 def _no_constant(name: str) -> Any:
@@ -190,14 +223,24 @@ def _finite_float(text: str) -> float:
 
 
 def parse_json(data: bytes | str, where: str, *, max_depth: int = MAX_JSON_DEPTH,
-               fix: str = "") -> Any:
+               max_containers: int | None = None, fix: str = "") -> Any:
     """The JSON document ``data`` (bytes must be UTF-8), nested at most ``max_depth`` deep,
     with finite numbers only (``NaN``, ``Infinity`` and ``1e309`` are refused; integers of
     more than 4,300 digits too, by Python's own limit).
 
+    ``max_containers``: refuse, before parsing, a document that may hold more arrays and
+    objects than that (:func:`containers_at_most`): each costs ~64 bytes once parsed, so a
+    16 MiB file of ``[{},{},...]`` would cost 400 MB; a reader whose format holds few sets it.
+
     Raises :class:`UnreadableFile` naming ``where`` for every way of failing: never
     ``RecursionError``, ``MemoryError`` or ``ValueError``."""
     text = decode(data, where, fix) if isinstance(data, bytes) else data
+    if max_containers is not None:
+        found = containers_at_most(text)
+        if found > max_containers:
+            raise UnreadableFile(where, f"holds {found:,} '[' and '{{', more than the "
+                                 f"{max_containers:,} arrays and objects such a file may "
+                                 "hold", fix or "replace it by the file it should be")
     try:
         # the C parser stops at the interpreter's recursion limit with RecursionError;
         # anything shallower is measured once parsed, without recursion
@@ -222,19 +265,24 @@ def parse_json(data: bytes | str, where: str, *, max_depth: int = MAX_JSON_DEPTH
 
 def read_json(path: str | os.PathLike[str], *, max_bytes: int, follow: bool = True,
               dir_fd: int | None = None, max_depth: int = MAX_JSON_DEPTH,
-              fix: str = "") -> Any:
-    """:func:`read_bytes` then :func:`parse_json`. Raises FileNotFoundError or
-    :class:`UnreadableFile`."""
+              max_containers: int | None = None, fix: str = "",
+              where: str = "") -> Any:
+    """:func:`read_bytes` then :func:`parse_json`; ``where`` names the file in messages
+    (default: ``path``, which is only its name when ``dir_fd`` is given). Raises
+    FileNotFoundError or :class:`UnreadableFile`."""
     data = read_bytes(path, max_bytes=max_bytes, follow=follow, dir_fd=dir_fd, fix=fix)
-    return parse_json(data, show_path(path), max_depth=max_depth, fix=fix)
+    return parse_json(data, where or show_path(path), max_depth=max_depth,
+                      max_containers=max_containers, fix=fix)
 
 
 def read_json_object(path: str | os.PathLike[str], *, max_bytes: int, follow: bool = True,
-                     dir_fd: int | None = None, fix: str = "") -> dict[str, Any]:
+                     dir_fd: int | None = None, max_containers: int | None = None,
+                     fix: str = "", where: str = "") -> dict[str, Any]:
     """:func:`read_json` of a document that must be a JSON object. Raises
     FileNotFoundError or :class:`UnreadableFile` (also when it is another JSON type)."""
-    doc = read_json(path, max_bytes=max_bytes, follow=follow, dir_fd=dir_fd, fix=fix)
+    doc = read_json(path, max_bytes=max_bytes, follow=follow, dir_fd=dir_fd,
+                    max_containers=max_containers, fix=fix, where=where)
     if not isinstance(doc, dict):
-        raise UnreadableFile(show_path(path), f"is a JSON {type(doc).__name__}, not an "
-                             "object", fix)
+        raise UnreadableFile(where or show_path(path), f"is a JSON {type(doc).__name__}, not "
+                             "an object", fix)
     return doc

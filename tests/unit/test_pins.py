@@ -109,14 +109,18 @@ def test_pins_are_written_read_measured_and_removed_through_directory_fds(
     # the writer and the warm-up name the manifest with one function
     assert path == pins_path(os.path.realpath(root), NS)
     assert pins_path(root, NS) == str(root / ".kvpersist" / "pins" / f"{NS}.json")
-    pins, problems = read_pins_at(root)
-    assert problems == [] and set(pins) == {NS}
+    read = read_pins_at(root)
+    assert read.problems == () and set(read.pins) == {NS} and read.held == frozenset()
     with open_root(root) as r:
-        assert measure_pins(r, pins[NS]).to_dict() == {"files": 2, "bytes": 150,
-                                                          "missing": 1}
+        assert measure_pins(r, read.pins[NS]).to_dict() == {"files": 2, "bytes": 150,
+                                                               "missing": 1}
+    # a manifest that is not its namespace's: that namespace is held whole, and named
     (root / ".kvpersist" / "pins" / f"{OTHER}.json").write_text(json.dumps(doc(pinned)))
-    pins, problems = read_pins_at(root)
-    assert set(pins) == {NS} and len(problems) == 1 and "not protected" in problems[0]
+    read = read_pins_at(root)
+    assert set(read.pins) == {NS, OTHER} and read.held == {OTHER} and read.holds(OTHER)
+    assert not read.holds(NS) and read.names == frozenset(pinned)
+    (problem,) = read.problems
+    assert f"pins/{OTHER}.json" in problem and "held as pinned" in problem
     assert remove_pins_at(root, NS) and not remove_pins_at(root, NS)
 
 
@@ -129,8 +133,9 @@ def test_a_symlinked_pins_directory_is_neither_read_nor_written(tmp_path: Path) 
     with pytest.raises(Exception, match="symbolic link"):
         write_pins_at(root, doc([name(NS, 1)]))
     assert list(elsewhere.iterdir()) == []
-    pins, problems = read_pins_at(root)
-    assert pins == {} and problems
+    read = read_pins_at(root)
+    assert read.pins == {} and "symbolic link" in read.unreadable_dir and read.holds(NS)
+    assert "every namespace is held" in read.problems[0]
 
 
 def test_prune_keeps_pinned_files_unless_the_namespace_is_named(tmp_path: Path) -> None:
@@ -152,6 +157,37 @@ def test_prune_keeps_pinned_files_unless_the_namespace_is_named(tmp_path: Path) 
     res = prune_at(root, [named], keep=keep, dry_run=False)
     assert (res.deleted_files, res.deleted_pinned, res.pins_removed) == (2, 2, [NS])
     assert list(root.glob("*.bin")) == []
+
+
+def test_a_namespace_held_whole_is_kept_by_every_selection_but_a_named_one(
+        tmp_path: Path) -> None:
+    """An unreadable pin manifest holds its namespace (``keep_namespaces``), an unlistable
+    pins directory every namespace (``keep_all``): their files count as pinned."""
+    files = [name(NS, i) for i in range(3)] + [name(OTHER, i) for i in range(2)]
+    root = make_root(tmp_path, {n: 10 for n in files})
+    sels = [Selection("stale", NS, None, 3, 30, "stale"),
+            Selection("stale", OTHER, None, 2, 20, "stale")]
+    res = prune_at(root, sels, keep_namespaces=frozenset({NS}), dry_run=False)
+    assert (res.deleted_files, res.kept_pinned) == (2, 3)
+    assert sorted(p.name for p in root.glob("*.bin")) == sorted(files[:3])
+    res = prune_at(root, sels, keep_all=True, dry_run=False)
+    assert (res.deleted_files, res.kept_pinned) == (0, 3)
+    named = Selection("stale", NS, None, 3, 30, "named", named=True)
+    res = prune_at(root, [named], keep_all=True, dry_run=False)
+    assert (res.deleted_files, res.deleted_pinned) == (3, 3)
+
+
+def test_many_unreadable_pin_manifests_are_all_held_the_first_20_named(
+        tmp_path: Path) -> None:
+    root = make_root(tmp_path, {})
+    pins = root / ".kvpersist" / "pins"
+    pins.mkdir(parents=True)
+    for i in range(100):
+        (pins / f"kvp-{i:032x}.json").write_text('{"schema": NaN}')
+    read = read_pins_at(root)
+    assert len(read.held) == 100 and len(read.problems) == 21
+    assert "and 80 more unreadable pin manifest(s)" in read.problems[-1]
+    assert all("NaN" in p for p in read.problems[:20])
 
 
 def test_verify_reads_the_pins_first(tmp_path: Path) -> None:
@@ -178,7 +214,7 @@ def test_read_only_commands_honour_pins_without_importing_lmcache(tmp_path: Path
     report = json.loads(out.stdout.split("\nMODULES=")[0])
     (row,) = [r for r in report["namespaces"] if r["namespace"] == NS]
     assert row["warm_pins"] == {"files": 2, "bytes": 50, "missing": 0, "listed": 2,
-                                "warm_file_sha256": "f" * 64}
+                                "warm_file_sha256": "f" * 64, "unreadable": None}
     docs = {}
     for args in (["prune", "--root", str(root), "--namespace", NS, "--json"],
                  ["warmup", "--help"]):

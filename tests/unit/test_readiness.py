@@ -86,6 +86,7 @@ def test_judge(rec: dict[str, Any] | None, kw: dict[str, Any], status: str | Non
     ("2027-01-15T08:00:00+00:00", 1800000000.0), ("2027-01-15T08:00:00Z", 1800000000.0),
     ("2027-01-15T08:00:00", 1800000000.0), ("2027-01-15 09:00:00+01:00", 1800000000.0),
     (None, None), ("", None), ("yesterday", None), (True, None), ([1], None),
+    (10 ** 400, None),  # a JSON integer too big for a float
 ])
 def test_epoch_of(value: Any, want: float | None) -> None:
     assert epoch_of(value) == want
@@ -208,6 +209,25 @@ def test_gather_reads_the_record_and_checks_the_pid_file(tmp_path: Path) -> None
     assert readiness.gather(loc, None).error
 
 
+def test_the_record_is_read_typed_and_its_error_cut(tmp_path: Path) -> None:
+    """Only the record's own fields, each of its type; a long error is cut for showing; a
+    field of another type makes the record unreadable (health: degraded), never a guess."""
+    path = tmp_path / "warmup.json"
+    path.write_text(json.dumps({**record("failed", error="e" * 50_000), "extra": [1] * 1000}))
+    rec, error = readiness.read_record(str(path))
+    assert error == "" and rec is not None and "extra" not in rec
+    assert rec["state"] == "failed" and len(rec["error"]) < 1100
+    assert "49,000 more characters" in rec["error"]
+    for field, value in [("state", ["done"]), ("requested_chunks", 1.5),
+                         ("found_chunks", True), ("bytes", -1), ("namespace", "n" * 300),
+                         ("started", {"at": 1})]:
+        path.write_text(json.dumps({**record("done"), field: value}))
+        rec, error = readiness.read_record(str(path))
+        assert rec is None and str(path) in error and field in error, (field, error)
+        judged = judge(WarmupFacts(None, error), NS)
+        assert judged is not None and judged[0] == "degraded"
+
+
 def test_warmup_argv_is_the_contract() -> None:
     assert readiness.warmup_argv("cpu-demo", 120.0, python="/py") == [
         "/py", "-m", "kvpersist.stack.warmup", "cpu-demo", "--wait", "120", "--json"]
@@ -248,3 +268,19 @@ def test_root_runs_the_warmup_as_the_service_user(tmp_path: Path) -> None:
                                  allow_unpinned=True))
     want = (65534, pwd.getpwuid(65534).pw_gid) if os.geteuid() == 0 else None
     assert readiness.service_ids(loc) == want
+
+
+def test_the_kv_port_is_read_from_a_process_argv_as_untrusted() -> None:
+    """vLLM's ``--kv-transfer-config`` is read from whatever process the pid file names: a
+    document nested 100,000 deep is no port, never a RecursionError."""
+    good = '{"kv_connector_extra_config": {"lmcache.mp.port": 5555}}'
+    procs_ = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", *args])
+              for args in (["--kv-transfer-config", good],
+                           ["--kv-transfer-config=" + "[" * 100_000],
+                           ["--kv-transfer-config", '{"kv_connector_extra_config": []}'])]
+    try:
+        assert [health._kv_port_of(p.pid) for p in procs_] == [5555, None, None]
+    finally:
+        for p in procs_:
+            p.kill()
+            p.wait()

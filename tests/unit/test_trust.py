@@ -1,14 +1,16 @@
 """Ownership is checked as sshd checks its keys: a cache root, state dir or key that another
-user owns, or that sits under a directory others can write, is refused."""
+user owns, or that sits under a directory others can write, is refused; and what kvpersist
+creates itself is owner-only."""
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
 
-from kvpersist.system.files import trust_problems
+from kvpersist.system.files import atomic_write, trust_problems
 
 from ..cli import kvp
 from ..conftest import clean_env, free_port
@@ -90,3 +92,16 @@ def test_launch_refuses_a_root_under_a_world_writable_parent(tmp_path: Path) -> 
     os.chmod(parent, 0o777)
     res = kvp("launch", "cpu-demo", "--check", "--no-vllm", env=_env(parent / "cache"))
     assert res.returncode == 2 and "writable by group or others" in res.stderr, res.stderr
+
+
+def test_atomic_write_creates_every_missing_directory_owner_only(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        atomic_write(tmp_path / "state" / ".kvpersist" / "cache" / "budget.json", "{}")
+    finally:
+        os.umask(old)
+    for d in ("state", "state/.kvpersist", "state/.kvpersist/cache"):
+        assert stat.S_IMODE((tmp_path / d).stat().st_mode) == 0o700, d
+    (tmp_path / "open").mkdir(mode=0o755)
+    atomic_write(tmp_path / "open" / "x", "1")  # an existing directory is left as it is
+    assert stat.S_IMODE((tmp_path / "open").stat().st_mode) == 0o755

@@ -80,6 +80,44 @@ def test_json_within_the_bounds_is_read_as_it_is() -> None:
         parse_json(b'{"x": "\xff"}', "x")
 
 
+def test_the_depth_is_measured_in_memory_of_the_depth_not_the_width() -> None:
+    assert [untrusted.json_depth(d) for d in (1, [], {}, [[], [[]], {"a": [{}]}])] == [
+        0, 1, 1, 4]
+    wide = [{} for _ in range(1_000_000)]  # one iterator a level, not one entry an element
+    assert untrusted.json_depth([wide, [[[]]]]) == 4
+
+
+def test_a_bound_on_arrays_and_objects_is_checked_before_parsing() -> None:
+    assert parse_json("[{}, {}]", "x", max_containers=3) == [{}, {}]
+    with pytest.raises(UnreadableFile, match="holds 4 '\\[' and '\\{'"):
+        parse_json("[{}, {}, {}]", "x", max_containers=3)
+    # an upper bound: brackets inside strings count too (a documented, cheap over-count)
+    with pytest.raises(UnreadableFile, match="more than the 1 arrays"):
+        parse_json('["[["]', "x", max_containers=1)
+    assert parse_json("[" * 64 + "]" * 64, "x") is not None  # no bound unless asked
+
+
+def test_the_tail_of_a_log_is_read_from_its_end_only(tmp_path: Path) -> None:
+    log = tmp_path / "big.log"
+    with open(log, "wb") as f:
+        f.truncate(1 << 30)  # sparse: reading it whole would take a gigabyte
+        f.seek(0, os.SEEK_END)
+        f.write(b"last line\n")
+    assert untrusted.read_tail(log, max_bytes=10) == b"last line\n"
+    (tmp_path / "short.log").write_bytes(b"a\nb\n")
+    assert untrusted.read_tail(tmp_path / "short.log", max_bytes=100) == b"a\nb\n"
+    os.mkfifo(tmp_path / "fifo.log")
+    with pytest.raises(UnreadableFile, match="a FIFO"):
+        untrusted.read_tail(tmp_path / "fifo.log", max_bytes=100)
+    (tmp_path / "link.log").symlink_to("/dev/zero")
+    with pytest.raises(UnreadableFile, match="symbolic link"):
+        untrusted.read_tail(tmp_path / "link.log", max_bytes=100, follow=False)
+    with pytest.raises(UnreadableFile, match="a character device"):
+        untrusted.read_tail(tmp_path / "link.log", max_bytes=100)
+    with pytest.raises(FileNotFoundError):
+        untrusted.read_tail(tmp_path / "none.log", max_bytes=100)
+
+
 def test_a_non_object_is_refused_where_an_object_is_expected(tmp_path: Path) -> None:
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(UnreadableFile, match="a JSON list, not an object"):

@@ -43,7 +43,7 @@ def test_a_good_warm_set_keeps_its_lines_and_digest() -> None:
 
 
 BAD_LINES = [
-    ("not json", "not JSON"),
+    ("not json", "not valid JSON"),
     ('["a list"]', "must be a JSON object"),
     ('{"prompt": "x", "messages": []}', "exactly one of"),
     ("{}", "exactly one of"),
