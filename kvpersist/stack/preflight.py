@@ -25,7 +25,7 @@ import stat
 from dataclasses import dataclass, replace
 
 from kvpersist.config.deployment import Deployment, listeners, shared_tier_of
-from kvpersist.errors import KvpError, Problem
+from kvpersist.errors import ConfigError, KvpError, Problem
 from kvpersist.l2.inventory import Sizing
 from kvpersist.l2.layout import display_name
 from kvpersist.l2.shared_store import TLS_UNTRUSTED, probe
@@ -33,6 +33,7 @@ from kvpersist.stack import identity_check, vllm_args
 from kvpersist.stack.lmcache_exec import check_ca_file, read_secret_file
 from kvpersist.stack.plan import LaunchPlan
 from kvpersist.stack.render import serde_warnings
+from kvpersist.stack.warmup import read_warm_set
 from kvpersist.stack.weights import WeightsCheck, check_weights
 from kvpersist.system import procs
 from kvpersist.system.files import (
@@ -156,6 +157,9 @@ class PreflightFacts:
     tmp_samples: tuple[str, ...] = ()
     #: KVP_ALLOW_LMCACHE_TMP_CLEANUP (or ``launch --allow-lmcache-tmp-cleanup``)
     allow_tmp_cleanup: bool = False
+    #: what is wrong with the warm set (KVP_WARMUP_FILE), read and parsed as the warm-up
+    #: will (with vLLM only: the warm-up runs after vLLM serves)
+    warm_set_problems: tuple[Problem, ...] = ()
 
 
 def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
@@ -205,11 +209,25 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
         weights=check_weights(plan, pinned=dep.pinned, with_vllm=with_vllm, write_cache=False),
         tmp_files=cleans.files if cleans else 0,
         tmp_samples=tuple(cleans.samples) if cleans else (),
-        allow_tmp_cleanup=s.allow_lmcache_tmp_cleanup)
+        allow_tmp_cleanup=s.allow_lmcache_tmp_cleanup,
+        warm_set_problems=warm_set_problems(dep) if with_vllm else ())
     if with_vllm and not judge(facts).problems:  # costs a vLLM import: last, when all passed
         args = vllm_args.check_deployment(dep, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
         facts = replace(facts, vllm_args=ArgsFacts(tuple(args.problems), tuple(args.notes)))
     return facts
+
+
+def warm_set_problems(dep: Deployment) -> tuple[Problem, ...]:
+    """The problems of the deployment's warm set (KVP_WARMUP_FILE), read and parsed as the
+    warm-up reads it (bounded, untrusted): a bad one is found before anything starts, not
+    after vLLM serves. Empty without a warm set."""
+    if not dep.settings.warmup_file:
+        return ()
+    try:
+        read_warm_set(dep)
+    except ConfigError as exc:
+        return tuple(exc.problems)
+    return ()
 
 
 def gather_root(root: str, *, direct_io: bool) -> RootFacts:
@@ -357,6 +375,7 @@ def judge(f: PreflightFacts, *, min_free_bytes: int = MIN_FREE_BYTES) -> Preflig
     tmp_problems, tmp_notes = tmp_cleanup_verdict(f)
     problems += tmp_problems
     notes += tmp_notes
+    problems += f.warm_set_problems
     if create:
         notes.append(f"cache root {f.root.path} does not exist yet: the launch creates it "
                      "(mode 0700)")

@@ -1,7 +1,8 @@
 """Issue 20, the warm set: ``KVP_WARMUP_FILE`` is the operator's input, read by
 ``kvp-admin warmup CONFIG`` and by the warm-up child ``python -m kvpersist.stack.warmup``
-(the launch, the units and the hook start it; ``launch --check`` does not read the warm
-set). Whatever it is — 16 MiB of bad lines, 16 MiB of lines nested 100,000 deep, one 16 MiB
+(the launch, the units and the hook start it), and by the launch's preflight (``launch`` and
+``launch --check`` with vLLM: a bad warm set refuses the launch before anything starts).
+Whatever it is — 16 MiB of bad lines, 16 MiB of lines nested 100,000 deep, one 16 MiB
 line of five million empty objects, a million good lines, a FIFO, ``/dev/zero``, a link to
 it, a directory, a sparse file past the cap, bytes that are not UTF-8, nothing — the command
 exits 2 naming the file (and the line), lists at most the first 20 problems and says where
@@ -114,6 +115,31 @@ def test_kvp_admin_warmup_refuses_every_hostile_warm_set_bounded(
         # nothing written: no state file, no token cache, no pins
         assert not (tmp / ".kvpersist").exists(), name
     print("\n" + summary("warmup CONFIG, KVP_WARMUP_FILE", outcomes, len(CASES),
+                         tuple(CASES)))
+
+
+def test_launch_check_refuses_every_hostile_warm_set_before_anything_starts(
+        tmp_path: Path, runner: HostileRunner) -> None:
+    """Found while hardening: only the warm-up read the warm set, after vLLM served. The
+    preflight reads it as the warm-up will: ``launch --check`` (and so ``launch``) refuses a
+    bad one with exit 2 naming it, bounded, and writes nothing (vLLM's parser check, the
+    slow part, is skipped once a problem is found)."""
+    outcomes: list[Outcome] = []
+    for i, name in enumerate(CASES):
+        tmp = tmp_path / f"case{i}"
+        tmp.mkdir()
+        path = warm_file(tmp, name)
+        o = runner.run("launch", "cpu-demo", "--check", "--json",
+                       env=deployment(tmp, path))
+        outcomes.append(o)
+        assert_all_bounded([o], allowed=(2,))
+        doc = json.loads(o.stdout)
+        problems = doc.get("problems", [])
+        assert doc.get("ok") is False and problems, (name, doc)
+        assert any("KVP_WARMUP_FILE" in p or path in p for p in problems), (name, problems)
+        assert CASES[name][1] in json.dumps(problems), (name, problems[:3])
+        assert not (tmp / ".kvpersist").exists(), name
+    print("\n" + summary("launch --check, KVP_WARMUP_FILE", outcomes, len(CASES),
                          tuple(CASES)))
 
 
