@@ -44,10 +44,13 @@ COMMANDS: dict[str, Entry] = {
     "prune": Entry("kvpersist.commands.prune:prune",
                    "Delete L2 cache files explicitly: dry run unless --apply."),
     "launch": Entry("kvpersist.commands.lifecycle:launch",
-                    "Preflight CONFIG, start its lmcache server (and vLLM), warm up, report "
-                    "ready."),
+                    "Preflight CONFIG, start whatever of its lmcache server and vLLM does not "
+                    "run, warm up."),
     "stop": Entry("kvpersist.commands.lifecycle:stop",
                   "Stop CONFIG's vLLM, then its cache server."),
+    "restart": Entry("kvpersist.commands.lifecycle:restart",
+                     "Restart CONFIG, or only its vLLM or its cache server; L2 files stay on "
+                     "disk."),
     "status": Entry("kvpersist.commands.lifecycle:status",
                     "Show whether CONFIG's cache server and vLLM run (pid files checked, not "
                     "trusted)."),

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import load_deployment
-from kvpersist.errors import Problem
+from kvpersist.errors import Problem, UsageError
 from kvpersist.stack import crash_window, fleet
 from kvpersist.stack import launch as lc
 from kvpersist.stack import processes as proc
@@ -85,26 +85,26 @@ class LaunchOutcome:
     result: lc.LaunchResult
 
     def to_dict(self) -> dict[str, Any]:
-        plan, started = self.plan, self.result.started
+        plan, res = self.plan, self.result
+        srv, v = res.server, res.vllm
         out: dict[str, Any] = {
             "config": self.config,
             "namespace": self.namespace,
             "cache_root": plan.cache_root,
             "manifest": plan.manifest_file,
-            "notes": list(self.result.notes),
-            "lmcache": {"pid": started[0].pid, "pid_file": plan.server_pid_file,
+            "notes": list(res.notes),
+            "started": [n for n, p in (("server", srv), ("vllm", v)) if p is not None],
+            "lmcache": {"pid": srv.pid if srv else proc.server_state(plan).pid,
+                        "started": srv is not None, "pid_file": plan.server_pid_file,
                         "log": plan.server_log, "http": plan.server_http_url,
-                        "seconds_to_healthy": round(started[0].seconds, 2)},
+                        "seconds_to_healthy": round(srv.seconds, 2) if srv else None},
             "vllm": None,
-            "crash_window": (self.result.crash.to_dict() if self.result.crash is not None
+            "crash_window": res.crash.to_dict() if res.crash is not None else None,
+            "warmup": res.warmup.to_dict() if res.warmup is not None else None,
+            "fleet_record": (res.fleet_record.to_dict() if res.fleet_record is not None
                              else None),
-            "warmup": (self.result.warmup.to_dict() if self.result.warmup is not None
-                       else None),
-            "fleet_record": (self.result.fleet_record.to_dict()
-                             if self.result.fleet_record is not None else None),
         }
-        if len(started) > 1:
-            v = started[1]
+        if v is not None:
             out["vllm"] = {"pid": v.pid, "mode": plan.vllm_mode, "url": plan.vllm_url,
                            "log": plan.vllm_log, "pid_file": plan.vllm_pid_file,
                            "served_model_name": plan.served_model_name,
@@ -182,14 +182,57 @@ class StopOutcome:
                                  else None)}
 
 
-def stop(config: str, *, timeout: float = 30.0, vllm: bool = True) -> StopOutcome:
-    """Stop vLLM (unless ``vllm`` is False), then the cache server, then delete this host's
-    fleet record on the shared tier (the host no longer serves the namespace; a record that
-    cannot be deleted lapses after its TTL). Never scans or sizes."""
+def stop(config: str, *, timeout: float = 30.0, vllm: bool = True,
+         server: bool = True) -> StopOutcome:
+    """Stop vLLM (unless ``vllm`` is False), then the cache server (unless ``server`` is
+    False); when the server stopped, delete this host's fleet record on the shared tier (the
+    host no longer serves the namespace; a record that cannot be deleted lapses after its
+    TTL). Never scans or sizes."""
     dep, loc = load_located(config)
-    stopped = tuple(proc.stop_deployment(loc, timeout=timeout, vllm=vllm))
-    record = fleet.delete(dep) if dep.settings.shared_tier else None
+    stopped = tuple(proc.stop_deployment(loc, timeout=timeout, vllm=vllm, server=server))
+    record = fleet.delete(dep) if dep.settings.shared_tier and server else None
     return StopOutcome(dep.name, dep.namespace, stopped, record)
+
+
+@dataclass(frozen=True)
+class RestartOutcome:
+    """``kvp-admin restart``: what was stopped, then what the launch started."""
+
+    config: str
+    restarted: tuple[str, ...]
+    stop: StopOutcome
+    launch: LaunchOutcome
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "restarted": list(self.restarted),
+                "stopped": self.stop.to_dict()["stopped"], "launch": self.launch.to_dict()}
+
+
+def restart(config: str, *, only: str | None = None, timeout: float = 30.0,
+            server_timeout: float = 60.0, vllm_timeout: float = 300.0,
+            warmup: bool = True, warmup_wait: float | None = None,
+            progress: Progress = quiet) -> RestartOutcome:
+    """Stop the deployment (or ``only`` one of its processes: ``vllm`` or ``server``), then
+    start what is not running (:func:`launch`): the persisted KV stays on disk either way.
+    The launch's preflight runs after the stop (the ports must be free); a preflight that
+    refuses leaves the stopped part stopped and raises ConfigError (exit 2). Raises
+    UsageError for another ``only``."""
+    if only is not None and only not in proc.COMPONENTS:
+        raise UsageError(f"--only must be one of {', '.join(proc.COMPONENTS)}, not {only!r}")
+    if only is not None and load_located(config)[1].vllm_mode != "process":
+        raise UsageError("--only needs vLLM as a process of kvp-admin's (KVP_IMAGE unset); a "
+                         "container is restarted with `kvp-admin restart CONFIG` or by its "
+                         "own runtime")
+    vllm, server = only in (None, "vllm"), only in (None, "server")
+    stopped = stop(config, timeout=timeout, vllm=vllm, server=server)
+    for s in stopped.stopped:
+        progress(f"stopped {s.what}: {s.how}" + (f" (pid {s.pid})" if s.pid else ""))
+    out = launch(config, with_vllm=True, server_timeout=server_timeout,
+                 vllm_timeout=vllm_timeout, progress=progress, warmup=warmup,
+                 warmup_wait=warmup_wait)
+    started = tuple(n for n, p in (("vllm", out.result.vllm), ("server", out.result.server))
+                    if p is not None)
+    return RestartOutcome(stopped.config, started, stopped, out)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,16 @@
-"""``kvp-admin launch``, ``stop`` and ``status``: parse, call the lifecycle actions, format."""
+"""``kvp-admin launch``, ``stop``, ``restart`` and ``status``: parse, call the lifecycle
+actions, format."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import click
 
 from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option, table
+
+if TYPE_CHECKING:
+    from kvpersist.actions import lifecycle as lifecycle_types
 
 
 def _progress(msg: str) -> None:
@@ -57,9 +63,10 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
            crash_seconds: float, check: bool,
            no_warmup: bool, warmup_wait: float | None, warmup_only: bool, deadline: float,
            as_json: bool) -> None:
-    """Preflight CONFIG, start its lmcache server (and vLLM), warm up, report ready.
+    """Preflight CONFIG, start whatever of its lmcache server and vLLM does not run, warm up.
 
-    After vLLM serves, the warm-up (kvp-admin warmup) loads the warm set into L1 before the
+    The two are independent processes: a running one is left as it is (and said so). After
+    vLLM serves, the warm-up (kvp-admin warmup) loads the warm set into L1 before the
     launch returns; one that fails or times out is a warning: vLLM keeps serving, cold."""
     from kvpersist.actions import lifecycle
     from kvpersist.errors import ConfigError, UsageError
@@ -128,17 +135,26 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
 @config_argument
 @click.option("--timeout", type=float, default=30.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL.")
-@click.option("--no-vllm", is_flag=True, help="Stop only the cache server.")
+@click.option("--no-vllm", is_flag=True, help="Stop only the cache server (--only server).")
+@click.option("--only", type=click.Choice(["vllm", "server"]), default=None,
+              help="Stop only vLLM (the cache server keeps its L1 and serves on) or only the "
+                   "cache server (vLLM serves on, cold, and reconnects when it is back).")
 @click.option("--systemd-stop-post", is_flag=True,
               help="For the unit's ExecStopPost: stop nothing; record a clean stop when "
                    "systemd reports that the server exited by itself with success.")
 @json_option
-def stop(config: str, timeout: float, no_vllm: bool, systemd_stop_post: bool,
-         as_json: bool) -> None:
+def stop(config: str, timeout: float, no_vllm: bool, only: str | None,
+         systemd_stop_post: bool, as_json: bool) -> None:
     """Stop CONFIG's vLLM, then its cache server. L2 files stay on disk."""
     import os
 
     from kvpersist.actions import lifecycle
+    from kvpersist.errors import UsageError
+
+    if no_vllm and only == "vllm":
+        raise UsageError("--no-vllm stops only the cache server: it cannot go with --only vllm")
+    if no_vllm:
+        only = "server"
 
     if systemd_stop_post:
         post = lifecycle.systemd_stop_post(config, dict(os.environ))
@@ -153,20 +169,67 @@ def stop(config: str, timeout: float, no_vllm: bool, systemd_stop_post: bool,
                 click.echo(post.fleet_record)
         return
 
-    out = lifecycle.stop(config, timeout=timeout, vllm=not no_vllm)
+    out = lifecycle.stop(config, timeout=timeout, vllm=only in (None, "vllm"),
+                         server=only in (None, "server"))
     if as_json:
         echo_json(out.to_dict())
     else:
-        for r in out.stopped:
-            pid = f"pid {r.pid}" if r.pid else "-"
-            extra = f" ({r.detail})" if r.detail else ""
-            click.echo(f"{r.what:15} {pid:12} {r.how}{extra}")
-            if r.error:
-                click.echo(f"kvp-admin: {r.error}", err=True)
-        if out.fleet_record is not None:
-            click.echo(out.fleet_record.note(), err=not out.fleet_record.ok)
+        _echo_stopped(out)
     if not out.ok:
         exit_with(1)
+
+
+def _echo_stopped(out: lifecycle_types.StopOutcome) -> None:
+    for r in out.stopped:
+        pid = f"pid {r.pid}" if r.pid else "-"
+        extra = f" ({r.detail})" if r.detail else ""
+        click.echo(f"{r.what:15} {pid:12} {r.how}{extra}")
+        if r.error:
+            click.echo(f"kvp-admin: {r.error}", err=True)
+    if out.fleet_record is not None:
+        click.echo(out.fleet_record.note(), err=not out.fleet_record.ok)
+
+
+@click.command("restart")
+@config_argument
+@click.option("--only", type=click.Choice(["vllm", "server"]), default=None,
+              help="Restart only vLLM (the cache server and its L1 stay) or only the cache "
+                   "server (vLLM serves on, cold, and reconnects).")
+@click.option("--stop-timeout", type=float, default=30.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL.")
+@click.option("--timeout", type=float, default=60.0, show_default=True,
+              help="Seconds to wait for the cache server to become healthy.")
+@click.option("--vllm-timeout", type=float, default=600.0, show_default=True,
+              help="Seconds to wait for vLLM to serve the namespace.")
+@click.option("--no-warmup", is_flag=True,
+              help="Report ready as soon as vLLM serves, without the warm-up.")
+@click.option("--warmup-wait", type=float, default=None, metavar="SECONDS",
+              help="Bound of the warm-up [default: KVP_WARMUP_WAIT, 120 s].")
+@json_option
+def restart(config: str, only: str | None, stop_timeout: float, timeout: float,
+            vllm_timeout: float, no_warmup: bool, warmup_wait: float | None,
+            as_json: bool) -> None:
+    """Restart CONFIG, or only its vLLM or its cache server; L2 files stay on disk.
+
+    Stops what is named (both by default), then launches what does not run: the launch's
+    preflight, crash-window check and warm-up as for ``kvp-admin launch``."""
+    from kvpersist.actions import lifecycle
+    from kvpersist.errors import UsageError
+
+    if warmup_wait is not None and warmup_wait <= 0:
+        raise UsageError("--warmup-wait must be > 0 seconds")
+    out = lifecycle.restart(config, only=only, timeout=stop_timeout, server_timeout=timeout,
+                            vllm_timeout=vllm_timeout, warmup=not no_warmup,
+                            warmup_wait=warmup_wait, progress=_progress)
+    if as_json:
+        echo_json(out.to_dict())
+        return
+    _echo_stopped(out.stop)
+    info = out.launch.to_dict()
+    click.echo(f"restarted       {', '.join(out.restarted) or 'nothing'}")
+    click.echo(f"lmcache server  pid {info['lmcache']['pid']}")
+    if info["vllm"]:
+        click.echo(f"vLLM            pid {info['vllm']['pid']}")
 
 
 @click.command("status")

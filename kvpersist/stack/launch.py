@@ -143,12 +143,47 @@ def launch_foreground(dep: Deployment, rendered: Rendered, plan: LaunchPlan, siz
 class LaunchResult:
     plan: LaunchPlan
     notes: tuple[str, ...]
-    started: tuple[Started, ...]
+    #: what this launch started (None: it ran already, or was not asked for)
+    server: Started | None
+    vllm: Started | None = None
     crash: CrashCheck | None = None
     #: the warm-up after vLLM (None: not run, --no-vllm or --no-warmup)
     warmup: WarmupRun | None = None
-    #: this host's fleet record on the shared tier (None: no shared tier)
+    #: this host's fleet record on the shared tier (None: no shared tier, or the server was
+    #: already running)
     fleet_record: RecordOutcome | None = None
+
+
+@dataclass(frozen=True)
+class Running:
+    """What of the deployment runs before a launch (pid files checked, not trusted)."""
+
+    server: procs.PidState
+    vllm: procs.PidState | None
+
+    def to_start(self, *, with_vllm: bool, vllm_mode: str) -> tuple[bool, bool]:
+        """(start the server, start vLLM) for a launch that asks for vLLM or not (pure).
+        Raises CheckFailed when nothing is left to start."""
+        start_server = not self.server.running
+        if vllm_mode == "process":
+            start_vllm = with_vllm and not (self.vllm is not None and self.vllm.running)
+        else:  # a container's state is not tracked here: it starts with the server or not
+            start_vllm = with_vllm and start_server
+        if not start_server and not start_vllm:
+            what = [f"the cache server (pid {self.server.pid}, pid file "
+                    f"{self.server.pid_file})"]
+            if with_vllm and self.vllm is not None and self.vllm.running:
+                what.append(f"vLLM (pid {self.vllm.pid})")
+            raise CheckFailed(f"already running: {' and '.join(what)}; `kvp-admin status` "
+                              "shows it, `kvp-admin restart` restarts it, `kvp-admin stop` "
+                              "stops it")
+        return start_server, start_vllm
+
+
+def running(plan: LaunchPlan, *, with_vllm: bool) -> Running:
+    """What of ``plan``'s deployment runs now."""
+    return Running(server_state(plan),
+                   vllm_state(plan) if with_vllm and plan.vllm_mode == "process" else None)
 
 
 def check_crash_window(plan: Location, srv: procs.PidState, *, how: str,
@@ -177,31 +212,33 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
            crash_rate_mb_s: float | None = crash_window.DEFAULT_RATE_MB_S,
            crash_seconds: float | None = crash_window.DEFAULT_SECONDS,
            warmup: bool = True, warmup_wait: float | None = None) -> LaunchResult:
-    """Preflight, prepare state, check the crash window after an unclean stop (bounded by
-    ``crash_rate_mb_s`` and ``crash_seconds``), start the cache server, write this host's
-    fleet record on the shared tier (a failure is a warning note), then (``with_vllm``)
-    vLLM, then (``warmup``) the warm-up, bounded by ``warmup_wait`` seconds (default
-    KVP_WARMUP_WAIT): the launch returns, ready, after it.
+    """Start whatever of the deployment does not run yet (the cache server, and with
+    ``with_vllm`` vLLM; each is an independent process): preflight what will start, prepare
+    state, check the crash window after an unclean stop (bounded by ``crash_rate_mb_s`` and
+    ``crash_seconds``) before the server starts, start the cache server, write this host's
+    fleet record on the shared tier (a failure is a warning note), then vLLM, then
+    (``warmup``, when vLLM serves) the warm-up, bounded by ``warmup_wait`` seconds (default
+    KVP_WARMUP_WAIT): the launch returns, ready, after it. A vLLM that runs already
+    reconnects to a server started here by itself (LMCache's connector re-registers its KV
+    layout); a vLLM started beside a running server connects to it.
 
-    Raises ConfigError listing every preflight problem (exit 2), CheckFailed if already
-    running (exit 1), KvpError if a process fails to come up (after stopping it). If vLLM
-    fails, the cache server started here is left running (it is healthy) and reported. A
+    Raises ConfigError listing every preflight problem (exit 2), CheckFailed if everything
+    asked for runs already (exit 1), KvpError if a process fails to come up (after stopping
+    it). If vLLM fails, the cache server is left running (it is healthy) and reported. A
     warm-up that fails or times out raises nothing: the result says so, vLLM serves cold.
     """
     dep, rendered, plan, sizing = (prepared.dep, prepared.rendered, prepared.plan,
                                    prepared.sizing)
-    srv = server_state(plan)
-    if srv.running:
-        raise CheckFailed(f"the cache server is already running (pid {srv.pid}, pid file "
-                          f"{srv.pid_file}); `kvp-admin status` shows it, "
-                          "`kvp-admin stop` stops it")
-    if with_vllm and plan.vllm_mode == "process":
-        vst = vllm_state(plan)
-        if vst.running:
-            raise CheckFailed(f"vLLM is already running (pid {vst.pid}); "
-                              "`kvp-admin stop` stops it")
-    pre = preflight(dep, plan, sizing, with_vllm=with_vllm)
+    now = running(plan, with_vllm=with_vllm)
+    with_server, start_vllm_too = now.to_start(with_vllm=with_vllm, vllm_mode=plan.vllm_mode)
+    pre = preflight(dep, plan, sizing, with_vllm=start_vllm_too, with_server=with_server)
     notes = proceed(pre)
+    if not with_server:
+        notes.append(f"the cache server already runs (pid {now.server.pid}): starting vLLM "
+                     "only")
+    elif with_vllm and not start_vllm_too:
+        notes.append(f"vLLM already runs (pid {now.vllm.pid if now.vllm else '?'}): starting "
+                     "the cache server only; vLLM reconnects to it by itself")
     for n in notes:
         progress(n)
     state_notes = prepare_state(plan, rendered, sizing, progress=progress,
@@ -209,21 +246,24 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
     for n in state_notes:
         progress(n)
     notes += state_notes
-    crash = check_crash_window(plan, srv, how="launch", rate_mb_s=crash_rate_mb_s,
-                               deadline_s=crash_seconds, progress=progress)
-    notes.append(begin_preread(plan, progress))
-    started = [start_server(plan, timeout=server_timeout, progress=progress)]
-    progress(f"lmcache server healthy in {started[0].seconds:.1f} s (pid {started[0].pid})")
-    record = None
-    if dep.settings.shared_tier:
-        # never fails the launch: a store that does not answer is a warning
-        record = fleet.write(dep)
-        progress(record.note())
-        notes.append(record.note())
+    crash = server = record = None
+    if with_server:
+        crash = check_crash_window(plan, now.server, how="launch", rate_mb_s=crash_rate_mb_s,
+                                   deadline_s=crash_seconds, progress=progress)
+        notes.append(begin_preread(plan, progress))
+        server = start_server(plan, timeout=server_timeout, progress=progress)
+        progress(f"lmcache server healthy in {server.seconds:.1f} s (pid {server.pid})")
+        if dep.settings.shared_tier:
+            # never fails the launch: a store that does not answer is a warning
+            record = fleet.write(dep)
+            progress(record.note())
+            notes.append(record.note())
+    vllm: Started | None = None
+    if start_vllm_too:
+        vllm = start_vllm(plan, timeout=vllm_timeout, progress=progress)
+        progress(f"vLLM serves in {vllm.seconds:.1f} s (pid {vllm.pid})")
     warm: WarmupRun | None = None
-    if with_vllm:
-        started.append(start_vllm(plan, timeout=vllm_timeout, progress=progress))
-        progress(f"vLLM serves in {started[1].seconds:.1f} s (pid {started[1].pid})")
+    if with_vllm and (vllm is not None or plan.vllm_mode == "process"):
         if warmup and not dep.settings.warmup_file:
             warm = NO_WARM_SET
         elif warmup:
@@ -231,7 +271,7 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
                               env=prepared.environ or os.environ, wait_s=warmup_wait,
                               progress=progress)
             progress(warmup_summary(warm))
-    return LaunchResult(plan, tuple(notes), tuple(started), crash, warm, record)
+    return LaunchResult(plan, tuple(notes), server, vllm, crash, warm, record)
 
 
 def warmup_summary(warm: WarmupRun) -> str:

@@ -163,11 +163,13 @@ class PreflightFacts:
 
 
 def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
-           with_vllm: bool) -> PreflightFacts:
+           with_vllm: bool, with_server: bool = True) -> PreflightFacts:
     """Read everything the verdict needs for a launch of ``plan`` (I/O, never a write).
     ``sizing`` is the launch's one budget plan (shown as notes, never computed again here).
     The vLLM-argument check runs last, only when :func:`judge` finds nothing else wrong.
-    Raises KvpError only when the filesystem of the cache root cannot be looked at."""
+    ``with_server=False``: the deployment's cache server already runs (a launch of vLLM
+    alone): its ports are its own, not checked. Raises KvpError only when the filesystem of
+    the cache root cannot be looked at."""
     s = dep.settings
     also: tuple[int, ...] = ()
     user_error = ""
@@ -185,7 +187,7 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
             continue
         trust += [(key, why) for why in trust_problems(path, also=also)]
     ports = [("KVP_LMCACHE_PORT", *plan.listen["lmcache"]),
-             ("KVP_LMCACHE_HTTP_PORT", *plan.listen["lmcache_http"])]
+             ("KVP_LMCACHE_HTTP_PORT", *plan.listen["lmcache_http"])] if with_server else []
     if with_vllm:
         ports.append(("KVP_VLLM_PORT", *plan.listen["vllm"]))
     exe = plan.server_argv[0]
@@ -207,7 +209,7 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
         identity_problems=tuple(identity.launch_problems()),
         identity_notes=tuple(identity.launch_notes()),
         weights=check_weights(plan, pinned=dep.pinned, with_vllm=with_vllm, write_cache=False),
-        tmp_files=cleans.files if cleans else 0,
+        tmp_files=cleans.files if cleans and with_server else 0,
         tmp_samples=tuple(cleans.samples) if cleans else (),
         allow_tmp_cleanup=s.allow_lmcache_tmp_cleanup,
         warm_set_problems=warm_set_problems(dep) if with_vllm else ())
@@ -471,10 +473,10 @@ def shared_problems(sh: SharedFacts) -> list[Problem]:
 
 
 def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
-              with_vllm: bool) -> Preflight:
+              with_vllm: bool, with_server: bool = True) -> Preflight:
     """:func:`gather`, then :func:`judge`: every problem at once; never raises for them, never
     writes."""
-    return judge(gather(dep, plan, sizing, with_vllm=with_vllm))
+    return judge(gather(dep, plan, sizing, with_vllm=with_vllm, with_server=with_server))
 
 
 __all__ = ["MIN_FREE_BYTES", "ArgsFacts", "PortFacts", "Preflight", "PreflightFacts",

@@ -28,6 +28,9 @@ from kvpersist.system import procs
 from kvpersist.system.untrusted import UnreadableFile, read_tail
 
 Progress = Callable[[str], None]
+#: the least time ``stop`` gives vLLM between SIGTERM and SIGKILL: its drain of the requests
+#: in flight (``stack.render.VLLM_DRAIN_SECONDS``) and its own shutdown after it
+VLLM_STOP_SECONDS = 45.0
 
 
 def quiet(_: str) -> None:
@@ -257,16 +260,25 @@ def _stop_by_pid_file(name: str, st: procs.PidState, timeout: float) -> Stopped:
     return Stopped(name, st.pid, res.how, res.seconds)
 
 
+#: what ``stop``/``restart --only`` may name: each process of a deployment on its own
+COMPONENTS = ("vllm", "server")
+
+
 def stop_deployment(plan: Location, *, timeout: float = 30.0,
-                    vllm: bool = True) -> list[Stopped]:
-    """vLLM first (it holds connections to the server), then the cache server."""
+                    vllm: bool = True, server: bool = True) -> list[Stopped]:
+    """vLLM first (it holds connections to the server), then the cache server; ``vllm`` /
+    ``server`` False leaves that one running (they are independent processes: vLLM serves on,
+    cold, while the server is away, and reconnects to it by itself)."""
     out = []
     if vllm:
-        out.append(stop_vllm(plan, timeout=max(timeout, 30.0)))
-    out.append(stop_server(plan, timeout=timeout))
+        # vLLM drains the requests in flight first (--shutdown-timeout, rendered): wait for it
+        out.append(stop_vllm(plan, timeout=max(timeout, VLLM_STOP_SECONDS)))
+    if server:
+        out.append(stop_server(plan, timeout=timeout))
     return out
 
 
-__all__ = ["Progress", "Started", "Stopped", "begin_preread", "ensure_model_link", "http_ok",
-           "quiet", "refuse_if_running", "server_state", "start_server", "start_vllm",
-           "stop_deployment", "stop_server", "stop_vllm", "vllm_ready", "vllm_state"]
+__all__ = ["COMPONENTS", "Progress", "Started", "Stopped", "begin_preread",
+           "ensure_model_link", "http_ok", "quiet", "refuse_if_running", "server_state",
+           "start_server", "start_vllm", "stop_deployment", "stop_server", "stop_vllm",
+           "vllm_ready", "vllm_state"]
