@@ -130,6 +130,9 @@ def test_vllm_parser_accepts_rendered_args(rendered: dict[str, dict[str, Any]],
     assert ktc.kv_connector == "LMCacheMPConnector"
     assert ktc.kv_connector_module_path == "lmcache.integration.vllm.lmcache_mp_connector"
     assert ktc.kv_role == "kv_both"
+    # a failed load is a recompute, never an error to the user (vLLM's default is "fail")
+    assert ktc.kv_load_failure_policy == "recompute"
+    assert engine.shutdown_timeout == 20  # vLLM drains the requests in flight at a stop
 
 
 @pytest.mark.parametrize("name", CONFIGS)

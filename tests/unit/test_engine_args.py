@@ -324,12 +324,13 @@ def test_render_puts_engine_args_between_owned_flags_and_extra_args() -> None:
     d = dep({"KVP_ENGINE_ARGS": "--enf -qfp8", "KVP_VLLM_EXTRA_ARGS": "--max-num-seqs 4"})
     argv = render(d, TEMPLATES, l1_size_gb=64, l2_capacity_gb=10).vllm_argv
     i = argv.index("--kv-transfer-config")
-    assert argv[i + 2:] == ["--enforce-eager", "--quantization=fp8", "--max-num-seqs", "4"]
+    assert argv[i + 2:] == ["--shutdown-timeout", "20", "--enforce-eager", "--quantization=fp8",
+                            "--max-num-seqs", "4"]
     assert d.identity is not None and d.namespace == d.identity.namespace()
     plain = dep({"KVP_VLLM_EXTRA_ARGS": "--max-num-seqs 4"})
     assert plain.namespace != d.namespace
     assert render(plain, TEMPLATES, l1_size_gb=64, l2_capacity_gb=10).vllm_argv[i + 2:] == [
-        "--max-num-seqs", "4"]
+        "--shutdown-timeout", "20", "--max-num-seqs", "4"]
 
 
 @pytest.mark.parametrize("name,flags", [("cpu-demo", {"enforce_eager": "true"}),
