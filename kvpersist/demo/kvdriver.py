@@ -47,9 +47,13 @@ class KVDriver:
     def __init__(self, client: Any, log: list[str]) -> None:
         self._client = client
         self.log = log
+        self._serial = 0
 
     def _request(self, seq: int, kind: str) -> Any:
-        req = self._client.create_request(seq, f"kvp-{kind}-{seq}", kind)
+        # a request id is never reused (as vLLM's are not): a lookup the client gave up on
+        # may still be running on the server under its id
+        self._serial += 1
+        req = self._client.create_request(seq, f"kvp-{kind}-{seq}-{self._serial}", kind)
         if req is None:
             raise ValueError("request shorter than one chunk")
         return req
@@ -97,19 +101,26 @@ class KVDriver:
             raise RuntimeError(f"lookup of sequence {seq} failed: {res.error}")
         return Lookup(res.hit_chunks, res.total_chunks)
 
-    def lookup_and_retrieve(self, seq: int) -> tuple[Lookup, list[str] | None]:
+    def lookup_and_retrieve(self, seq: int, *, prefix: bool = False,
+                            ) -> tuple[Lookup, list[str] | None]:
         """Look ``seq`` up; on a full hit zero the destination blocks, retrieve, and return
-        the digests of what arrived (None when not every chunk hit)."""
+        the digests of what arrived (None when not every chunk hit). With ``prefix``, a
+        partial hit retrieves the chunks that hit, as vLLM does (it recomputes the rest), and
+        returns their digests (None when nothing hit or the retrieve failed)."""
         req = self._request(seq, "retrieve")
         res = self._client.lookup(req)
         lk = Lookup(res.hit_chunks if res.succeeded else 0, res.total_chunks)
         digests: list[str] | None = None
+        tokens = 0
         if res.succeeded and res.is_full_hit:
-            self._client.zero_destination(req, 0, req.num_full_tokens)
-            out = self._client.retrieve(req, 0, req.num_full_tokens)
+            tokens = req.num_full_tokens
+        elif prefix and res.succeeded and res.hit_chunks > 0:
+            tokens = res.hit_chunks * req.chunk_size
+        if tokens:
+            self._client.zero_destination(req, 0, tokens)
+            out = self._client.retrieve(req, 0, tokens)
             if out is not None and out.succeeded:
-                digests = list(self._client.compute_checksums(req, 0, req.num_full_tokens)
-                               or [])
+                digests = list(self._client.compute_checksums(req, 0, tokens) or [])
         self._client.end_session(req)
         return lk, digests
 
