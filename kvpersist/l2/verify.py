@@ -34,13 +34,14 @@ one that fails every length that fits.
 
 A file that authenticates is never a ``size`` or ``auth`` finding. With the ``aesgcm``
 serde and a key, every chunk file of the namespace is read and authenticated before it is
-condemned; its size is only a hint: the usual size of the files that authenticated says which size to read first and
-whether a failing file is a ``size`` or an ``auth`` finding. (Files of another namespace are
-not authenticated, only compared with their group's most common size; with a key, one of
-another size is read and kept if it authenticates. With ``serde: none`` the size is all there
-is.) The order of reading (:mod:`kvpersist.l2.verify_order`: the warm-set pins first, then
-authentic sizes before sizes seen to fail) is what keeps a flood of garbage files named like
-the namespace's chunks from using up a time bound before the authentic files are read.
+condemned; its size is only a hint: the usual size of the files that authenticated says
+which size to read first and whether a failing file is a ``size`` or an ``auth`` finding.
+(Files of another namespace are not authenticated, only compared with their group's most
+common size; with a key, one of another size is read and kept if it authenticates. With
+``serde: none`` the size is all there is.) The order of reading
+(:mod:`kvpersist.l2.verify_order`: the warm-set pins first, then authentic sizes before sizes
+seen to fail) is what keeps a flood of garbage files named like the namespace's chunks from
+using up a time bound before the authentic files are read.
 
 Crash-window checks (:func:`verify_root` with ``since_ns``) check only the files modified at or
 after that instant, and ``deadline_s`` bounds the time spent reading (the rest, and the failed
