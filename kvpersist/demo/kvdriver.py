@@ -44,10 +44,14 @@ class Lookup:
 class KVDriver:
     """A connected set of simulated workers. Use :func:`connect`."""
 
-    def __init__(self, client: Any, log: list[str]) -> None:
+    def __init__(self, client: Any, log: list[str], pristine: bool = False) -> None:
         self._client = client
         self.log = log
         self._serial = 0
+        # the simulated engines' KV as generated (``recompute``), per worker and layer
+        self._pristine: list[dict[str, Any]] = [
+            {name: t.clone() for name, t in w.kv_caches.items()} for w in client._workers
+        ] if pristine else []
 
     def _request(self, seq: int, kind: str) -> Any:
         # a request id is never reused (as vLLM's are not): a lookup the client gave up on
@@ -92,6 +96,24 @@ class KVDriver:
         self._client.end_session(req)
         return int(req.total_chunks)
 
+    def recompute(self, seq: int) -> list[str]:
+        """What vLLM does after a miss: compute ``seq``'s KV again, then store it (every chunk,
+        every rank); return the per-chunk digests. The simulated engines' blocks of ``seq`` get
+        back the values generated at connect time: a retrieve may have written other bytes
+        there since (sequences share blocks). Needs ``connect(..., pristine=True)``; raises
+        RuntimeError without it."""
+        from lmcache.cli.commands.bench.server_bench.helpers import _tensor_is_mla
+
+        if not self._pristine:
+            raise RuntimeError("recompute needs connect(..., pristine=True)")
+        req = self._client.create_request(seq, "kvp-recompute", "recompute")
+        for worker, pristine in zip(self._client._workers, self._pristine, strict=True):
+            for name, t in worker.kv_caches.items():
+                dim = 0 if _tensor_is_mla(t) else 1
+                t.narrow(dim, req.block_offset, req.num_blocks).copy_(
+                    pristine[name].narrow(dim, req.block_offset, req.num_blocks))
+        return self.store(seq)
+
     def lookup(self, seq: int) -> Lookup:
         """Look sequence ``seq`` up (L1, then L2 on disk, prefetching into L1)."""
         req = self._request(seq, "lookup")
@@ -128,11 +150,13 @@ class KVDriver:
 @contextmanager
 def connect(rpc_url: str, http_url: str, model_name: str, *, tp_size: int = 1,
             num_tokens: int = 1024, kvcache_shape_spec: str = DEMO_TINY_SPEC,
-            ) -> Iterator[KVDriver]:
+            pristine: bool = False) -> Iterator[KVDriver]:
     """Connect ``tp_size`` simulated workers to the server at ``rpc_url`` (``tcp://h:p``)
     under ``model_name``; yield a :class:`KVDriver`; always close.
 
-    Each request holds ``num_tokens + 1`` tokens. Raises RuntimeError if registration fails.
+    Each request holds ``num_tokens + 1`` tokens. ``pristine`` keeps a copy of the generated
+    KV (for :meth:`KVDriver.recompute`; the size of the simulated KV cache again). Raises
+    RuntimeError if registration fails.
     """
     from lmcache.cli.commands.bench.server_bench import helpers
     from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
@@ -150,7 +174,7 @@ def connect(rpc_url: str, http_url: str, model_name: str, *, tp_size: int = 1,
         client = ServerBenchClient(config, log.append)
         try:
             client.start()
-            yield KVDriver(client, log)
+            yield KVDriver(client, log, pristine)
         finally:
             try:
                 client.close()
