@@ -62,7 +62,8 @@ COMMANDS: dict[str, Entry] = {
                      "health, last verify and prune, keys and memory of the shared tier."),
     "verify": Entry("kvpersist.commands.verify:verify",
                     "Check CONFIG's cache root: wrong sizes, frames failing authentication "
-                    "with the deployment's key, stale temp files."),
+                    "with the deployment's key, one frame under two names, links, FIFOs and "
+                    "unreadable files under chunk names, stale temp files."),
     "weights": Entry("kvpersist.commands.weights:weights",
                      "Check that the weights at CONFIG's KVP_MODEL_PATH are those its namespace "
                      "was first served with."),

@@ -24,7 +24,8 @@ from kvpersist.commands.common import config_argument, echo_json, exit_with, jso
 def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
            temp_age: float, as_json: bool) -> None:
     """Check CONFIG's cache root: wrong sizes, frames failing authentication with the
-    deployment's key, stale temp files. Exit 0 clean (or all quarantined), 1 findings left."""
+    deployment's key, one frame under two names, links, FIFOs and unreadable files under chunk
+    names, stale temp files. Exit 0 clean (or all quarantined), 1 findings left."""
     from kvpersist.actions.verify import verify as verify_action
 
     show = not as_json and sys.stderr.isatty()

@@ -44,12 +44,20 @@ class Lookup:
 class KVDriver:
     """A connected set of simulated workers. Use :func:`connect`."""
 
-    def __init__(self, client: Any, log: list[str]) -> None:
+    def __init__(self, client: Any, log: list[str], pristine: bool = False) -> None:
         self._client = client
         self.log = log
+        self._serial = 0
+        # the simulated engines' KV as generated (``recompute``), per worker and layer
+        self._pristine: list[dict[str, Any]] = [
+            {name: t.clone() for name, t in w.kv_caches.items()} for w in client._workers
+        ] if pristine else []
 
     def _request(self, seq: int, kind: str) -> Any:
-        req = self._client.create_request(seq, f"kvp-{kind}-{seq}", kind)
+        # a request id is never reused (as vLLM's are not): a lookup the client gave up on
+        # may still be running on the server under its id
+        self._serial += 1
+        req = self._client.create_request(seq, f"kvp-{kind}-{seq}-{self._serial}", kind)
         if req is None:
             raise ValueError("request shorter than one chunk")
         return req
@@ -88,6 +96,24 @@ class KVDriver:
         self._client.end_session(req)
         return int(req.total_chunks)
 
+    def recompute(self, seq: int) -> list[str]:
+        """What vLLM does after a miss: compute ``seq``'s KV again, then store it (every chunk,
+        every rank); return the per-chunk digests. The simulated engines' blocks of ``seq`` get
+        back the values generated at connect time: a retrieve may have written other bytes
+        there since (sequences share blocks). Needs ``connect(..., pristine=True)``; raises
+        RuntimeError without it."""
+        from lmcache.cli.commands.bench.server_bench.helpers import _tensor_is_mla
+
+        if not self._pristine:
+            raise RuntimeError("recompute needs connect(..., pristine=True)")
+        req = self._client.create_request(seq, "kvp-recompute", "recompute")
+        for worker, pristine in zip(self._client._workers, self._pristine, strict=True):
+            for name, t in worker.kv_caches.items():
+                dim = 0 if _tensor_is_mla(t) else 1
+                t.narrow(dim, req.block_offset, req.num_blocks).copy_(
+                    pristine[name].narrow(dim, req.block_offset, req.num_blocks))
+        return self.store(seq)
+
     def lookup(self, seq: int) -> Lookup:
         """Look sequence ``seq`` up (L1, then L2 on disk, prefetching into L1)."""
         req = self._request(seq, "lookup")
@@ -97,19 +123,26 @@ class KVDriver:
             raise RuntimeError(f"lookup of sequence {seq} failed: {res.error}")
         return Lookup(res.hit_chunks, res.total_chunks)
 
-    def lookup_and_retrieve(self, seq: int) -> tuple[Lookup, list[str] | None]:
+    def lookup_and_retrieve(self, seq: int, *, prefix: bool = False,
+                            ) -> tuple[Lookup, list[str] | None]:
         """Look ``seq`` up; on a full hit zero the destination blocks, retrieve, and return
-        the digests of what arrived (None when not every chunk hit)."""
+        the digests of what arrived (None when not every chunk hit). With ``prefix``, a
+        partial hit retrieves the chunks that hit, as vLLM does (it recomputes the rest), and
+        returns their digests (None when nothing hit or the retrieve failed)."""
         req = self._request(seq, "retrieve")
         res = self._client.lookup(req)
         lk = Lookup(res.hit_chunks if res.succeeded else 0, res.total_chunks)
         digests: list[str] | None = None
+        tokens = 0
         if res.succeeded and res.is_full_hit:
-            self._client.zero_destination(req, 0, req.num_full_tokens)
-            out = self._client.retrieve(req, 0, req.num_full_tokens)
+            tokens = req.num_full_tokens
+        elif prefix and res.succeeded and res.hit_chunks > 0:
+            tokens = res.hit_chunks * req.chunk_size
+        if tokens:
+            self._client.zero_destination(req, 0, tokens)
+            out = self._client.retrieve(req, 0, tokens)
             if out is not None and out.succeeded:
-                digests = list(self._client.compute_checksums(req, 0, req.num_full_tokens)
-                               or [])
+                digests = list(self._client.compute_checksums(req, 0, tokens) or [])
         self._client.end_session(req)
         return lk, digests
 
@@ -117,11 +150,13 @@ class KVDriver:
 @contextmanager
 def connect(rpc_url: str, http_url: str, model_name: str, *, tp_size: int = 1,
             num_tokens: int = 1024, kvcache_shape_spec: str = DEMO_TINY_SPEC,
-            ) -> Iterator[KVDriver]:
+            pristine: bool = False) -> Iterator[KVDriver]:
     """Connect ``tp_size`` simulated workers to the server at ``rpc_url`` (``tcp://h:p``)
     under ``model_name``; yield a :class:`KVDriver`; always close.
 
-    Each request holds ``num_tokens + 1`` tokens. Raises RuntimeError if registration fails.
+    Each request holds ``num_tokens + 1`` tokens. ``pristine`` keeps a copy of the generated
+    KV (for :meth:`KVDriver.recompute`; the size of the simulated KV cache again). Raises
+    RuntimeError if registration fails.
     """
     from lmcache.cli.commands.bench.server_bench import helpers
     from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
@@ -139,7 +174,7 @@ def connect(rpc_url: str, http_url: str, model_name: str, *, tp_size: int = 1,
         client = ServerBenchClient(config, log.append)
         try:
             client.start()
-            yield KVDriver(client, log)
+            yield KVDriver(client, log, pristine)
         finally:
             try:
                 client.close()

@@ -9,7 +9,11 @@ after every restart, forever. ``verify`` finds:
 * ``auth``: with the ``aesgcm`` serde, a file of the deployment's namespace whose frame fails
   AES-GCM authentication with the deployment's key (tampered, corrupted, written under another
   key) — LMCache would treat it as a miss every time;
-* ``temp``: an interrupted write (``<name>.tmp.<uuid>``) older than ``temp_age`` seconds.
+* ``temp``: an interrupted write (``<name>.tmp.<uuid>``) older than ``temp_age`` seconds;
+* ``type``, ``perm``, ``dup`` (:mod:`kvpersist.l2.verify_rules`): an entry under a chunk name
+  that is not a regular file (LMCache reads through a symlink, blocks on a FIFO), a chunk file
+  the server's user cannot read, and the same frame under two names (a valid frame served as
+  another chunk's KV).
 
 Quarantine renames a file out of its deterministic name into
 ``<cache root>/.kvpersist/quarantine/`` (same filesystem, atomic), so LMCache stores the chunk
@@ -28,15 +32,16 @@ again with it (reading, if needed, a few other files of the namespace to learn i
 that fails with the learned length is a finding, or, when no file of its group authenticates,
 one that fails every length that fits.
 
-A file that authenticates is never a finding. With the ``aesgcm`` serde and a key, every
-chunk file of the namespace is read and authenticated before it is condemned; its size is only
-a hint: the usual size of the files that authenticated says which size to read first and
-whether a failing file is a ``size`` or an ``auth`` finding. (Files of another namespace are
-not authenticated, only compared with their group's most common size; with a key, one of
-another size is read and kept if it authenticates. With ``serde: none`` the size is all there
-is.) The order of reading (:mod:`kvpersist.l2.verify_order`: the warm-set pins first, then
-authentic sizes before sizes seen to fail) is what keeps a flood of garbage files named like
-the namespace's chunks from using up a time bound before the authentic files are read.
+A file that authenticates is never a ``size`` or ``auth`` finding. With the ``aesgcm``
+serde and a key, every chunk file of the namespace is read and authenticated before it is
+condemned; its size is only a hint: the usual size of the files that authenticated says
+which size to read first and whether a failing file is a ``size`` or an ``auth`` finding.
+(Files of another namespace are not authenticated, only compared with their group's most
+common size; with a key, one of another size is read and kept if it authenticates. With
+``serde: none`` the size is all there is.) The order of reading
+(:mod:`kvpersist.l2.verify_order`: the warm-set pins first, then authentic sizes before sizes
+seen to fail) is what keeps a flood of garbage files named like the namespace's chunks from
+using up a time bound before the authentic files are read.
 
 Crash-window checks (:func:`verify_root` with ``since_ns``) check only the files modified at or
 after that instant, and ``deadline_s`` bounds the time spent reading (the rest, and the failed
@@ -61,6 +66,7 @@ from kvpersist.l2 import layout
 from kvpersist.l2.layout import QUARANTINE_DIR, display_name
 from kvpersist.l2.tree import FILE_FLAGS, RootDir, chunk_dirs, meta_dir, open_rel
 from kvpersist.l2.verify_order import Group, ReadOrder, failed_verdict
+from kvpersist.l2.verify_rules import dup_detail, perm_verdict, shared_frames, type_verdict
 
 SCHEMA = "kvpersist.verify/1"
 _HKDF_INFO_PREFIX = b"lmcache-l2-aesgcm-v1"  # lmcache/v1/distributed/serde/aesgcm.py
@@ -148,8 +154,15 @@ def _derive(master: bytes, salt: str, key_len: int) -> bytes:
                 info=_HKDF_INFO_PREFIX + salt.encode("utf-8", "surrogateescape")).derive(master)
 
 
-def authenticate(blob: bytes, key: bytes, known_plaintext: int | None) -> int | None:
-    """The plaintext length if ``blob`` holds a frame that authenticates with ``key``."""
+def derive_key(master: bytes, salt: str = "", aes_bits: int = 128) -> bytes:
+    """The AES key LMCache's aesgcm serde derives from the master key for ``salt`` (the
+    ``cache_salt`` of a chunk name; empty for none)."""
+    return _derive(master, salt, aes_bits // 8)
+
+
+def decrypt(blob: bytes, key: bytes, known_plaintext: int | None) -> bytes | None:
+    """The plaintext of the aesgcm frame stored in ``blob`` if it authenticates with ``key``
+    (a derived key, :func:`derive_key`), else None."""
     from cryptography.exceptions import InvalidTag
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -161,11 +174,16 @@ def authenticate(blob: bytes, key: bytes, known_plaintext: int | None) -> int | 
         if end > len(blob):
             continue
         try:
-            aes.decrypt(blob[1:_HDR_LEN], blob[_HDR_LEN:end], None)
+            return aes.decrypt(blob[1:_HDR_LEN], blob[_HDR_LEN:end], None)
         except InvalidTag:
             continue
-        return n
     return None
+
+
+def authenticate(blob: bytes, key: bytes, known_plaintext: int | None) -> int | None:
+    """The plaintext length if ``blob`` holds a frame that authenticates with ``key``."""
+    plain = decrypt(blob, key, known_plaintext)
+    return None if plain is None else len(plain)
 
 
 # --------------------------------------------------------------------------- walking (I/O)
@@ -174,7 +192,7 @@ def authenticate(blob: bytes, key: bytes, known_plaintext: int | None) -> int | 
 @dataclass(frozen=True, slots=True)
 class _Seen:
     """A file as verify saw it: where (directory relative to the root, name) and which inode
-    (device, inode, size, mtime), so quarantine moves only that very file."""
+    (type, device, inode, size, mtime), so quarantine moves only that very entry."""
 
     rel: str
     name: str
@@ -182,13 +200,15 @@ class _Seen:
     ino: int
     size: int
     mtime_ns: int
+    fmt: int = stat_mod.S_IFREG
 
     @classmethod
     def of(cls, rel: str, name: str, st: os.stat_result) -> _Seen:
-        return cls(rel, name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return cls(rel, name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                   stat_mod.S_IFMT(st.st_mode))
 
     def same(self, st: os.stat_result) -> bool:
-        return (stat_mod.S_ISREG(st.st_mode) and st.st_dev == self.dev
+        return (stat_mod.S_IFMT(st.st_mode) == self.fmt and st.st_dev == self.dev
                 and st.st_ino == self.ino and st.st_size == self.size
                 and st.st_mtime_ns == self.mtime_ns)
 
@@ -300,14 +320,14 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
         if seen.name in first:
             res.pinned_findings += 1
 
+    root_st = os.fstat(r.fd)  # the server runs as the cache root's owner
     with chunk_dirs(r.fd, on_error=note) as dirs:
         for d in dirs:
             try:
                 for e in d.entries():
-                    if not e.is_file(follow_symlinks=False):
-                        continue
+                    regular = e.is_file(follow_symlinks=False)
                     kind, parsed = layout.classify(e.name, d.shard)
-                    if parsed is None:
+                    if parsed is None or (not regular and kind != layout.Kind.CHUNK):
                         continue
                     try:
                         st = e.stat(follow_symlinks=False)
@@ -315,6 +335,15 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
                         note(d.path_of(e.name), exc)
                         continue
                     seen = _Seen.of(d.rel, e.name, st)
+                    odd = None if kind == layout.Kind.TEMP else (
+                        ("type", type_verdict(st.st_mode)) if not regular else
+                        ("perm", perm_verdict(st.st_mode, st.st_uid, st.st_gid,
+                                              root_st.st_uid, root_st.st_gid)))
+                    if odd is not None and odd[1] is not None:
+                        if since is None or st.st_mtime_ns >= since:
+                            res.files += 1
+                            finding(seen, odd[0], odd[1])
+                        continue
                     if kind == layout.Kind.TEMP:
                         age = now - st.st_mtime
                         if since is None and age >= temp_age:
@@ -341,6 +370,7 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
     referenced: set[Group] = set()  # groups whose older files were read to learn the length
     throttle = _Throttle(rate_mb_s)
     dirs_open = _DirCache(r.fd)
+    frames: list[tuple[bytes, _Seen]] = []  # the IV of each frame that authenticated
 
     def authenticates(parsed: layout.ChunkName) -> bool:
         """Whether every file of ``parsed``'s group is read and authenticated."""
@@ -374,7 +404,10 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
             return False, None
         throttle.account(len(blob))
         res.bytes_read += len(blob)
-        return True, authenticate(blob, keys[salt], known)
+        n = authenticate(blob, keys[salt], known)
+        if n is not None:
+            frames.append((blob[1:_HDR_LEN], seen))
+        return True, n
 
     def passed(seen: _Seen, group: Group, n: int, counted: bool = True) -> None:
         """``seen`` authenticated with plaintext length ``n``: never a finding."""
@@ -458,6 +491,8 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
                 passed(seen, group, n)
             elif ok:
                 condemn(seen, group)
+        for seen, count in shared_frames(frames).items():
+            finding(seen, "dup", dup_detail(count))
     finally:
         dirs_open.close()
     return targets

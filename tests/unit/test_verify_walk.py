@@ -59,7 +59,8 @@ def tree(tmp_path: Path) -> dict[str, Path]:
     t["wrong_shard"] = put(root / "ff/ff" / chunk(7).filename(), frame(corrupt=True))
     # symlinks named like chunks, and a shard-named symlink, pointing at corrupt files
     t["precious"] = put(outside / "precious.bin", frame(corrupt=True))
-    (root / chunk(8).filename()).symlink_to(t["precious"])
+    t["link"] = root / chunk(8).filename()  # LMCache would read through it: a finding
+    t["link"].symlink_to(t["precious"])
     put(outside / "shard" / chunk(0x1200).filename(), frame(corrupt=True))
     (root / "12").mkdir()
     (root / "12" / "00").symlink_to(outside / "shard")
@@ -74,13 +75,13 @@ def run(root: Path, apply: bool = False,
 
 def test_findings_cover_the_layout_and_nothing_else(tree: dict[str, Path]) -> None:
     res = run(tree["root"])
-    assert res.files == 6 and res.authenticated == 4
+    assert res.files == 7 and res.authenticated == 4
     kinds = {Path(f.path).name: f.kind for f in res.findings}
     assert kinds == {tree["corrupt"].name: "auth", tree["short"].name: "size",
-                     tree["temp"].name: "temp"}
+                     tree["temp"].name: "temp", tree["link"].name: "type"}
     assert {f.path for f in res.findings} == {
         os.path.join(str(tree["root"]), str(tree[k].relative_to(tree["root"])))
-        for k in ("corrupt", "short", "temp")}
+        for k in ("corrupt", "short", "temp", "link")}
     assert res.quarantined == [] and res.skipped == []
 
 
@@ -89,13 +90,16 @@ def test_apply_quarantines_through_descriptors_and_leaves_the_rest(tree: dict[st
     precious = tree["precious"].read_bytes()
     res = run(root, apply=True)
     q = root / ".kvpersist/quarantine"
-    assert sorted(Path(p).parent for p in res.quarantined) == [q] * 3
+    assert sorted(Path(p).parent for p in res.quarantined) == [q] * 4
     assert {p.name.split(".")[0] for p in q.iterdir()} == {
-        tree[k].name.split(".")[0] for k in ("corrupt", "short", "temp")}
-    for k in ("corrupt", "short", "temp"):
-        assert not tree[k].exists()
+        tree[k].name.split(".")[0] for k in ("corrupt", "short", "temp", "link")}
+    for k in ("corrupt", "short", "temp", "link"):
+        assert not os.path.lexists(tree[k])
     assert tree["wrong_shard"].exists() and tree["precious"].read_bytes() == precious
-    assert (root / chunk(8).filename()).is_symlink()
+    # the link itself was moved, never what it points to
+    moved = [p for p in q.iterdir() if p.name.startswith(tree["link"].name)]
+    assert len(moved) == 1 and moved[0].is_symlink()
+    assert os.readlink(moved[0]) == str(tree["precious"])
     assert len(list((tree["outside"] / "shard").iterdir())) == 1
     # nothing left to find; a second run moves nothing
     again = run(root, apply=True)
@@ -118,8 +122,8 @@ def test_a_file_changed_after_it_was_checked_is_not_quarantined(tree: dict[str, 
 
     res = run(root, apply=True, progress=progress)
     assert changed
-    assert [Path(p).name.split(".")[0] for p in res.quarantined] == [
-        tree["corrupt"].name.split(".")[0]]
+    assert sorted(Path(p).name.split(".")[0] for p in res.quarantined) == sorted(
+        tree[k].name.split(".")[0] for k in ("corrupt", "link"))
     assert sorted(res.skipped) == sorted(
         f"{os.path.join(str(root), str(tree[k].relative_to(root)))}: changed since it was "
         "checked" for k in ("short", "temp"))
