@@ -151,7 +151,11 @@ def vllm_metric(base_url: str, name: str) -> float:
 
 def l2_hits_in_log(log: Path) -> list[int]:
     """Per-request L2 hit counts the cache server logged (``... (x L1, y L2)``)."""
+    return l2_hits_in_text(log.read_text(errors="replace") if log.exists() else "")
+
+
+def l2_hits_in_text(text: str) -> list[int]:
+    """Per-request L2 hit counts in the cache server's log ``text``."""
     import re
 
-    text = log.read_text(errors="replace") if log.exists() else ""
     return [int(m) for m in re.findall(r"retained keys \(\d+ L1, (\d+) L2\)", text)]
