@@ -38,6 +38,9 @@ MIN_CAPACITY_BYTES = GIB // 4
 #: but at least DEFAULT_RAM_RESERVE_MIN.
 DEFAULT_RAM_RESERVE_FRACTION = 0.25
 DEFAULT_RAM_RESERVE_MIN = 4 * GIB
+#: LMCache's L1 page (``align_bytes``): its nixl adapter registers L1 in pages of this size,
+#: and an L1 whose size in bytes is not a whole number of them fails to start.
+L1_PAGE_BYTES = 4096
 #: ``prune --to-budget`` brings the total on disk down to this fraction of the limit.
 DEFAULT_LOW_WATERMARK = 0.5
 
@@ -266,6 +269,18 @@ def plan_budget(
         )
     else:
         reasons.append(f"L1 {l1_size_gb:g} GiB fits (at most {l1_max_gb:g} GiB on this host)")
+    l1_bytes = int(l1_size_gb * GIB)  # how LMCache turns --l1-size-gb into bytes
+    if l1_bytes % L1_PAGE_BYTES:
+        problems.append(
+            Problem(
+                "l1_size_gb",
+                f"L1 of {l1_size_gb:g} GiB is {l1_bytes:,} bytes, not a whole number of "
+                f"LMCache's {L1_PAGE_BYTES:,}-byte L1 pages: its NVMe (nixl) adapter fails to "
+                "start (NIXL_ERR_NOT_FOUND registering the last, partial page)",
+                "set KVP_L1_SIZE_GB to a whole number of MiB (e.g. 0.125 for 128 MiB, 0.5, "
+                "or a whole number of GiB)",
+            )
+        )
 
     return BudgetPlan(
         namespace=namespace,

@@ -138,3 +138,17 @@ def test_budget_invariants(own: int, stale: int, budget: int, avail: int) -> Non
     # reuse: while the namespace holds at most half its share, all of it is reusable
     if own <= p.share_bytes // 2 and p.l2_max_capacity_bytes > MIN_CAPACITY_BYTES:
         assert p.reusable_bytes == own
+
+
+@pytest.mark.parametrize(("gb", "ok"), [(0.1, False), (0.05, False), (0.3, False),
+                                        (0.125, True), (0.25, True), (1.5, True), (8, True)])
+def test_an_l1_that_is_not_a_whole_number_of_lmcache_pages_is_refused(gb: float,
+                                                                      ok: bool) -> None:
+    """Found by the soak: ``KVP_L1_SIZE_GB=0.1`` is 107,374,182 bytes; LMCache registers L1
+    with nixl in 4 KiB pages and its NVMe adapter then fails to start (NIXL_ERR_NOT_FOUND).
+    The plan refuses it, naming the key, before anything starts."""
+    p = plan(l1_size_gb=gb)
+    bad = [x for x in p.problems if x.where == "l1_size_gb" and "4,096-byte" in x.message]
+    assert (not bad) is ok, p.problems
+    if not ok:
+        assert "whole number of MiB" in bad[0].fix
