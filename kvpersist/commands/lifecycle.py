@@ -17,15 +17,26 @@ def _progress(msg: str) -> None:
     click.echo(f"  {msg}", err=True)
 
 
+#: options launch and restart share
+_server_timeout = click.option("--timeout", type=float, default=60.0, show_default=True,
+                               help="Seconds to wait for the cache server to become healthy.")
+_vllm_timeout = click.option("--vllm-timeout", type=float, default=600.0, show_default=True,
+                             help="Seconds to wait for vLLM to serve the namespace.")
+_no_warmup = click.option("--no-warmup", is_flag=True,
+                          help="Report ready as soon as vLLM serves, without the warm-up.")
+_warmup_wait = click.option(
+    "--warmup-wait", type=float, default=None, metavar="SECONDS",
+    help="Bound of the warm-up (kvp-admin warmup --wait) [default: KVP_WARMUP_WAIT, 120 s]; a "
+         "warm-up past it is a warning, never a failed launch.")
+
+
 @click.command("launch")
 @config_argument
 @click.option("--no-vllm", is_flag=True, help="Start only the cache server.")
 @click.option("--foreground", is_flag=True,
               help="Exec the cache server in this process (for systemd); implies --no-vllm.")
-@click.option("--timeout", type=float, default=60.0, show_default=True,
-              help="Seconds to wait for the cache server to become healthy.")
-@click.option("--vllm-timeout", type=float, default=600.0, show_default=True,
-              help="Seconds to wait for vLLM to serve the namespace.")
+@_server_timeout
+@_vllm_timeout
 @click.option("--allow-unpinned", is_flag=True,
               help="Launch with an incomplete identity: a one-off namespace.")
 @click.option("--allow-lmcache-tmp-cleanup", "allow_tmp_cleanup", is_flag=True,
@@ -43,11 +54,8 @@ def _progress(msg: str) -> None:
 @click.option("--check", is_flag=True,
               help="Preflight only (identity, budget, cache root, ports, weights); start "
                    "nothing. Exit 0 if a launch could proceed, 2 listing every problem.")
-@click.option("--no-warmup", is_flag=True,
-              help="Report ready as soon as vLLM serves, without the warm-up.")
-@click.option("--warmup-wait", type=float, default=None, metavar="SECONDS",
-              help="Bound of the warm-up (kvp-admin warmup --wait) [default: KVP_WARMUP_WAIT, "
-                   "120 s]; a warm-up past it is a warning, never a failed launch.")
+@_no_warmup
+@_warmup_wait
 @click.option("--warmup-only", is_flag=True,
               help="Start nothing: wait until the deployment's vLLM (started by a unit or a "
                    "recipe) serves the namespace, then warm up, all within --deadline; for "
@@ -197,14 +205,10 @@ def _echo_stopped(out: lifecycle_types.StopOutcome) -> None:
                    "server (vLLM serves on, cold, and reconnects).")
 @click.option("--stop-timeout", type=float, default=30.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL.")
-@click.option("--timeout", type=float, default=60.0, show_default=True,
-              help="Seconds to wait for the cache server to become healthy.")
-@click.option("--vllm-timeout", type=float, default=600.0, show_default=True,
-              help="Seconds to wait for vLLM to serve the namespace.")
-@click.option("--no-warmup", is_flag=True,
-              help="Report ready as soon as vLLM serves, without the warm-up.")
-@click.option("--warmup-wait", type=float, default=None, metavar="SECONDS",
-              help="Bound of the warm-up [default: KVP_WARMUP_WAIT, 120 s].")
+@_server_timeout
+@_vllm_timeout
+@_no_warmup
+@_warmup_wait
 @json_option
 def restart(config: str, only: str | None, stop_timeout: float, timeout: float,
             vllm_timeout: float, no_warmup: bool, warmup_wait: float | None,
@@ -212,7 +216,7 @@ def restart(config: str, only: str | None, stop_timeout: float, timeout: float,
     """Restart CONFIG, or only its vLLM or its cache server; L2 files stay on disk.
 
     Stops what is named (both by default), then launches what does not run: the launch's
-    preflight, crash-window check and warm-up as for ``kvp-admin launch``."""
+    preflight, crash-window check and warm-up as for kvp-admin launch."""
     from kvpersist.actions import lifecycle
     from kvpersist.errors import UsageError
 
