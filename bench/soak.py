@@ -24,9 +24,11 @@ thread measures the bytes under the cache root every 0.5 s.
 
 The summary (printed as a table, written with every record to ``--out``): requests sent,
 outputs compared, wrong outputs, errors by class and phase, restarts and kills by kind,
-prunes and verifies run, cached-token ratio per phase, the disk high-water mark against the
-budget + reserve, and that no foreign file planted under the root was touched. Exit 1 on a
-wrong output, a user never served, a foreign file touched or the disk past its bound.
+prunes and verifies run (files deleted, quarantined), LMCache's own L1 and L2 evictions (its
+``/metrics`` counters, added up across server restarts), cached-token ratio per phase, the
+disk high-water mark against the budget + reserve, and that no foreign file planted under
+the root was touched. Exit 1 on a wrong output, a user never served, a foreign file touched
+or the disk past its bound.
 """
 
 from __future__ import annotations
@@ -191,6 +193,39 @@ class Timer:
         self.thread.join(600)
 
 
+class Evictions:
+    """LMCache's own eviction counters (``lmcache_mp.l1_evicted`` and
+    ``lmcache_mp.l2_evicted_objects``, unit chunks: ``lmcache_mp_l1_evicted_chunks_total`` and
+    ``lmcache_mp_l2_evicted_objects_chunks_total`` on the server's ``/metrics``, read with
+    ``prometheus_client``'s parser; absent until the first eviction), added up across server
+    restarts: a value below the last one read means a new server, whose count starts at 0."""
+
+    NAMES = {"lmcache_mp_l1_evicted_chunks": "l1", "lmcache_mp_l2_evicted_objects_chunks": "l2"}
+
+    def __init__(self) -> None:
+        self.total: Counter[str] = Counter()
+        self._last: dict[str, float] = {}
+
+    def read(self, dep: Deployment) -> None:
+        import requests
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = f"http://127.0.0.1:{dep.env['KVP_LMCACHE_HTTP_PORT']}/metrics"
+        try:
+            text = requests.get(url, timeout=5).text
+        except requests.RequestException:
+            return  # the server is away (a restart): read again after the next round
+        now: Counter[str] = Counter()
+        for fam in text_string_to_metric_families(text):
+            tier = self.NAMES.get(fam.name.removesuffix("_total"))
+            if tier:
+                now[tier] += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+        for tier, value in now.items():
+            last = self._last.get(tier, 0.0)
+            self.total[tier] += int(value - last if value >= last else value)
+            self._last[tier] = value
+
+
 def run_event(dep: Deployment, event: str) -> dict[str, Any]:
     """Do ``event`` to the running deployment; returns what happened (for the records)."""
     t0 = time.time()
@@ -265,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     foreign_before = {p: p.stat().st_ino for p in dep.root.rglob("*")
                       if p.name in (*FOREIGN, "keep.bin")}
     sampler = DiskSampler(dep.root)
+    evictions = Evictions()
     def prune() -> tuple[int, dict[str, int]]:
         r = dep.kvp("prune", "--config", str(dep.config), "--to-budget", "--apply", "--force",
                     "--json")
@@ -297,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                              seed=args.seed + round_no, retry_until=time.monotonic() + 900)
             th.join(900)
             events.append({"round": round_no, **done})
+            evictions.read(dep)
             # users who had their rounds leave; new ones join
             leaving = [u for u in active if round_no - users[u].joins + 1 >= args.rounds_per_user]
             active = [u for u in active if u not in leaving]
@@ -338,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         "verified": dict(timers[1].counts),
         "phases": {p: {**c, "cached_ratio": round(cached[p][0] / cached[p][1], 3)
                        if cached[p][1] else None} for p, c in sorted(by_phase.items())},
+        "lmcache_evicted": {"l1_chunks": evictions.total["l1"],
+                            "l2_objects": evictions.total["l2"]},
         "disk_high_water_bytes": sampler.high, "disk_samples": sampler.samples,
         "budget_bytes": limit, "reserve_bytes": 1 << 20,
         "foreign_touched": touched, "stop_exit": stop.returncode,
