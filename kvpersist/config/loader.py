@@ -41,6 +41,11 @@ def _resolve_config(config: str) -> tuple[str, Path]:
         return name, path
     if path.is_dir() and (path / ENV_FILE).is_file():
         return path.name, path / ENV_FILE
+    for there in (path, path / ENV_FILE):
+        if there.exists() and not there.is_dir() and not there.is_file():
+            # a FIFO, a device (a link to /dev/zero): named as what it is, never opened
+            raise ConfigError(Problem(str(there), "is not a regular file",
+                                      "point CONFIG at an identity.env file"))
     if "/" not in config and config not in ("", ".", ".."):
         candidate = resources.configs_dir() / config / ENV_FILE
         if candidate.is_file():

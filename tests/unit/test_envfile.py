@@ -209,3 +209,19 @@ def test_the_loader_reads_a_regular_file_bounded_strict_utf8(tmp_path: Path) -> 
     crlf = tmp_path / "crlf.env"
     crlf.write_bytes(b"A=1\r\nB=2\rC=3\n")
     assert read_text(crlf, "x") == "A=1\r\nB=2\rC=3\n"  # no newline translation
+
+
+def test_a_config_that_is_a_fifo_or_a_link_to_a_device_is_named_never_opened(
+        tmp_path: Path) -> None:
+    """Hardening: an identity.env that is a FIFO or a link to /dev/zero is refused naming it
+    (exit 2), never opened (a FIFO would block, /dev/zero would fill the memory)."""
+    fifo_dir, zero_dir = tmp_path / "fifo", tmp_path / "zero"
+    fifo_dir.mkdir()
+    zero_dir.mkdir()
+    os.mkfifo(fifo_dir / "identity.env")
+    (zero_dir / "identity.env").symlink_to("/dev/zero")
+    for d in (fifo_dir, zero_dir):
+        for config in (str(d), str(d / "identity.env")):
+            r = kvp("render", config, timeout=30)
+            assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+            assert f"{d / 'identity.env'}': is not a regular file" in r.stderr, r.stderr
