@@ -60,12 +60,13 @@ N, NEW, ROUNDS = 8, 2, 7
 USERS = make_users(N, seed=21, turns=6, words=130, new=NEW, rounds=ROUNDS)
 CHUNK = 256
 STATE: dict[str, Any] = {"refs": {}, "records": []}
-#: what a client may see in the restart window (docs/persistence.md, "The restart window"):
+#: what a client may see in the restart window (docs/persistence.md, "Production traffic"):
 #: nothing listens (connect), the connection is refused mid-handshake (reset), a stopping vLLM
-#: answers 500 "cannot schedule new futures after shutdown" or ends the stream of a request it
-#: received while stopping with finish_reason "abort" and no text (it closes its HTTP server
-#: last), and, only when vLLM is killed, a stream cut short
-PLANNED_ERRORS = {"connect", "reset", "http-500", "finish-abort"}
+#: answers 500 "cannot schedule new futures after shutdown", or ends the stream of a request it
+#: received as it stopped without a normal finish (finish_reason "abort" or none, no text: it
+#: closes its HTTP server last); only when vLLM is killed, a stream cut short. Every such
+#: request is sent again and then gets its reference answer.
+PLANNED_ERRORS = {"connect", "reset", "http-500", "finish-abort", "finish-None"}
 WINDOW_ERRORS = PLANNED_ERRORS | {"stream"}
 
 
