@@ -68,6 +68,9 @@ STATE: dict[str, Any] = {"refs": {}, "records": []}
 #: request is sent again and then gets its reference answer.
 PLANNED_ERRORS = {"connect", "reset", "http-500", "finish-abort", "finish-None"}
 WINDOW_ERRORS = PLANNED_ERRORS | {"stream"}
+#: the texts of a stopping vLLM's 500s: its thread pool is shut down, or (a request that came
+#: as its engine core process exited) vLLM's EngineDeadError; any other 500 is a finding
+SHUTDOWN_500S = ("cannot schedule new futures after shutdown", "EngineCore encountered an issue")
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +100,9 @@ def _storm(stack: Stack, batch: list[tuple[int, int, list[dict[str, str]]]], pha
                  seed=len(STATE["records"]), retry_until=time.monotonic() + retry_s)
     STATE["records"] += recs
     for cls in sorted({r.error_class for r in recs if not r.ok}):
-        sample = next(r for r in recs if r.error_class == cls)
+        texts = sorted({r.error[:300] for r in recs if r.error_class == cls})
         print(f"\n{phase}: {sum(r.error_class == cls for r in recs)} x {cls}: "
-              f"{sample.error[:300]}")
+              + " | ".join(texts[:4]))
     wrong = compare(recs, STATE["refs"])
     assert not wrong, wrong
     served = {(r.uid, r.round) for r in recs if r.ok}
@@ -175,7 +178,9 @@ def test_restart_of_vllm_only_keeps_the_server_and_its_l1(stack: Stack) -> None:
     # vLLM drains what is in flight at a stop (--shutdown-timeout): no answer is cut short;
     # a request that came while it stopped or did not listen failed at once and was sent again
     assert {r.error_class for r in recs if not r.ok} <= PLANNED_ERRORS, summary(recs)
-    assert all("after shutdown" in r.error for r in recs if r.error_class == "http-500")
+    odd = {r.error for r in recs if r.error_class == "http-500"
+           and not any(t in r.error for t in SHUTDOWN_500S)}
+    assert not odd, odd
     assert not _history_hit(recs, 3)
 
 
