@@ -25,7 +25,7 @@ from kvpersist.config.deployment import Deployment
 from kvpersist.errors import CheckFailed, ConfigError, KvpError, Problem
 from kvpersist.l2 import keys
 from kvpersist.l2.inventory import Sizing
-from kvpersist.stack import crash_window, fleet
+from kvpersist.stack import crash_window, fleet, vllm_args
 from kvpersist.stack.crash_window import CrashCheck
 from kvpersist.stack.fleet import RecordOutcome
 from kvpersist.stack.locate import Location
@@ -38,15 +38,20 @@ from kvpersist.stack.processes import (
     quiet,
     refuse_if_running,
     server_state,
-    start_server,
-    start_vllm,
+    spawn_server,
+    spawn_vllm,
     vllm_state,
+    wait_ready,
 )
 from kvpersist.stack.readiness import NO_WARM_SET, WarmupRun, run_warmup
 from kvpersist.stack.render import Rendered
 from kvpersist.stack.weights import WeightsCheck, manifest_with_weights, save_digests
 from kvpersist.system import procs
 from kvpersist.system.files import atomic_write_json, make_dirs, service_uids
+
+#: the crash-window check's bound while vLLM starts beside it: the server must be up before
+#: vLLM registers its KV layout (what is left is checked at the next launch)
+CRASH_SECONDS_BESIDE_VLLM = 15.0
 
 # --------------------------------------------------------------------------- after the verdict
 
@@ -243,24 +248,46 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
         progress(n)
     state_notes = prepare_state(plan, rendered, sizing, progress=progress,
                                 weights=pre.weights)
+    if pre.args_verdict is not None:
+        state_notes += vllm_args.remember_verdict(plan.state_dir, *pre.args_verdict)
     for n in state_notes:
         progress(n)
     notes += state_notes
+    # vLLM first: it loads its weights while the crash window is checked and the server
+    # starts. It needs the server only when it registers its KV layout, at the end of its
+    # start (LMCache's connector then waits up to lmcache.mp.mq_timeout for an answer).
+    # An unbounded crash-window check (crash_seconds None) runs before vLLM starts instead.
+    beside = start_vllm_too and crash_seconds is not None
+    vsp = spawn_vllm(plan, progress=progress) if beside else None
     crash = server = record = None
-    if with_server:
-        crash = check_crash_window(plan, now.server, how="launch", rate_mb_s=crash_rate_mb_s,
-                                   deadline_s=crash_seconds, progress=progress)
-        notes.append(begin_preread(plan, progress))
-        server = start_server(plan, timeout=server_timeout, progress=progress)
-        progress(f"lmcache server healthy in {server.seconds:.1f} s (pid {server.pid})")
-        if dep.settings.shared_tier:
-            # never fails the launch: a store that does not answer is a warning
-            record = fleet.write(dep)
-            progress(record.note())
-            notes.append(record.note())
+    try:
+        if with_server:
+            if vsp is not None and crash_seconds is not None:
+                crash_seconds = min(crash_seconds, CRASH_SECONDS_BESIDE_VLLM)
+            crash = check_crash_window(plan, now.server, how="launch",
+                                       rate_mb_s=crash_rate_mb_s, deadline_s=crash_seconds,
+                                       progress=progress)
+            notes.append(begin_preread(plan, progress))
+            ssp = spawn_server(plan, progress=progress)
+            if start_vllm_too and vsp is None:
+                vsp = spawn_vllm(plan, progress=progress)
+            server = wait_ready(ssp, server_timeout)
+            progress(f"lmcache server healthy in {server.seconds:.1f} s (pid {server.pid})")
+        elif start_vllm_too and vsp is None:
+            vsp = spawn_vllm(plan, progress=progress)
+    except BaseException:
+        if vsp is not None:  # vLLM would wait for a server that is not coming
+            progress(f"stopping vLLM (pid {vsp.pid}): the cache server did not start")
+            vsp.abandon()
+        raise
+    if with_server and dep.settings.shared_tier:
+        # never fails the launch: a store that does not answer is a warning
+        record = fleet.write(dep)
+        progress(record.note())
+        notes.append(record.note())
     vllm: Started | None = None
-    if start_vllm_too:
-        vllm = start_vllm(plan, timeout=vllm_timeout, progress=progress)
+    if vsp is not None:
+        vllm = wait_ready(vsp, vllm_timeout)
         progress(f"vLLM serves in {vllm.seconds:.1f} s (pid {vllm.pid})")
     warm: WarmupRun | None = None
     if with_vllm and (vllm is not None or plan.vllm_mode == "process"):

@@ -62,6 +62,9 @@ class Preflight:
     weights: WeightsCheck | None = None
     #: the cache root the launch creates (0700) before anything else ('' : it exists)
     create_root: str = ""
+    #: vLLM's parser verdict to remember after a clean verdict: (key, notes); None: nothing
+    #: to remember (not run, remembered already, not cacheable, or problems)
+    args_verdict: tuple[str, tuple[str, ...]] | None = None
 
 
 # --------------------------------------------------------------------------- facts
@@ -113,10 +116,12 @@ class SharedFacts:
 
 @dataclass(frozen=True)
 class ArgsFacts:
-    """vLLM's own parser on the extra and engine arguments."""
+    """vLLM's own parser on the extra and engine arguments (``key``: the check's key when
+    this verdict is to be remembered, :func:`kvpersist.stack.vllm_args.check_key`)."""
 
     problems: tuple[Problem, ...]
     notes: tuple[str, ...]
+    key: str = ""
 
 
 @dataclass(frozen=True)
@@ -214,9 +219,20 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
         allow_tmp_cleanup=s.allow_lmcache_tmp_cleanup,
         warm_set_problems=warm_set_problems(dep) if with_vllm else ())
     if with_vllm and not judge(facts).problems:  # costs a vLLM import: last, when all passed
-        args = vllm_args.check_deployment(dep, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
-        facts = replace(facts, vllm_args=ArgsFacts(tuple(args.problems), tuple(args.notes)))
+        facts = replace(facts, vllm_args=gather_args(dep, plan))
     return facts
+
+
+def gather_args(dep: Deployment, plan: LaunchPlan) -> ArgsFacts:
+    """vLLM's parser verdict on the launch's arguments: the one remembered in the state dir
+    for the same key (same vLLM build, same arguments), else a new check (a vLLM import)."""
+    key = vllm_args.check_key(dep, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
+    cached = vllm_args.cached_verdict(plan.state_dir, key)
+    if cached is not None:
+        return ArgsFacts((), (*cached, "vLLM's own parser check: the same vLLM build and "
+                          "arguments as at a launch that passed it; not run again"))
+    args = vllm_args.check_deployment(dep, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
+    return ArgsFacts(tuple(args.problems), tuple(args.notes), key)
 
 
 def warm_set_problems(dep: Deployment) -> tuple[Problem, ...]:
@@ -417,7 +433,11 @@ def judge(f: PreflightFacts, *, min_free_bytes: int = MIN_FREE_BYTES) -> Preflig
     if f.vllm_args is not None:
         problems += f.vllm_args.problems
         notes += f.vllm_args.notes
-    return Preflight(tuple(problems), tuple(notes), f.weights, f.root.path if create else "")
+    remember = None
+    if f.vllm_args is not None and f.vllm_args.key and not problems:
+        remember = (f.vllm_args.key, f.vllm_args.notes)
+    return Preflight(tuple(problems), tuple(notes), f.weights, f.root.path if create else "",
+                     remember)
 
 
 def _root_verdict(r: RootFacts, min_free_bytes: int) -> tuple[list[Problem], bool]:
@@ -481,5 +501,5 @@ def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
 
 __all__ = ["MIN_FREE_BYTES", "ArgsFacts", "PortFacts", "Preflight", "PreflightFacts",
            "RootFacts", "SharedFacts", "budget_notes", "foreign_notes", "gather",
-           "gather_root", "gather_shared", "judge", "listener_notes", "preflight",
-           "root_creation_note", "shared_problems", "tmp_cleanup_verdict"]
+           "gather_args", "gather_root", "gather_shared", "judge", "listener_notes",
+           "preflight", "root_creation_note", "shared_problems", "tmp_cleanup_verdict"]

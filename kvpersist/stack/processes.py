@@ -11,6 +11,7 @@ server (a server that exited on SIGTERM is recorded as cleanly stopped,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -120,6 +121,45 @@ def refuse_if_running(state: procs.PidState, what: str, progress: Progress) -> N
         procs.remove_pid_file(state.pid_file)
 
 
+@dataclass
+class Spawned:
+    """A process started in the background whose readiness is not known yet (see
+    :func:`wait_ready`)."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    t0: float
+    log: str
+    pid_file: str | None
+    ready: Callable[[], bool]
+    interval: float
+    stop_timeout: float
+    not_ready: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def abandon(self) -> None:
+        """Stop it (another part of the launch failed) and remove its pid file."""
+        procs.stop_process(self.proc.pid, timeout=self.stop_timeout)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        if self.pid_file:
+            procs.remove_pid_file(self.pid_file, self.proc.pid)
+
+
+def spawn_server(plan: LaunchPlan, *, progress: Progress = quiet) -> Spawned:
+    """Start the cache server in the background (its readiness: :func:`wait_ready`).
+    Refuses (CheckFailed) when the pid file names a live server; a stale one is removed."""
+    refuse_if_running(server_state(plan), "the cache server", progress)
+    progress(f"starting lmcache server (log {plan.server_log})")
+    return _spawn("lmcache server", plan.server_argv, log=plan.server_log, env=plan.server_env,
+                  cwd=plan.state_dir, pid_file=plan.server_pid_file,
+                  ready=lambda: http_ok(f"{plan.server_http_url}/healthcheck", 1.0),
+                  interval=0.5, stop_timeout=10, not_ready="not healthy")
+
+
 def start_server(plan: LaunchPlan, *, timeout: float = 60.0,
                  progress: Progress = quiet) -> Started:
     """Start the cache server in the background and wait until ``/healthcheck`` answers.
@@ -128,36 +168,33 @@ def start_server(plan: LaunchPlan, *, timeout: float = 60.0,
     removed. Raises KvpError with the log's tail if the server exits or is not healthy in
     ``timeout`` seconds (the half-started process is stopped).
     """
-    refuse_if_running(server_state(plan), "the cache server", progress)
-    progress(f"starting lmcache server (log {plan.server_log})")
-    return _start_and_wait(
-        "lmcache server", plan.server_argv, log=plan.server_log, env=plan.server_env,
-        cwd=plan.state_dir, pid_file=plan.server_pid_file,
-        ready=lambda: http_ok(f"{plan.server_http_url}/healthcheck", 1.0),
-        timeout=timeout, interval=0.5, stop_timeout=10, not_ready="not healthy")
+    return wait_ready(spawn_server(plan, progress=progress), timeout)
 
 
-def _start_and_wait(name: str, argv: list[str], *, log: str, env: Mapping[str, str],
-                    cwd: str, pid_file: str | None, ready: Callable[[], bool], timeout: float,
-                    interval: float, stop_timeout: float, not_ready: str) -> Started:
-    """Start ``argv`` in the background (umask 077), write its pid file, wait until
-    ``ready()``; on failure stop it, remove the pid file and raise KvpError with the log's
-    tail."""
+def _spawn(name: str, argv: list[str], *, log: str, env: Mapping[str, str], cwd: str,
+           pid_file: str | None, ready: Callable[[], bool], interval: float,
+           stop_timeout: float, not_ready: str) -> Spawned:
+    """Start ``argv`` in the background (umask 077) and write its pid file."""
     t0 = time.monotonic()
     proc = procs.start_background(argv, log_path=log, env=env, cwd=cwd, umask=0o077)
     if pid_file:
         procs.write_pid_file(pid_file, proc.pid)
-    ok = procs.wait_for(ready, timeout, interval, should_abort=lambda: proc.poll() is not None)
+    return Spawned(name, proc, t0, log, pid_file, ready, interval, stop_timeout, not_ready)
+
+
+def wait_ready(sp: Spawned, timeout: float) -> Started:
+    """Wait until ``sp`` is ready (``timeout`` seconds from its start); on failure stop it,
+    remove its pid file and raise KvpError with the log's tail."""
+    left = max(0.0, timeout - (time.monotonic() - sp.t0))
+    ok = procs.wait_for(sp.ready, left, sp.interval,
+                        should_abort=lambda: sp.proc.poll() is not None)
     if not ok:
-        code = proc.poll()
-        procs.stop_process(proc.pid, timeout=stop_timeout)
-        proc.wait(timeout=10)
-        if pid_file:
-            procs.remove_pid_file(pid_file, proc.pid)
+        code = sp.proc.poll()
+        sp.abandon()
         why = f"exited with status {code}" if code is not None else \
-            f"{not_ready} after {timeout:.0f} s"
-        raise KvpError(f"{name} {why}; last lines of {log}:\n{_log_tail(log)}")
-    return Started(name, proc.pid, time.monotonic() - t0, log=log)
+            f"{sp.not_ready} after {timeout:.0f} s"
+        raise KvpError(f"{sp.name} {why}; last lines of {sp.log}:\n{_log_tail(sp.log)}")
+    return Started(sp.name, sp.proc.pid, time.monotonic() - sp.t0, log=sp.log)
 
 
 def begin_preread(plan: LaunchPlan, progress: Progress = quiet) -> str:
@@ -188,23 +225,27 @@ def ensure_model_link(plan: LaunchPlan) -> None:
     os.replace(tmp, link)
 
 
-def start_vllm(plan: LaunchPlan, *, timeout: float = 300.0,
-               progress: Progress = quiet) -> Started:
-    """Start vLLM for the deployment and wait until it serves the namespace.
-
-    Direct process: ``python -m vllm.entrypoints.openai.api_server <rendered args>`` in the
-    model-link directory, pid file ``S/vllm.pid``. Container: the rendered ``docker run``.
-    Raises CheckFailed if it already runs, KvpError (with the log's tail) if it fails.
-    """
+def spawn_vllm(plan: LaunchPlan, *, progress: Progress = quiet) -> Spawned:
+    """Start vLLM for the deployment in the background (its readiness: :func:`wait_ready`,
+    serving the namespace). Direct process: ``python -m vllm.entrypoints.openai.api_server
+    <rendered args>`` in the model-link directory, pid file ``S/vllm.pid``. Container: the
+    rendered ``docker run``. Raises CheckFailed if it already runs."""
     if plan.vllm_mode == "process":
         refuse_if_running(vllm_state(plan), "vLLM", progress)
     ensure_model_link(plan)
     progress(f"starting vLLM ({plan.vllm_mode}, log {plan.vllm_log})")
-    return _start_and_wait(
-        "vLLM", plan.vllm_argv, log=plan.vllm_log, env=plan.vllm_env, cwd=plan.model_link_dir,
-        pid_file=plan.vllm_pid_file if plan.vllm_mode == "process" else None,
-        ready=lambda: vllm_ready(plan, 2.0), timeout=timeout, interval=1.0, stop_timeout=15,
-        not_ready="not ready")
+    return _spawn("vLLM", plan.vllm_argv, log=plan.vllm_log, env=plan.vllm_env,
+                  cwd=plan.model_link_dir,
+                  pid_file=plan.vllm_pid_file if plan.vllm_mode == "process" else None,
+                  ready=lambda: vllm_ready(plan, 2.0), interval=1.0, stop_timeout=15,
+                  not_ready="not ready")
+
+
+def start_vllm(plan: LaunchPlan, *, timeout: float = 300.0,
+               progress: Progress = quiet) -> Started:
+    """:func:`spawn_vllm` and wait until it serves the namespace. Raises CheckFailed if it
+    already runs, KvpError (with the log's tail) if it fails."""
+    return wait_ready(spawn_vllm(plan, progress=progress), timeout)
 
 
 # --------------------------------------------------------------------------- stopping
@@ -278,7 +319,7 @@ def stop_deployment(plan: Location, *, timeout: float = 30.0,
     return out
 
 
-__all__ = ["COMPONENTS", "Progress", "Started", "Stopped", "begin_preread",
+__all__ = ["COMPONENTS", "Progress", "Spawned", "Started", "Stopped", "begin_preread",
            "ensure_model_link", "http_ok", "quiet", "refuse_if_running", "server_state",
-           "start_server", "start_vllm", "stop_deployment", "stop_server", "stop_vllm",
-           "vllm_ready", "vllm_state"]
+           "spawn_server", "spawn_vllm", "start_server", "start_vllm", "stop_deployment",
+           "stop_server", "stop_vllm", "vllm_ready", "vllm_state", "wait_ready"]

