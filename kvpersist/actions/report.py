@@ -138,6 +138,7 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
             "total_bytes": res.fs.total_bytes,
             "free_bytes": res.fs.free_bytes,
             "avail_bytes": res.fs.avail_bytes,
+            "read_only": res.fs.read_only,
         },
         "budget_bytes": budget,
         "limit_bytes": limit,

@@ -75,7 +75,8 @@ def format_report(doc: dict[str, Any]) -> str:
     fs = doc["filesystem"]
     out.append(f"total     {format_size(doc['total_bytes'])} under the root "
                f"(du --apparent-size), filesystem {format_size(fs['total_bytes'])} with "
-               f"{format_size(fs['avail_bytes'])} available")
+               f"{format_size(fs['avail_bytes'])} available"
+               + (", mounted read-only: LMCache's writes fail" if fs.get("read_only") else ""))
     if budget:
         out.append(f"budget    {format_size(doc['budget_bytes'])}, limit {format_size(budget)} "
                    f"after the reserve ({100 * doc['chunk_bytes'] / budget:.1f}% used by "

@@ -82,6 +82,8 @@ class RootFacts:
     mode: int | None = None
     #: this user can write and enter the root (``dir``) or, ``absent``, its parent
     writable: bool = False
+    #: the filesystem holding it is mounted read-only (looked at when it is not writable)
+    read_only: bool = False
     #: bytes free for unprivileged users where it is (or will be); None: not looked at
     avail_bytes: int | None = None
     #: why files there cannot be opened with O_DIRECT ('' : they can, or not checked)
@@ -271,7 +273,10 @@ def gather_root(root: str, *, direct_io: bool) -> RootFacts:
         where, facts = root, RootFacts(root, "dir", mode=stat.S_IMODE(st.st_mode),
                                        writable=os.access(root, os.W_OK | os.X_OK))
     if not facts.writable:
-        return facts
+        try:
+            return replace(facts, read_only=fs_info(where).read_only)
+        except KvpError:
+            return facts
     return replace(facts, avail_bytes=fs_info(where).avail_bytes,
                    direct_io_problem=direct_io_problem(where) if direct_io else "")
 
@@ -455,7 +460,11 @@ def _root_verdict(r: RootFacts, min_free_bytes: int) -> tuple[list[Problem], boo
     if r.mode is not None and accessible_to_others(r.mode):
         out.append(Problem(key, f"{root} is accessible to others (mode {r.mode:04o}); KV data "
                                 "reveals prompts", f"chmod o-rwx {root}"))
-    if not r.writable:
+    if not r.writable and r.read_only:
+        out.append(Problem(key, f"{root} is on a filesystem mounted read-only: every L2 write "
+                                "would fail", "find why (dmesg), then remount it read-write "
+                                "(mount -o remount,rw MOUNTPOINT)"))
+    elif not r.writable:
         out.append(Problem(key, f"{root} is not writable by this user",
                            "run as the cache owner or fix ownership"))
     elif r.avail_bytes is not None and r.avail_bytes < min_free_bytes:

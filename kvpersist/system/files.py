@@ -107,11 +107,13 @@ def nearest_existing(path: str | os.PathLike[str]) -> Path:
 
 @dataclass(frozen=True)
 class FsInfo:
-    """The filesystem holding a path (from statvfs): size, free, free for unprivileged users."""
+    """The filesystem holding a path (from statvfs): size, free, free for unprivileged users,
+    and whether it is mounted read-only (``ST_RDONLY``: every write fails with EROFS)."""
 
     total_bytes: int
     free_bytes: int
     avail_bytes: int
+    read_only: bool = False
 
 
 def fs_info(path: str | os.PathLike[str]) -> FsInfo:
@@ -124,7 +126,8 @@ def fs_info(path: str | os.PathLike[str]) -> FsInfo:
     except (OSError, ValueError) as exc:
         raise KvpError(f"cannot stat the filesystem of {path}: {exc}") from exc
     return FsInfo(total_bytes=sv.f_blocks * sv.f_frsize, free_bytes=sv.f_bfree * sv.f_frsize,
-                  avail_bytes=sv.f_bavail * sv.f_frsize)
+                  avail_bytes=sv.f_bavail * sv.f_frsize,
+                  read_only=bool(sv.f_flag & os.ST_RDONLY))
 
 
 def trust_problems(path: str | os.PathLike[str], uid: int | None = None,

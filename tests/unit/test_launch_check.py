@@ -120,8 +120,10 @@ FACTS = PreflightFacts(
     (replace(FACTS.root, writable=False, avail_bytes=None), "not writable by this user",
      False),
     (replace(FACTS.root, avail_bytes=1 << 20), "only 1 MiB free on /srv/cache", False),
+    (replace(FACTS.root, writable=False, read_only=True, avail_bytes=None),
+     "/srv/cache is on a filesystem mounted read-only", False),
 ], ids=["dir", "to-create", "parent-not-writable", "no-parent", "not-a-dir", "open-mode",
-        "not-writable", "full"])
+        "not-writable", "full", "read-only"])
 def test_the_cache_root_verdict(root: RootFacts, problem: str, create: bool) -> None:
     pre = judge(replace(FACTS, root=root))
     found = [str(p) for p in pre.problems]
