@@ -31,13 +31,14 @@ from kvpersist.l2.budget import resolve_size
 from kvpersist.l2.shared_store import probe
 from kvpersist.stack import fleet
 from kvpersist.stack.fleet import fleet_facts
+from kvpersist.stack.health_root import RootFacts, root_checks
 from kvpersist.stack.lmcache_exec import read_secret_file
 from kvpersist.stack.locate import Location
 from kvpersist.stack.processes import server_state, vllm_state
 from kvpersist.stack.readiness import WarmupFacts, gather, judge
 from kvpersist.stack.render import serde_warnings
 from kvpersist.system import procs
-from kvpersist.system.files import accessible_to_others, fs_info, service_uids
+from kvpersist.system.files import fs_info, service_uids
 from kvpersist.system.untrusted import MAX_STATE_BYTES, UnreadableFile, parse_json, read_json_object
 
 SCHEMA = "kvpersist.health/1"
@@ -76,6 +77,8 @@ class Facts:
     root_exists: bool = False
     root_mode: int | None = None
     root_writable: bool = False
+    #: the filesystem holding the cache root is mounted read-only
+    fs_read_only: bool = False
     fs_avail_bytes: int | None = None
     reserve_bytes: int | None = None
     budget: dict[str, Any] | None = None
@@ -176,7 +179,7 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
         f.root_mode = stat.S_IMODE(rst.st_mode)
         f.root_writable = os.access(root, os.W_OK | os.X_OK)
         fs = fs_info(root)
-        f.fs_avail_bytes = fs.avail_bytes
+        f.fs_avail_bytes, f.fs_read_only = fs.avail_bytes, fs.read_only
         f.reserve_bytes = resolve_size(s.l2_reserve, fs.total_bytes, "KVP_L2_RESERVE")
     except (OSError, KvpError) as exc:
         f.errors.append(f"cache root: {exc}")
@@ -403,36 +406,11 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
     else:
         checks.append(Check("l2.serde", "ok",
                             "; ".join(f"WARNING: {w}" for w in serde_warnings(f.serde))))
-    # ---- cache root
-    if not f.root_exists:
-        checks.append(Check("cache_root", "down", "cache root missing"))
-    else:
-        problems = []
-        if f.root_mode is not None and accessible_to_others(f.root_mode):
-            problems.append(f"accessible to others (mode {f.root_mode:04o})")
-        if not f.root_writable:
-            problems.append("not writable")
-        checks.append(Check("cache_root.permissions", "degraded" if problems else "ok",
-                            "; ".join(problems) or f"mode {f.root_mode:04o}, writable"))
-        if f.fs_avail_bytes is not None and f.reserve_bytes is not None:
-            low = f.fs_avail_bytes <= f.reserve_bytes
-            checks.append(Check("cache_root.free_space", "degraded" if low else "ok",
-                                f"{f.fs_avail_bytes >> 20} MiB free, reserve "
-                                f"{f.reserve_bytes >> 20} MiB"
-                                + ("; writes will fail: serving, no longer caching"
-                                   if low else "")))
-        if f.budget is not None:
-            over = not f.budget["within_budget"]
-            at = f.budget.get("recorded_at_ns")
-            when = (" at launch (" + time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(at / 1e9))
-                    + ")") if at else ""
-            checks.append(Check("cache_root.budget", "degraded" if over else "ok",
-                                f"{f.budget['on_disk_bytes'] >> 20} MiB on disk, limit "
-                                f"{f.budget['limit_bytes'] >> 20} MiB{when}"
-                                + ("; budget exhausted: serving, no longer caching"
-                                   if over else "")))
-        elif f.budget_error:
-            checks.append(Check("cache_root.budget", "skipped", f.budget_error))
+    # ---- cache root (kvpersist/stack/health_root.py)
+    checks += [Check(*row) for row in root_checks(RootFacts(
+        exists=f.root_exists, mode=f.root_mode, writable=f.root_writable,
+        read_only=f.fs_read_only, avail_bytes=f.fs_avail_bytes,
+        reserve_bytes=f.reserve_bytes, budget=f.budget, budget_error=f.budget_error))]
     # ---- vLLM
     if not f.expect_vllm:
         checks.append(Check("vllm", "skipped", "not checked (--no-vllm)"))
@@ -550,7 +528,7 @@ class HealthReport:
                      "models": f.vllm_models},
             "cache_root": {"path": loc.cache_root,
                            "mode": f"{f.root_mode:04o}" if f.root_mode is not None else None,
-                           "avail_bytes": f.fs_avail_bytes,
+                           "avail_bytes": f.fs_avail_bytes, "read_only": f.fs_read_only,
                            "reserve_bytes": f.reserve_bytes, "budget": f.budget},
             "shared_tier": f.shared_tier,
             "warmup": _warmup_dict(f.warmup, loc),
