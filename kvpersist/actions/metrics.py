@@ -169,6 +169,8 @@ def root_families(exp: Exposition, facts: RootFacts, now_s: float) -> None:
               fs["total_bytes"])
     exp.gauge("filesystem_avail_bytes", "Bytes of that filesystem available to unprivileged "
               "writers.", r, fs["avail_bytes"])
+    exp.gauge("filesystem_readonly", "1 when that filesystem is mounted read-only (every "
+              "L2 write fails).", r, 1 if fs.get("read_only") else 0)
     exp.gauge("l2_budget_bytes", "L2 budget of the root's deployment.", r, doc["budget_bytes"])
     exp.gauge("l2_reserve_bytes", "Free space the budget keeps for everything else.", r,
               doc["reserve_bytes"])
