@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up kvpersist on a fresh machine: a venv in .venv with vLLM's CPU build, stock
 # LMCache 0.5.6 and nixl, kvpersist itself (editable) with its test and deploy extras, and
-# the few system tools the tests use (jq, systemd-analyze, and Prometheus' promtool, prometheus
-# and node_exporter for the monitoring/ rules and dashboard). Idempotent: a second run only
-# re-checks. Usage: bash scripts/setup.sh   (env: KVP_VENV=path to use another venv)
+# the few system tools the tests use (jq, systemd-analyze, mkfs.ext4 and mkfs.xfs, and
+# Prometheus' promtool, prometheus and node_exporter for the monitoring/ rules and dashboard).
+# Idempotent: a second run only re-checks.
+# Usage: bash scripts/setup.sh   (env: KVP_VENV=path to use another venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVP_VENV:-.venv}
@@ -18,6 +19,12 @@ command -v systemd-analyze >/dev/null || need_apt+=(systemd)
 command -v ss >/dev/null || need_apt+=(iproute2)      # testinfra socket checks
 command -v redis-server >/dev/null || need_apt+=(redis-server)  # shared-tier tests
 command -v setpriv >/dev/null || need_apt+=(util-linux)  # secret checks as another user
+# a full and a read-only cache root on loop-mounted ext4 and XFS images (test_full_filesystem;
+# run as root): mkfs, mount and losetup live in sbin, which a user's PATH may lack
+have_sbin() { PATH="$PATH:/usr/sbin:/sbin" command -v "$1" >/dev/null; }
+have_sbin mkfs.ext4 || need_apt+=(e2fsprogs)
+have_sbin mkfs.xfs || need_apt+=(xfsprogs)
+have_sbin losetup || need_apt+=(mount)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     say "installing ${need_apt[*]} with apt-get"
