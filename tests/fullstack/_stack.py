@@ -27,9 +27,9 @@ KVP_ADMIN = cli.KVP_ADMIN
 
 class Stack:
     def __init__(self, tmp: Path, config: str = "cpu-demo", model: Path | None = None,
-                 **extra: str) -> None:
+                 root: Path | None = None, **extra: str) -> None:
         self.tmp = tmp
-        self.root = tmp / "cache"
+        self.root = root or tmp / "cache"
         self.config = config
         self.env = dict(clean_env())
         self.env.update({
