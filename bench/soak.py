@@ -27,8 +27,9 @@ outputs compared, wrong outputs, errors by class and phase, restarts and kills b
 prunes and verifies run (files deleted, quarantined), LMCache's own L1 and L2 evictions (its
 ``/metrics`` counters, added up across server restarts), cached-token ratio per phase, the
 disk high-water mark against the budget + reserve, and that no foreign file planted under
-the root was touched. Exit 1 on a wrong output, a user never served, a foreign file touched
-or the disk past its bound.
+the root was touched. Exit 1 on a wrong output, a user never served, a foreign file touched,
+the disk past its bound, or a vLLM that does not serve after an event (the run ends there,
+its summary written with ``aborted``).
 """
 
 from __future__ import annotations
@@ -317,11 +318,17 @@ def main(argv: list[str] | None = None) -> int:
 
     timers = [Timer("prune --to-budget --apply", args.prune_every, prune, rng),
               Timer("verify --apply", args.verify_every, verify, rng)]
+    aborted = ""
     try:
         while time.monotonic() < deadline:
             batch = [(uid, round_no, conversation(users[uid], round_no, refs))
                      for uid in active]
-            refs.update(references(dep.url, "cpu-demo", batch))
+            try:
+                refs.update(references(dep.url, "cpu-demo", batch))
+            except RuntimeError as exc:  # vLLM does not serve after the last event
+                aborted = f"round {round_no}: {exc}"
+                print(f"[soak] ABORTED {aborted}", flush=True)
+                break
             event = rng.choice(EVENTS)
             print(f"[soak] round {round_no}: {len(batch)} users, event {event}, "
                   f"{(deadline - time.monotonic()) / 60:.1f} min left", flush=True)
@@ -379,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                             "l2_objects": evictions.total["l2"]},
         "disk_high_water_bytes": sampler.high, "disk_samples": sampler.samples,
         "budget_bytes": limit, "reserve_bytes": 1 << 20,
-        "foreign_touched": touched, "stop_exit": stop.returncode,
+        "foreign_touched": touched, "stop_exit": stop.returncode, "aborted": aborted,
     }
     print(json.dumps(summary, indent=2))
     for line in wrong[:20]:
@@ -392,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                             + "\n")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
-    bad = wrong or unserved or touched or sampler.high > limit + (1 << 20)
+    bad = wrong or unserved or touched or aborted or sampler.high > limit + (1 << 20)
     return 1 if bad else 0
 
 

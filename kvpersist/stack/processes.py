@@ -112,13 +112,34 @@ def _log_tail(path: str, lines: int = 15) -> str:
 
 
 def refuse_if_running(state: procs.PidState, what: str, progress: Progress) -> None:
-    """Raise CheckFailed when ``state`` is a live process; remove a stale pid file."""
+    """Raise CheckFailed when ``state`` is a live process; remove a stale pid file, after
+    stopping what the dead process left running (:func:`stop_leftovers`)."""
     if state.running:
         raise CheckFailed(f"{what} is already running (pid {state.pid}, pid file "
                           f"{state.pid_file}); stop it first with `kvp-admin stop`")
     if state.state == "stale":
         progress(f"stale pid file {state.pid_file}: {state.reason}; removing it")
+        note = stop_leftovers(state, what)
+        if note:
+            progress(note)
         procs.remove_pid_file(state.pid_file)
+
+
+def stop_leftovers(state: procs.PidState, what: str) -> str:
+    """Stop the processes the dead process of a stale pid file left running in its session
+    (vLLM's engine core and workers outlive a ``kill -9`` of vLLM, each holding its memory:
+    a launch beside them can fail for lack of memory); a line saying what was stopped, ''
+    when nothing was left."""
+    if state.state != "stale" or state.pid is None:
+        return ""
+    found = procs.leftovers(state.pid)
+    if not found:
+        return ""
+    pids = ", ".join(str(p.pid) for p in found)
+    mib = procs.resident_bytes(found) / (1 << 20)
+    n = procs.stop_leftovers(found)
+    return (f"stopped {n} process{'es' if n != 1 else ''} that {what} (pid {state.pid}, "
+            f"dead) left running: pid {pids}, {mib:,.0f} MiB resident")
 
 
 @dataclass
@@ -289,11 +310,13 @@ def _stop_by_pid_file(name: str, st: procs.PidState, timeout: float) -> Stopped:
     cannot be (a directory in its place) is the result's ``error``, never raised: stopping
     the next process must not depend on it."""
     if st.state == "stale":
+        left = stop_leftovers(st, name)
+        detail = f"{st.reason}; {left}" if left else st.reason
         try:
             procs.remove_pid_file(st.pid_file)
         except KvpError as exc:  # a directory in its place: named, and the stop goes on
-            return Stopped(name, st.pid, "stale", detail=st.reason, error=str(exc))
-        return Stopped(name, st.pid, "stale", detail=st.reason)
+            return Stopped(name, st.pid, "stale", detail=detail, error=str(exc))
+        return Stopped(name, st.pid, "stale", detail=detail)
     if not st.running or st.pid is None:
         return Stopped(name, None, "not-running")
     res = procs.stop_process(st.pid, timeout=timeout)
@@ -322,4 +345,4 @@ def stop_deployment(plan: Location, *, timeout: float = 30.0,
 __all__ = ["COMPONENTS", "Progress", "Spawned", "Started", "Stopped", "begin_preread",
            "ensure_model_link", "http_ok", "quiet", "refuse_if_running", "server_state",
            "spawn_server", "spawn_vllm", "start_server", "start_vllm", "stop_deployment",
-           "stop_server", "stop_vllm", "vllm_ready", "vllm_state", "wait_ready"]
+           "stop_leftovers", "stop_server", "stop_vllm", "vllm_ready", "vllm_state", "wait_ready"]

@@ -282,6 +282,64 @@ def stop_process(pid: int, *, timeout: float = 30.0, kill_group: bool = True) ->
     return StopResult(pid, how, time.monotonic() - t0)
 
 
+#: what may be left of a killed service, one of whose session's processes outlives it: vLLM's
+#: engine core and workers (they name themselves ``VLLM::...``), Python's multiprocessing
+#: helpers, the cache server's children
+LEFTOVER_MARKERS = ("VLLM::", "vllm", "lmcache", "multiprocessing")
+
+
+def leftovers(pid: int, markers: Iterable[str] = LEFTOVER_MARKERS) -> list[psutil.Process]:
+    """The live processes of the session that ``pid`` led, once ``pid`` itself is gone: what a
+    service started by :func:`start_background` (a session of its own) left behind when it was
+    killed. vLLM's engine core and worker survive a ``kill -9`` of its API server, holding
+    their memory (gigabytes) until they are stopped.
+
+    Empty when a process ``pid`` is alive (a live leader's session is not a leftover), when
+    ``pid`` <= 1, or when any member's name and command line carry none of ``markers`` (a
+    session that is not a service's is never touched). The kernel does not hand out a pid
+    again while a session or process group of that number exists, so members found are the
+    dead process's own."""
+    if pid <= 1 or alive(pid):
+        return []
+    found: list[psutil.Process] = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid == pid or os.getsid(proc.pid) != pid:
+                continue
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            words = [proc.name(), *proc.cmdline()]
+        except (OSError, psutil.Error):
+            continue
+        if not any(m in w for m in markers for w in words):
+            return []
+        found.append(proc)
+    return found
+
+
+def stop_leftovers(found: Sequence[psutil.Process], *, timeout: float = 10.0) -> int:
+    """SIGTERM the processes ``found`` (:func:`leftovers`), SIGKILL those alive after
+    ``timeout`` seconds; returns how many were stopped."""
+    for p in found:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, left = psutil.wait_procs(list(found), timeout=timeout)
+    for p in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(left, timeout=5)
+    return len(found)
+
+
+def resident_bytes(found: Iterable[psutil.Process]) -> int:
+    """The resident memory of the processes ``found`` (those gone count 0)."""
+    total = 0
+    for p in found:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.5,
              should_abort: Callable[[], bool] | None = None) -> bool:
     """Poll ``predicate()`` until true (True) or ``timeout`` passes (False). If

@@ -37,7 +37,11 @@ def test_five_minute_soak_never_changes_an_output(tmp_path: Path) -> None:
     print("\n" + json.dumps({k: v for k, v in s.items() if k != "phases"}, indent=1))
     assert s["wrong_outputs"] == 0, doc["wrong"][:5]
     assert s["unserved"] == 0 and s["outputs_compared"] > 0, s
-    assert set(s["errors"]) <= {"connect", "reset", "stream"}, s["errors"]
+    assert not s["aborted"], s["aborted"]
+    # the restart window's errors (docs/persistence.md, "Production traffic"): every such
+    # request was sent again and then got its reference answer
+    assert set(s["errors"]) <= {"connect", "reset", "stream", "http-500", "finish-abort",
+                                "finish-None"}, s["errors"]
     assert s["foreign_touched"] == [], s["foreign_touched"]
     assert s["disk_high_water_bytes"] <= s["budget_bytes"] + s["reserve_bytes"], s
     assert s["prunes"] >= 1 and s["verifies"] >= 1, s
