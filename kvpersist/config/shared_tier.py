@@ -4,7 +4,7 @@ and build the adapter JSON without credentials (pure).
 ``KVP_SHARED_TIER`` is empty (no shared tier) or a URL::
 
     valkey://host:port[,host:port...]?cluster=0&tls=0&tls_ca=/path&db=0&workers=8&adapter=auto
-                                      &timeout=1&connect_timeout=1
+                                      &timeout=1&connect_timeout=10
 
 (``redis://`` is accepted as a synonym). Query keys, all optional:
 
@@ -20,8 +20,8 @@ workers          8        LMCache's I/O worker threads for this tier
 adapter          auto     ``resp``, ``valkey`` or ``auto`` (see :func:`choose_adapter`)
 timeout          1        seconds one command to the store may take (the valkey
                           adapter's ``request_timeout``; LMCache's default is 5)
-connect_timeout  1        seconds one connection attempt may take (its
-                          ``connection_timeout``; LMCache's default is 10)
+connect_timeout  10       seconds one connection attempt may take (its
+                          ``connection_timeout``, LMCache's default)
 ===============  =======  ====================================================
 
 The two timeouts bound what an unreachable store costs every lookup (docs/fleet.md, "The
@@ -50,11 +50,14 @@ ADAPTERS = ("auto", "resp", "valkey")
 QUERY_KEYS = ("cluster", "tls", "tls_ca", "db", "workers", "adapter", "timeout",
               "connect_timeout")
 #: the valkey adapter's request and connection timeouts kvpersist renders (seconds), and
-#: the range a URL may set: measured on a real link (docs/fleet.md, "The shared tier over a
-#: network"), a partition then costs a lookup about one ``timeout`` per round of
-#: ``workers`` keys instead of LMCache's 5 s
+#: the range a URL may set. Measured on a real link (docs/fleet.md, "The shared tier over a
+#: network"): while the store is unreachable every lookup waits about one ``timeout`` per
+#: round of ``workers`` keys (LMCache's 5 s made it 5 s per round); the connection timeout
+#: does not enter that wait, but it bounds the adapter's start, where LMCache creates one
+#: client per worker and fails the server if one is not connected in time (1 s failed a
+#: cluster's start on a loaded host), so it stays at LMCache's 10 s
 DEFAULT_TIMEOUT_S = 1.0
-DEFAULT_CONNECT_TIMEOUT_S = 1.0
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
 TIMEOUT_RANGE_S = (0.1, 60.0)
 #: rustls (valkey-glide's TLS, through rustls-native-certs) and OpenSSL read this variable
 #: for their trust store; the launcher sets it in the cache server's own process

@@ -60,6 +60,7 @@ def test_a_store_across_the_network_takes_valkey_with_bounded_timeouts() -> None
     ("timeout=0.5", 0.5, DEFAULT_CONNECT_TIMEOUT_S),
     ("connect_timeout=2.25", DEFAULT_TIMEOUT_S, 2.25),
     ("timeout=60&connect_timeout=0.1", 60.0, 0.1),
+    ("connect_timeout=1", DEFAULT_TIMEOUT_S, 1.0),
     ("timeout=5&connect_timeout=10", 5.0, 10.0),  # LMCache's own defaults
 ])
 def test_timeouts_reach_the_valkey_adapter(query: str, timeout: float, connect: float) -> None:
