@@ -186,6 +186,20 @@ def test_tier_and_secret_file_go_together() -> None:
     assert "credentials" in str(e.value) and "u:p" not in str(e.value)
 
 
+@pytest.mark.parametrize(("query", "option"), [
+    ("timeout=0", "timeout"), ("timeout=abc", "timeout"), ("timeout=120", "timeout"),
+    ("connect_timeout=-3", "connect_timeout"), ("connect_timeout=1e3", "connect_timeout"),
+    ("adapter=resp&timeout=2", "timeout"),
+])
+def test_bad_timeouts_are_a_config_error_naming_the_key_and_the_option(query: str,
+                                                                      option: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        dep({"KVP_SHARED_TIER": f"valkey://10.0.0.5:6379?{query}", **SECRET})
+    assert e.value.exit_code == 2 and len(e.value.problems) == 1
+    text = str(e.value.problems[0])
+    assert "KVP_SHARED_TIER" in text and option in text, text
+
+
 @pytest.mark.parametrize(("url", "store"), [
     ("valkey://10.0.0.5:6379", "10.0.0.5:6379"),
     ("redis://10.0.0.5:6379?adapter=valkey&workers=2", "10.0.0.5:6379"),
