@@ -37,16 +37,17 @@ LOOKUP_WAIT_S = 120.0
 POLL_S = 0.005
 
 
-def serve(rpc: str, http: str, model: str, num_tokens: int) -> None:
+def serve(rpc: str, http: str, model: str, num_tokens: int, spec: str) -> None:
     import requests
     from lmcache.cli.commands.bench.server_bench import helpers
 
-    from kvpersist.demo.kvdriver import connect
+    from kvpersist.demo.kvdriver import DEMO_TINY_SPEC, connect
 
     helpers._poll_prefetch_status = functools.partial(  # type: ignore[assignment]
         helpers._poll_prefetch_status, max_polls=int(LOOKUP_WAIT_S / POLL_S),
         poll_interval=POLL_S)
-    with connect(rpc, http, model, num_tokens=num_tokens) as d:
+    with connect(rpc, http, model, num_tokens=num_tokens,
+                 kvcache_shape_spec=spec or DEMO_TINY_SPEC) as d:
         print(json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -68,17 +69,34 @@ def serve(rpc: str, http: str, model: str, num_tokens: int) -> None:
 
 class NetDriver:
     """The child process; ``with NetDriver(wrap, rpc, http, model) as d: d.retrieve(1)``.
-    Each sequence holds ``num_tokens`` tokens (1,024: 4 chunks of 256)."""
+    Each sequence holds ``num_tokens`` tokens (1,024: 4 chunks of 256); ``spec``: the KV
+    shape (``kvdriver.shape_spec``; default the demo's, 256 KiB per chunk)."""
 
     def __init__(self, wrap: Sequence[str], rpc: str, http: str, model: str,
-                 num_tokens: int = 1024) -> None:
+                 num_tokens: int = 1024, spec: str = "", wait: bool = True) -> None:
         self.proc = subprocess.Popen(
             [*wrap, sys.executable, "-m", "tests.integration._netdriver", rpc, http, model,
-             str(num_tokens)],
+             str(num_tokens), spec],
             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             start_new_session=True)
-        if not self._read().get("ready"):
-            raise RuntimeError("the driver did not connect")
+        self._ready = False
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> NetDriver:
+        """Wait until the child has connected (``wait=False`` starts several at once: each
+        spends seconds importing LMCache and torch)."""
+        if not self._ready:
+            try:
+                ready = self._read().get("ready")
+            except BaseException:
+                self.close()
+                raise
+            if not ready:
+                self.close()
+                raise RuntimeError("the driver did not connect")
+            self._ready = True
+        return self
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -120,4 +138,4 @@ class NetDriver:
 
 
 if __name__ == "__main__":
-    serve(*sys.argv[1:4], int(sys.argv[4]))
+    serve(*sys.argv[1:4], int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "")

@@ -121,6 +121,15 @@ class Net:
                 h.netem.wait()
         h.netem = None
 
+    def heal_all(self) -> None:
+        """Every host's link up and its loss and delay removed (best effort: a teardown
+        after a failed test stops servers that write to the store)."""
+        for name in self.hosts:
+            with contextlib.suppress(Exception):
+                self.heal(name)
+            with contextlib.suppress(Exception):
+                self.clear(name)
+
     def close(self) -> None:
         for h in self.hosts.values():
             with contextlib.suppress(Exception):

@@ -25,7 +25,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,8 +49,11 @@ from .test_shared_tier import host
 
 pytestmark = pytest.mark.integration
 
-#: sequences host A stores (4 chunks of 256 tokens each, 256 KiB per chunk)
-STORED = range(1, 31)
+#: sequences host A stores (4 chunks of 256 tokens each, 256 KiB per chunk): as many as
+#: the tests ask B for fresh ones
+STORED = range(1, 21)
+#: sequences host A stores on the cluster
+CLUSTER_STORED = range(1, 4)
 CHUNKS = 4
 #: LMCache's valkey adapter runs the EXISTS (lookup) and GET (load) of one request on its
 #: worker threads; while the store does not answer, each waits for the request timeout, so
@@ -70,6 +73,13 @@ class Fleet:
     ns: str
     stored: dict[int, list[str]]
     d: NetDriver
+    #: the 3-primary cluster in the store's namespace, and one server per host using it
+    cluster: Redis
+    ca: Stack
+    cb: Stack
+    cluster_stored: dict[int, list[str]]
+    #: host B's client of ``cb``
+    dc: NetDriver
     fresh_seqs: Iterator[int] = field(default_factory=lambda: iter(STORED))
     #: what each test measured (printed at the end of the module: pytest -s shows it)
     measured: dict[str, Any] = field(default_factory=dict)
@@ -87,42 +97,63 @@ class Fleet:
             assert want is not None and got["digests"] == want[:got["hit"]], (seq, got)
         return got
 
-    def health(self) -> tuple[int, dict[str, Any], float]:
+    def health(self, s: Stack | None = None, probe_s: float = 3.0
+               ) -> tuple[int, dict[str, Any], float]:
+        """``kvp-admin health`` of host B (or ``s``) in its namespace; each probe bounded by
+        ``probe_s`` (1 s while the store is unreachable: the wait is the point, not its
+        length)."""
+        s = s or self.b
         t0 = time.monotonic()
-        r = self.b.kvp("health", self.b.config, "--no-vllm", "--json", timeout=120)
+        r = s.kvp("health", s.config, "--no-vllm", "--json", "--timeout", str(probe_s),
+                  timeout=120)
         return r.returncode, json.loads(r.stdout), time.monotonic() - t0
 
 
-def launch_both(a: Stack, b: Stack) -> None:
-    with ThreadPoolExecutor(2) as pool:
-        for f in [pool.submit(s.launch, "--no-vllm", "--timeout", "180") for s in (a, b)]:
-            f.result()
+def in_parallel(*calls: Callable[[], Any]) -> list[Any]:
+    """Run ``calls`` at once (each is mostly waiting on a process); every result, or the
+    first exception once all have ended."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(c) for c in calls]
+    return [f.result() for f in futures]
 
 
-def hosts(tmp: Path, net: Net, r: Redis) -> tuple[Stack, Stack]:
-    """Host A and host B in their namespaces, sharing one serde key file (the fleet's key,
-    which the Ansible role distributes)."""
-    out = []
-    for name in ("a", "b"):
-        s = host(tmp, name, r)
-        s.wrapper = net.hosts[name].wrap
-        s.env["KVP_SERDE_KEY_FILE"] = str(tmp / "fleet-key" / "l2-master.key")
-        out.append(s)
-    return out[0], out[1]
+def host_on(tmp: Path, name: str, net: Net, r: Redis) -> Stack:
+    """Host ``name`` (its own cache root, state and ports) in namespace ``name[0]``, using
+    the store ``r``; every host shares one serde key file (the fleet's key, which the
+    Ansible role distributes)."""
+    s = host(tmp, name, r)
+    s.wrapper = net.hosts[name[0]].wrap
+    s.env["KVP_SERDE_KEY_FILE"] = str(tmp / "fleet-key" / "l2-master.key")
+    return s
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One network for the module: the TLS store and the cluster in the store's namespace,
+    hosts A and B with a server for each store (four servers, launched at once)."""
     tmp = tmp_path_factory.mktemp("net")
     net = make_net("a", "b")
-    r: Redis | None = None
-    a = b = None
-    d: NetDriver | None = None
+    stores: list[Redis] = []
+    stacks: list[Stack] = []
+    drivers: list[NetDriver] = []
     try:
-        r = start_redis(tmp / "store", tls=True, acl=ACL_RULES, host=STORE_IP,
-                        wrap=net.store_wrap)
-        a, b = hosts(tmp, net, r)
-        shown = a.render()
+        def standalone() -> Redis:
+            r = start_redis(tmp / "store", tls=True, acl=ACL_RULES, host=STORE_IP,
+                            wrap=net.store_wrap)
+            stores.append(r)
+            return r
+
+        def cluster() -> Redis:
+            r = start_redis(tmp / "cluster", cluster=True, host=STORE_IP,
+                            wrap=net.store_wrap, acl=f"{ACL_RULES} {ACL_CLUSTER_RULES}")
+            stores.append(r)
+            return r
+
+        r, rc = in_parallel(standalone, cluster)
+        stacks += [host_on(tmp, "a", net, r), host_on(tmp, "b", net, r),
+                   host_on(tmp, "ac", net, rc), host_on(tmp, "bc", net, rc)]
+        a, b, ca, cb = stacks
+        shown, shown_c = in_parallel(a.render, cb.render)
         ns = shown["namespace"]
         tier = shown["shared_tier"]
         assert (tier["adapter"], tier["tls"], tier["endpoint"]) == (
@@ -130,23 +161,25 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         assert (shown["shared_l2_adapter"]["request_timeout"],
                 shown["shared_l2_adapter"]["connection_timeout"]) == (
             DEFAULT_TIMEOUT_S, DEFAULT_CONNECT_TIMEOUT_S)
-        launch_both(a, b)
-        with NetDriver(net.hosts["a"].wrap, a.rpc, a.http, ns) as da:
-            stored = {seq: da.store(seq) for seq in STORED}
+        assert shown_c["namespace"] == ns
+        assert shown_c["shared_tier"]["cluster"] and shown_c["shared_tier"]["adapter"] == "valkey"
+        in_parallel(*[lambda s=s: s.launch("--no-vllm", "--timeout", "240") for s in stacks])
+        # LMCache's client in each host's namespace, one per server, started at once
+        for s in stacks:
+            drivers.append(NetDriver(s.wrapper, s.rpc, s.http, ns, wait=False))
+        da, d, dac, dbc = (x.wait_ready() for x in drivers)
+        stored = {seq: da.store(seq) for seq in STORED}
+        cluster_stored = {seq: dac.store(seq) for seq in CLUSTER_STORED}
         assert wait_until(lambda: len(r.scan_keys(f"{ns}@*")) == CHUNKS * len(STORED), 60)
-        a.stop()  # host A's part is done; B gets everything from the store
-        d = NetDriver(net.hosts["b"].wrap, b.rpc, b.http, ns)
-        f = Fleet(net, r, a, b, ns, stored, d)
+        f = Fleet(net, r, a, b, ns, stored, d, rc, ca, cb, cluster_stored, dbc)
         yield f
         print("\nmeasured:", json.dumps(f.measured, indent=1))
     finally:
-        if d is not None:
-            d.close()
-        for s in (a, b):
-            if s is not None:
-                s.cleanup()
-        if r is not None:
-            r.stop()
+        net.heal_all()  # a stop writes to the store (its fleet record)
+        # (the no-op keeps the pool's size above zero when nothing was started)
+        in_parallel(*[x.close for x in drivers], lambda: None)
+        in_parallel(*[s.cleanup for s in stacks], *[r.stop for r in stores],
+                    lambda: None)
         net.close()
 
 
@@ -260,7 +293,7 @@ def test_partition_during_a_retrieve_then_heal(fleet: Fleet, tmp_path: Path) -> 
         fl.measured["partition"] = {"l1_s": base, "l1_partition_s": during["s"],
                                     "nvme_partition_s": nvme["s"],
                                     "store_only_partition_s": missed["s"]}
-        code, doc, took = fl.health()
+        code, doc, took = fl.health(probe_s=1.0)
         assert code == 1 and doc["components"]["shared_tier"] == "degraded", doc
         assert doc["components"]["cache_server"] == "ok", doc
         fl.measured["partition"]["health_s"] = took
@@ -299,7 +332,7 @@ def test_store_restart(fleet: Fleet) -> None:
         assert during["hit"] == CHUNKS
         missed = fl.retrieve(fl.fresh())
         assert missed["hit"] == 0
-        code, doc, took = fl.health()
+        code, doc, took = fl.health(probe_s=1.0)
         assert code == 1 and doc["components"]["shared_tier"] == "degraded", doc
     finally:
         fl.redis.restart()
@@ -315,58 +348,40 @@ def test_store_restart(fleet: Fleet) -> None:
     assert code == 0, doc
 
 
-def test_cluster_partition_and_heal(tmp_path: Path) -> None:
-    """A 3-primary cluster in the store's namespace (the recommended cluster ACL): A stores,
-    B gets A's chunks from every node over the link; partitioned, B serves from L1 within
-    the bound and health is degraded; healed, B hits from the cluster again, no restart."""
-    net = make_net("a", "b")
-    r: Redis | None = None
-    a = b = None
+def test_cluster_partition_and_heal(fleet: Fleet) -> None:
+    """A 3-primary cluster in the store's namespace (the recommended cluster ACL): A stored,
+    B gets A's chunks from every primary over the link; partitioned, B serves from L1
+    within the bound and health is degraded; healed, B hits from the cluster again, no
+    restart."""
+    fl, net, r, stored = fleet, fleet.net, fleet.cluster, fleet.cluster_stored
+    keys = [n.cli("--scan", "--pattern", f"{fl.ns}@*").split() for n in r.nodes]
+    assert sum(len(k) for k in keys) == CHUNKS * len(stored)
+    assert sum(1 for k in keys if k) >= 2  # spread over the primaries
+    first, second, *rest = stored
+    d = fl.dc
+    got = d.retrieve(first)
+    assert got["hit"] == CHUNKS and got["digests"] == stored[first]
+    base = d.retrieve(first)["s"]
+    net.partition("b")
     try:
-        r = start_redis(tmp_path / "store", cluster=True, host=STORE_IP, wrap=net.store_wrap,
-                        acl=f"{ACL_RULES} {ACL_CLUSTER_RULES}")
-        a, b = hosts(tmp_path, net, r)
-        shown = b.render()
-        ns = shown["namespace"]
-        assert shown["shared_tier"]["cluster"] and shown["shared_tier"]["adapter"] == "valkey"
-        launch_both(a, b)
-        with NetDriver(net.hosts["a"].wrap, a.rpc, a.http, ns) as da:
-            stored = {seq: da.store(seq) for seq in range(1, 5)}
-        assert wait_until(lambda: sum(len(n.cli("--scan", "--pattern", f"{ns}@*").split())
-                                      for n in r.nodes) == 16, 60)
-        per_node = [n.cli("--scan", "--pattern", f"{ns}@*").split() for n in r.nodes]
-        assert sum(1 for k in per_node if k) >= 2  # spread over the primaries
-        with NetDriver(net.hosts["b"].wrap, b.rpc, b.http, ns) as d:
-            first = d.retrieve(1)
-            assert first["hit"] == CHUNKS and first["digests"] == stored[1]
-            base = d.retrieve(1)["s"]
-            net.partition("b")
-            try:
-                during = d.retrieve(1)
-                assert during["hit"] == CHUNKS and during["digests"] == stored[1]
-                assert during["s"] - base < PARTITION_BOUND_S + SLACK_S, (during, base)
-                missed = d.retrieve(2)
-                assert missed["hit"] == 0
-                code = b.kvp("health", b.config, "--no-vllm", "--json", timeout=120)
-                doc = json.loads(code.stdout)
-                assert code.returncode == 1, doc
-                assert doc["components"]["shared_tier"] == "degraded", doc
-            finally:
-                net.heal("b")
-            healed = time.monotonic()
-            assert wait_until(lambda: d.retrieve(2)["hit"] == CHUNKS, 60, interval=0.2)
-            recovery = time.monotonic() - healed
-            for seq in (2, 3, 4):
-                got = d.retrieve(seq)
-                assert got["hit"] == CHUNKS and got["digests"] == stored[seq]
-        code = b.kvp("health", b.config, "--no-vllm", "--json", timeout=120)
-        assert code.returncode == 0, code.stdout
-        print(f"\ncluster: L1 {base:.3f} s, partitioned {during['s']:.3f} s, "
-              f"store-only partitioned {missed['s']:.3f} s, recovery {recovery:.2f} s")
+        during = d.retrieve(first)
+        assert during["hit"] == CHUNKS and during["digests"] == stored[first]
+        assert during["s"] - base < PARTITION_BOUND_S + SLACK_S, (during, base)
+        missed = d.retrieve(second)
+        assert missed["hit"] == 0
+        code, doc, _ = fl.health(fl.cb, probe_s=1.0)
+        assert code == 1 and doc["components"]["shared_tier"] == "degraded", doc
+        assert doc["components"]["cache_server"] == "ok", doc
     finally:
-        for s in (a, b):
-            if s is not None:
-                s.cleanup()
-        if r is not None:
-            r.stop()
-        net.close()
+        net.heal("b")
+    healed = time.monotonic()
+    assert wait_until(lambda: d.retrieve(second)["hit"] == CHUNKS, 60, interval=0.2)
+    recovery = time.monotonic() - healed
+    for seq in (second, *rest):
+        got = d.retrieve(seq)
+        assert got["hit"] == CHUNKS and got["digests"] == stored[seq]
+    code, doc, _ = fl.health(fl.cb)
+    assert code == 0 and doc["components"]["shared_tier"] == "ok", doc
+    fl.measured["cluster partition"] = {"l1_s": base, "l1_partition_s": during["s"],
+                                        "store_only_partition_s": missed["s"],
+                                        "recovery_s": recovery}
