@@ -100,13 +100,19 @@ class Fleet:
     def health(self, s: Stack | None = None, probe_s: float = 3.0
                ) -> tuple[int, dict[str, Any], float]:
         """``kvp-admin health`` of host B (or ``s``) in its namespace; each probe bounded by
-        ``probe_s`` (1 s while the store is unreachable: the wait is the point, not its
-        length)."""
+        ``probe_s`` (the default is the health timer's: with 1 s, the cache server's own
+        admin API once answered too late during a partition on this loaded machine, and
+        the server was reported degraded)."""
         s = s or self.b
         t0 = time.monotonic()
         r = s.kvp("health", s.config, "--no-vllm", "--json", "--timeout", str(probe_s),
                   timeout=120)
         return r.returncode, json.loads(r.stdout), time.monotonic() - t0
+
+
+def not_ok(doc: dict[str, Any]) -> list[dict[str, str]]:
+    """The checks of a health document that are not ok (for an assertion's message)."""
+    return [c for c in doc.get("checks", []) if c.get("status") != "ok"]
 
 
 def in_parallel(*calls: Callable[[], Any]) -> list[Any]:
@@ -293,9 +299,9 @@ def test_partition_during_a_retrieve_then_heal(fleet: Fleet, tmp_path: Path) -> 
         fl.measured["partition"] = {"l1_s": base, "l1_partition_s": during["s"],
                                     "nvme_partition_s": nvme["s"],
                                     "store_only_partition_s": missed["s"]}
-        code, doc, took = fl.health(probe_s=1.0)
+        code, doc, took = fl.health()
         assert code == 1 and doc["components"]["shared_tier"] == "degraded", doc
-        assert doc["components"]["cache_server"] == "ok", doc
+        assert doc["components"]["cache_server"] == "ok", not_ok(doc)
         fl.measured["partition"]["health_s"] = took
         metrics(0)
         mon.wait_for('ALERTS{alertname="KvpersistSharedTierDown",alertstate="firing"}',
@@ -332,7 +338,7 @@ def test_store_restart(fleet: Fleet) -> None:
         assert during["hit"] == CHUNKS
         missed = fl.retrieve(fl.fresh())
         assert missed["hit"] == 0
-        code, doc, took = fl.health(probe_s=1.0)
+        code, doc, took = fl.health()
         assert code == 1 and doc["components"]["shared_tier"] == "degraded", doc
     finally:
         fl.redis.restart()
@@ -369,9 +375,9 @@ def test_cluster_partition_and_heal(fleet: Fleet) -> None:
         assert during["s"] - base < PARTITION_BOUND_S + SLACK_S, (during, base)
         missed = d.retrieve(second)
         assert missed["hit"] == 0
-        code, doc, _ = fl.health(fl.cb, probe_s=1.0)
+        code, doc, _ = fl.health(fl.cb)
         assert code == 1 and doc["components"]["shared_tier"] == "degraded", doc
-        assert doc["components"]["cache_server"] == "ok", doc
+        assert doc["components"]["cache_server"] == "ok", not_ok(doc)
     finally:
         net.heal("b")
     healed = time.monotonic()
