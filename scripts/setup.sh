@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Set up kvpersist on a fresh machine: a venv in .venv with vLLM's CPU build, stock
 # LMCache 0.5.6 and nixl, kvpersist itself (editable) with its test and deploy extras, and
-# the few system tools the tests use (jq, systemd-analyze, mkfs.ext4 and mkfs.xfs, and
-# Prometheus' promtool, prometheus and node_exporter for the monitoring/ rules and dashboard).
-# Idempotent: a second run only re-checks.
-# Usage: bash scripts/setup.sh   (env: KVP_VENV=path to use another venv)
+# the few system tools the tests use (jq, systemd-analyze, iproute2, iptables, redis-server,
+# redis-tools, openssl, mkfs.ext4 and mkfs.xfs, and Prometheus' promtool, prometheus and
+# node_exporter for the monitoring/ rules and dashboard). Idempotent: a second run only
+# re-checks. Usage: bash scripts/setup.sh   (env: KVP_VENV=path to use another venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVP_VENV:-.venv}
@@ -16,8 +16,12 @@ say() { printf '[setup] %s\n' "$*" >&2; }
 need_apt=()
 command -v jq >/dev/null || need_apt+=(jq)
 command -v systemd-analyze >/dev/null || need_apt+=(systemd)
-command -v ss >/dev/null || need_apt+=(iproute2)      # testinfra socket checks
+# ss: testinfra socket checks; ip, tc: the shared tier over network namespaces and veths
+{ command -v ss && command -v ip && command -v tc; } >/dev/null || need_apt+=(iproute2)
+command -v iptables >/dev/null || need_apt+=(iptables)  # loss and delay on a test link
 command -v redis-server >/dev/null || need_apt+=(redis-server)  # shared-tier tests
+command -v redis-benchmark >/dev/null || need_apt+=(redis-tools)  # bench/network_faults.py
+command -v openssl >/dev/null || need_apt+=(openssl)  # the TLS store's test certificates
 command -v setpriv >/dev/null || need_apt+=(util-linux)  # secret checks as another user
 # a full and a read-only cache root on loop-mounted ext4 and XFS images (test_full_filesystem;
 # run as root): mkfs, mount and losetup live in sbin, which a user's PATH may lack

@@ -290,7 +290,7 @@ DEPLOY_FIX = {
     "10.9.0.5",
     "KVP_ALLOW_REMOTE_VLLM": "peers allowed to reach KVP_VLLM_HOST, e.g. 10.0.0.0/8 or any",
     "KVP_SHARED_TIER": "empty (no shared tier) or valkey://host:port[,host:port...]"
-    "?cluster=0&tls=0&db=0&workers=8 (docs/fleet.md)",
+    "?cluster=0&tls=0&db=0&workers=8&timeout=1&connect_timeout=10 (docs/fleet.md)",
     "KVP_SHARED_TIER_SECRET_FILE": "an absolute path to an owner-only file with username=... "
     "and password=... lines",
     "KVP_WARMUP_FILE": "empty (no warm set) or an absolute path to a JSONL file of "

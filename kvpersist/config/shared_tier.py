@@ -4,20 +4,30 @@ and build the adapter JSON without credentials (pure).
 ``KVP_SHARED_TIER`` is empty (no shared tier) or a URL::
 
     valkey://host:port[,host:port...]?cluster=0&tls=0&tls_ca=/path&db=0&workers=8&adapter=auto
+                                      &timeout=1&connect_timeout=10
 
 (``redis://`` is accepted as a synonym). Query keys, all optional:
 
-========  =======  ===========================================================
-key       default  meaning
-========  =======  ===========================================================
-cluster   0        1: a Redis/Valkey cluster; the nodes are seeds
-tls       0        1: TLS to the store
-tls_ca    (none)   with tls=1: absolute path of the PEM CA file that signed the store's
-                   certificate (default: the system trust store)
-db        0        logical database (standalone only)
-workers   8        LMCache's I/O worker threads for this tier
-adapter   auto     ``resp``, ``valkey`` or ``auto`` (see :func:`choose_adapter`)
-========  =======  ===========================================================
+===============  =======  ====================================================
+key              default  meaning
+===============  =======  ====================================================
+cluster          0        1: a Redis/Valkey cluster; the nodes are seeds
+tls              0        1: TLS to the store
+tls_ca           (none)   with tls=1: absolute path of the PEM CA file that signed the
+                          store's certificate (default: the system trust store)
+db               0        logical database (standalone only)
+workers          8        LMCache's I/O worker threads for this tier
+adapter          auto     ``resp``, ``valkey`` or ``auto`` (see :func:`choose_adapter`)
+timeout          1        seconds one command to the store may take (the valkey
+                          adapter's ``request_timeout``; LMCache's default is 5)
+connect_timeout  10       seconds one connection attempt may take (its
+                          ``connection_timeout``, LMCache's default)
+===============  =======  ====================================================
+
+The two timeouts bound what an unreachable store costs every lookup (docs/fleet.md, "The
+shared tier over a network"); LMCache's ``resp`` adapter has none (a partition blocks its
+lookups until TCP gives up), so they need the ``valkey`` adapter, and ``auto`` takes
+``resp`` only for a store on this host's loopback.
 
 Credentials never appear in the URL (a ``user:password@`` part is refused): the ACL user and
 password live in the owner-only file named by ``KVP_SHARED_TIER_SECRET_FILE``
@@ -37,7 +47,18 @@ from urllib.parse import parse_qsl, urlsplit
 
 SCHEMES = ("valkey", "redis")
 ADAPTERS = ("auto", "resp", "valkey")
-QUERY_KEYS = ("cluster", "tls", "tls_ca", "db", "workers", "adapter")
+QUERY_KEYS = ("cluster", "tls", "tls_ca", "db", "workers", "adapter", "timeout",
+              "connect_timeout")
+#: the valkey adapter's request and connection timeouts kvpersist renders (seconds), and
+#: the range a URL may set. Measured on a real link (docs/fleet.md, "The shared tier over a
+#: network"): while the store is unreachable every lookup waits about one ``timeout`` per
+#: round of ``workers`` keys (LMCache's 5 s made it 5 s per round); the connection timeout
+#: does not enter that wait, but it bounds the adapter's start, where LMCache creates one
+#: client per worker and fails the server if one is not connected in time (1 s failed a
+#: cluster's start on a loaded host), so it stays at LMCache's 10 s
+DEFAULT_TIMEOUT_S = 1.0
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+TIMEOUT_RANGE_S = (0.1, 60.0)
 #: rustls (valkey-glide's TLS, through rustls-native-certs) and OpenSSL read this variable
 #: for their trust store; the launcher sets it in the cache server's own process
 CA_ENV = "SSL_CERT_FILE"
@@ -80,6 +101,9 @@ class SharedTier:
     adapter: str = "resp"  # the adapter chosen (never "auto")
     #: the CA file that verifies the store's certificate ('' = the system trust store)
     tls_ca: str = ""
+    #: the valkey adapter's request and connection timeouts, seconds (resp has none)
+    timeout: float = DEFAULT_TIMEOUT_S
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S
 
     @property
     def endpoint(self) -> str:
@@ -95,30 +119,55 @@ class SharedTier:
         return f"{nodes}/{self.db}" if self.db else nodes
 
     def to_dict(self) -> dict[str, Any]:
+        valkey = self.adapter == "valkey"
         return {"url": self.url, "endpoint": self.endpoint, "cluster": self.cluster,
                 "tls": self.tls, "tls_ca": self.tls_ca, "db": self.db, "workers": self.workers,
-                "adapter": self.adapter}
+                "adapter": self.adapter,
+                "timeout_s": self.timeout if valkey else None,
+                "connect_timeout_s": self.connect_timeout if valkey else None}
 
 
-def choose_adapter(requested: str, *, cluster: bool, tls: bool, db: int,
-                   nodes: int) -> tuple[str, str]:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or IPv4 address) is this host's loopback."""
+    return host == "localhost" or (host.startswith("127.") and
+                                   all(p.isdigit() for p in host.split(".")))
+
+
+def choose_adapter(requested: str, *, cluster: bool, tls: bool, db: int, nodes: int,
+                   loopback: bool = True, timeouts: bool = False) -> tuple[str, str]:
     """Which LMCache adapter serves the tier; returns (adapter, problem or '').
 
     ``auto`` takes ``resp`` (LMCache's native C++ client) for a single standalone node
-    without TLS on db 0: it reads its credentials from its own process environment, so they
-    never appear in the server's ``GET /config`` (the two adapters' throughput was within
-    the noise of each other here, docs/benchmarks.md). Everything else needs ``valkey``
-    (valkey-glide: cluster, TLS, db), whose credentials are adapter-JSON fields and
-    therefore visible in ``GET /config`` on the loopback admin port (docs/fleet.md,
-    "Secrets").
+    without TLS on db 0 *on this host's loopback* (``loopback``) when no timeout is set
+    (``timeouts``): it reads its credentials from its own process environment, so they
+    never appear in the server's ``GET /config``. But it sets no timeout on its sockets:
+    across a network, a partition blocks every lookup of the server (even of chunks in L1)
+    until TCP gives up, measured > 150 s (docs/fleet.md, "The shared tier over a
+    network"). Everything else takes ``valkey`` (valkey-glide: cluster, TLS, db, request
+    and connection timeouts), whose credentials are adapter-JSON fields and therefore
+    visible in ``GET /config`` on the loopback admin port (docs/fleet.md, "Secrets").
     """
     needs_valkey = cluster or tls or db != 0 or nodes > 1
     if requested == "resp" and needs_valkey:
         return "", ("adapter=resp serves one standalone node without TLS on db 0 only; "
                     "use adapter=valkey (or auto)")
+    if requested == "resp" and timeouts:
+        return "", ("timeout and connect_timeout need adapter=valkey (or auto): LMCache's "
+                    "resp adapter has no timeouts")
     if requested == "auto":
-        return ("valkey" if needs_valkey else "resp"), ""
+        return ("valkey" if needs_valkey or timeouts or not loopback else "resp"), ""
     return requested, ""
+
+
+def _seconds(options: dict[str, str], key: str, default: float) -> tuple[float, str]:
+    """A timeout option in seconds (``0.5``, ``2``), within TIMEOUT_RANGE_S."""
+    raw = options.get(key)
+    if raw is None:
+        return default, ""
+    lo, hi = TIMEOUT_RANGE_S
+    if not re.fullmatch(r"[0-9]{1,3}(\.[0-9]{1,3})?", raw) or not lo <= float(raw) <= hi:
+        return 0.0, f"{key} must be a number of seconds from {lo:g} to {hi:g}, got {raw!r}"
+    return float(raw), ""
 
 
 def parse_shared_tier(value: str) -> tuple[SharedTier | None, str]:
@@ -179,16 +228,25 @@ def parse_shared_tier(value: str) -> tuple[SharedTier | None, str]:
         return None, "db must be 0 in cluster mode (a cluster has database 0 only)"
     if not flags["cluster"] and len(nodes) > 1:
         return None, "several nodes need cluster=1 (a standalone store has one address)"
+    timeout, problem = _seconds(options, "timeout", DEFAULT_TIMEOUT_S)
+    if problem:
+        return None, problem
+    connect_timeout, problem = _seconds(options, "connect_timeout", DEFAULT_CONNECT_TIMEOUT_S)
+    if problem:
+        return None, problem
     requested = options.get("adapter", "auto")
     if requested not in ADAPTERS:
         return None, f"adapter must be one of {', '.join(ADAPTERS)}, got {requested!r}"
-    adapter, problem = choose_adapter(requested, cluster=flags["cluster"], tls=flags["tls"],
-                                      db=db, nodes=len(nodes))
+    adapter, problem = choose_adapter(
+        requested, cluster=flags["cluster"], tls=flags["tls"], db=db, nodes=len(nodes),
+        loopback=all(is_loopback(h) for h, _ in nodes),
+        timeouts="timeout" in options or "connect_timeout" in options)
     if problem:
         return None, problem
     return SharedTier(url=value, nodes=tuple(nodes), cluster=flags["cluster"],
                       tls=flags["tls"], db=db, workers=int(workers_text),
-                      adapter=adapter, tls_ca=tls_ca), ""
+                      adapter=adapter, tls_ca=tls_ca, timeout=timeout,
+                      connect_timeout=connect_timeout), ""
 
 
 def adapter_json(tier: SharedTier, serde: dict[str, Any] | None) -> dict[str, Any]:
@@ -202,7 +260,8 @@ def adapter_json(tier: SharedTier, serde: dict[str, Any] | None) -> dict[str, An
     else:
         out = {"type": "valkey", "startup_nodes": tier.endpoint,
                "cluster_mode": tier.cluster, "tls_enable": tier.tls,
-               "num_workers": tier.workers}
+               "num_workers": tier.workers, "request_timeout": tier.timeout,
+               "connection_timeout": tier.connect_timeout}
         if not tier.cluster:
             out["database_id"] = tier.db
     if serde:

@@ -120,6 +120,12 @@ def raw_key(key: str) -> bytes:
 
 
 LOCK_TTL_MS = 60_000
+#: how often redis-py retries a command that failed on a connection error or timeout: once,
+#: at once (a pooled connection the store closed). redis-py's default, 3 retries with
+#: backoff, made a health check against an unreachable store take 51 s and ``metrics`` 62 s
+#: (each call: 4 connection attempts of ``timeout`` plus backoff); now each call costs at
+#: most two ``timeout`` (docs/fleet.md, "The shared tier over a network")
+COMMAND_RETRIES = 1
 # pcall: a lock key replaced by a key of another type is a lost lock, not a script error
 _RELEASE = ("if redis.pcall('get', KEYS[1]) == ARGV[1] then "
             "return redis.call('del', KEYS[1]) else return 0 end")
@@ -150,11 +156,14 @@ class SharedStore:
 
     def __init__(self, tier: SharedTier, secret: SharedSecret, timeout: float = 3.0) -> None:
         import redis
+        from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
+        from redis.retry import Retry
 
         self.tier = tier
         common: dict[str, Any] = {"username": secret.username, "password": secret.password,
                                   "socket_timeout": timeout, "socket_connect_timeout": timeout,
+                                  "retry": Retry(NoBackoff(), COMMAND_RETRIES),
                                   "ssl": tier.tls}
         if tier.tls_ca:
             common["ssl_ca_certs"] = tier.tls_ca

@@ -44,11 +44,14 @@ class Stack:
         if model is not None:
             self.env["KVP_MODEL_PATH"] = str(model)
         self.env.update(extra)
+        #: what every ``kvp-admin`` call runs under (``ip netns exec NS``: another host)
+        self.wrapper: tuple[str, ...] = ()
 
     # -- CLI
     def kvp(self, *args: str, check: bool = False,
             timeout: float = 900) -> subprocess.CompletedProcess[str]:
-        return cli.kvp(*args, env=self.env, timeout=timeout, check=check)
+        return cli.kvp(*args, env=self.env, timeout=timeout, check=check,
+                       wrapper=self.wrapper)
 
     def kvp_json(self, *args: str, check: bool = True) -> Any:
         """The command's JSON document; an AssertionError showing the exit code, stdout and

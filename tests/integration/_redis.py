@@ -55,14 +55,14 @@ def make_ca(d: Path, name: str = "kvp test CA") -> tuple[Path, Path]:
     return ca, key
 
 
-def make_tls(d: Path) -> Tls:
-    """A CA and a server certificate for 127.0.0.1/localhost signed by it, under ``d``."""
+def make_tls(d: Path, ip: str = "127.0.0.1") -> Tls:
+    """A CA and a server certificate for ``ip`` (and localhost) signed by it, under ``d``."""
     ca, ca_key = make_ca(d)
     key, csr, cert, ext = d / "server.key", d / "server.csr", d / "server.crt", d / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+    ext.write_text(f"subjectAltName=IP:{ip},DNS:localhost\nbasicConstraints=CA:FALSE\n"
                    "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n")
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
-             "-subj", "/CN=127.0.0.1")
+             "-subj", f"/CN={ip}")
     _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
              "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext))
     return Tls(ca, cert, key)
@@ -80,13 +80,17 @@ class RedisNode:
     tls: Tls | None = None
     #: the rules of the deployments' own user (SERVICE_USER); '' = they use ACL_USER
     acl: str = ""
+    #: the address it binds and is reached at
+    host: str = "127.0.0.1"
+    #: what runs it and its clients (e.g. ``ip netns exec NS``: inside a network namespace)
+    wrap: tuple[str, ...] = ()
 
     def conf(self, cluster: bool, maxmemory: str, policy: str) -> str:
         listen = ([f"port {self.port}"] if self.tls is None else
                   ["port 0", f"tls-port {self.port}", f"tls-cert-file {self.tls.cert}",
                    f"tls-key-file {self.tls.key}", f"tls-ca-cert-file {self.tls.ca}",
                    "tls-auth-clients no"])
-        lines = [*listen, "bind 127.0.0.1", "protected-mode yes",
+        lines = [*listen, f"bind {self.host}", "protected-mode yes",
                  f"dir {self.dir}", 'save ""', "appendonly yes", "appendfsync always",
                  f"maxmemory {maxmemory}", f"maxmemory-policy {policy}",
                  "user default off",
@@ -104,7 +108,8 @@ class RedisNode:
         # the password goes through REDISCLI_AUTH, not argv (this is a test's own client)
         env = {**os.environ, "REDISCLI_AUTH": self.password}
         tls = ["--tls", "--cacert", str(self.tls.ca)] if self.tls else []
-        r = subprocess.run([REDIS_CLI, "-p", str(self.port), *tls, "--user", ACL_USER, *args],
+        r = subprocess.run([*self.wrap, REDIS_CLI, "-h", self.host, "-p", str(self.port), *tls,
+                            "--user", ACL_USER, *args],
                            env=env, capture_output=True, text=True, timeout=60)
         if check and r.returncode != 0:
             raise RuntimeError(f"redis-cli {' '.join(args)}: {r.stderr}{r.stdout}")
@@ -133,7 +138,7 @@ class Redis:
 
     @property
     def url(self) -> str:
-        seeds = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        seeds = ",".join(f"{n.host}:{n.port}" for n in self.nodes)
         options = (["cluster=1"] if self.cluster else []) + (
             [f"tls=1&tls_ca={self.tls.ca}"] if self.tls else [])
         return f"valkey://{seeds}" + ("?" + "&".join(options) if options else "")
@@ -154,7 +159,7 @@ class Redis:
         log = node.dir / "redis.log"
         self.logs.append(log)
         with log.open("ab") as out:
-            node.proc = subprocess.Popen([REDIS_SERVER, str(conf)], stdout=out,
+            node.proc = subprocess.Popen([*node.wrap, REDIS_SERVER, str(conf)], stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -206,26 +211,29 @@ class Redis:
 
 
 def start_redis(base: Path, *, cluster: bool = False, maxmemory: str = "512mb",
-                policy: str = "allkeys-lru", tls: bool = False, acl: str = "") -> Redis:
+                policy: str = "allkeys-lru", tls: bool = False, acl: str = "",
+                host: str = "127.0.0.1", wrap: tuple[str, ...] = ()) -> Redis:
     """Start a standalone server (or a 3-primary cluster) under ``base``; ``tls``: TLS only,
     with a CA made under ``base/tls``; ``acl``: the deployments get their own user with
-    these rules (e.g. ``resetkeys ~kvp-* -@all +get``)."""
+    these rules (e.g. ``resetkeys ~kvp-* -@all +get``); ``host``: the address every node
+    binds (its certificate names it); ``wrap``: what runs the servers and the tests' own
+    ``redis-cli`` (``ip netns exec NS`` for a store in a network namespace)."""
     password = secrets.token_urlsafe(24)
     count = 3 if cluster else 1
-    certs = make_tls(base / "tls") if tls else None
+    certs = make_tls(base / "tls", host) if tls else None
     nodes = []
     for i in range(count):
         d = base / f"redis{i}"
         d.mkdir(parents=True, mode=0o700)
         nodes.append(RedisNode(free_port(), d, password, bus_port=free_port(), tls=certs,
-                               acl=acl))
+                               acl=acl, host=host, wrap=wrap))
     r = Redis(nodes, cluster, password, maxmemory, policy)
     try:
         for n in nodes:
             r.start_node(n)
         if cluster:
             nodes[0].cli("--cluster", "create",
-                         *[f"127.0.0.1:{n.port}" for n in nodes],
+                         *[f"{n.host}:{n.port}" for n in nodes],
                          "--cluster-replicas", "0", "--cluster-yes")
             r.wait_cluster_ok()
     except BaseException:

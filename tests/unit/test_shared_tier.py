@@ -10,6 +10,8 @@ import pytest
 from kvpersist.config.shared_tier import (
     ACL_CLUSTER_RULES,
     ACL_RULES,
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
     adapter_json,
     parse_secret,
     parse_shared_tier,
@@ -27,13 +29,47 @@ def test_empty_means_no_tier() -> None:
     assert parse_shared_tier("  ") == (None, "")
 
 
-def test_standalone_defaults_take_resp() -> None:
+def test_a_standalone_store_on_the_loopback_takes_resp() -> None:
+    for host in ("127.0.0.1", "127.1.2.3", "localhost"):
+        tier, problem = parse_shared_tier(f"valkey://{host}:6379")
+        assert problem == "" and tier is not None
+        assert tier.nodes == ((host, 6379),) and tier.adapter == "resp"
+        assert (tier.cluster, tier.tls, tier.db, tier.workers) == (False, False, 0, 8)
+        assert adapter_json(tier, None) == {"type": "resp", "host": host, "port": 6379,
+                                            "num_workers": 8}
+        # resp has no timeouts: none is shown
+        assert (tier.to_dict()["timeout_s"], tier.to_dict()["connect_timeout_s"]) == (None,
+                                                                                     None)
+
+
+def test_a_store_across_the_network_takes_valkey_with_bounded_timeouts() -> None:
+    """resp sets no socket timeout: a partition blocks its lookups until TCP gives up, so a
+    store on another host gets the valkey adapter and kvpersist's timeouts."""
     tier, problem = parse_shared_tier("valkey://10.0.0.5:6379")
+    assert problem == "" and tier is not None and tier.adapter == "valkey"
+    js = adapter_json(tier, None)
+    assert (js["request_timeout"], js["connection_timeout"]) == (DEFAULT_TIMEOUT_S,
+                                                                 DEFAULT_CONNECT_TIMEOUT_S)
+    assert tier.to_dict()["timeout_s"] == DEFAULT_TIMEOUT_S
+    # an operator may still ask for resp by name (its limits are documented)
+    tier, problem = parse_shared_tier("valkey://10.0.0.5:6379?adapter=resp")
+    assert problem == "" and tier is not None and tier.adapter == "resp"
+
+
+@pytest.mark.parametrize(("query", "timeout", "connect"), [
+    ("timeout=0.5", 0.5, DEFAULT_CONNECT_TIMEOUT_S),
+    ("connect_timeout=2.25", DEFAULT_TIMEOUT_S, 2.25),
+    ("timeout=60&connect_timeout=0.1", 60.0, 0.1),
+    ("connect_timeout=1", DEFAULT_TIMEOUT_S, 1.0),
+    ("timeout=5&connect_timeout=10", 5.0, 10.0),  # LMCache's own defaults
+])
+def test_timeouts_reach_the_valkey_adapter(query: str, timeout: float, connect: float) -> None:
+    tier, problem = parse_shared_tier(f"valkey://127.0.0.1:6379?{query}")
     assert problem == "" and tier is not None
-    assert tier.nodes == (("10.0.0.5", 6379),) and tier.adapter == "resp"
-    assert (tier.cluster, tier.tls, tier.db, tier.workers) == (False, False, 0, 8)
-    assert adapter_json(tier, None) == {"type": "resp", "host": "10.0.0.5", "port": 6379,
-                                        "num_workers": 8}
+    assert tier.adapter == "valkey"  # a timeout asked for takes valkey even on the loopback
+    js = adapter_json(tier, None)
+    assert (js["request_timeout"], js["connection_timeout"]) == (timeout, connect)
+    assert (tier.timeout, tier.connect_timeout) == (timeout, connect)
 
 
 @pytest.mark.parametrize("url", [
@@ -83,6 +119,17 @@ def test_tls_ca_is_kept_and_never_in_the_adapter_json() -> None:
     ("valkey://a:1?tls_ca=/etc/kvp/ca.pem", "tls_ca needs tls=1"),
     ("valkey://a:1?tls=1&tls_ca=ca.pem", "absolute path"),
     ("valkey://a:1?tls=1&tls_ca=/etc/../tmp/ca.pem", "absolute path"),
+    ("valkey://a:1?timeout=0", "timeout must be a number of seconds from 0.1 to 60"),
+    ("valkey://a:1?timeout=0.05", "from 0.1 to 60"),
+    ("valkey://a:1?timeout=61", "from 0.1 to 60"),
+    ("valkey://a:1?timeout=1e1", "timeout must be"),
+    ("valkey://a:1?timeout=-1", "timeout must be"),
+    ("valkey://a:1?timeout=", "timeout must be"),
+    ("valkey://a:1?timeout=nan", "timeout must be"),
+    ("valkey://a:1?connect_timeout=0.0001", "connect_timeout must be"),
+    ("valkey://a:1?timeout=1&timeout=2", "twice"),
+    ("valkey://127.0.0.1:1?adapter=resp&timeout=2", "resp adapter has no timeouts"),
+    ("valkey://127.0.0.1:1?adapter=resp&connect_timeout=2", "need adapter=valkey"),
 ])
 def test_bad_urls_say_why(url: str, words: str) -> None:
     tier, problem = parse_shared_tier(url)
@@ -104,7 +151,7 @@ def test_secret_file_parse_never_echoes_the_password() -> None:
 
 
 def test_render_adds_the_shared_tier_after_the_nvme() -> None:
-    d = dep({"KVP_SHARED_TIER": "valkey://10.0.0.5:6379?workers=4", **SECRET})
+    d = dep({"KVP_SHARED_TIER": "valkey://127.0.0.1:6379?workers=4", **SECRET})
     r = render(d, TEMPLATES, l1_size_gb=64, l2_capacity_gb=100)
     argv = r.lmcache_server_argv
     idx = [i for i, a in enumerate(argv) if a == "--l2-adapter"]
@@ -116,7 +163,7 @@ def test_render_adds_the_shared_tier_after_the_nvme() -> None:
     assert argv[argv.index("--l2-store-policy") + 1] == "default"
     assert argv[argv.index("--l2-prefetch-policy") + 1] == "retain"
     shown = r.as_json()["shared_tier"]
-    assert shown["endpoint"] == "10.0.0.5:6379" and shown["key_pattern"] == f"{d.namespace}@*"
+    assert shown["endpoint"] == "127.0.0.1:6379" and shown["key_pattern"] == f"{d.namespace}@*"
     assert "redacted" in shown["credentials"]
 
 
@@ -137,6 +184,20 @@ def test_tier_and_secret_file_go_together() -> None:
     with pytest.raises(ConfigError) as e:
         dep({"KVP_SHARED_TIER": "valkey://u:p@kv:6379", **SECRET})
     assert "credentials" in str(e.value) and "u:p" not in str(e.value)
+
+
+@pytest.mark.parametrize(("query", "option"), [
+    ("timeout=0", "timeout"), ("timeout=abc", "timeout"), ("timeout=120", "timeout"),
+    ("connect_timeout=-3", "connect_timeout"), ("connect_timeout=1e3", "connect_timeout"),
+    ("adapter=resp&timeout=2", "timeout"),
+])
+def test_bad_timeouts_are_a_config_error_naming_the_key_and_the_option(query: str,
+                                                                      option: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        dep({"KVP_SHARED_TIER": f"valkey://10.0.0.5:6379?{query}", **SECRET})
+    assert e.value.exit_code == 2 and len(e.value.problems) == 1
+    text = str(e.value.problems[0])
+    assert "KVP_SHARED_TIER" in text and option in text, text
 
 
 @pytest.mark.parametrize(("url", "store"), [
