@@ -245,10 +245,10 @@ def _check_image(name: str, pin: str, ctx: CheckContext) -> FieldCheck:
     if info is None or not info.checked:
         why = info.reason if info is not None else "the image was not inspected"
         return FieldCheck(name, UNCHECKED, pin, detail=f"KVP_IMAGE={ctx.image} is a tag: {why}; "
-                          "pin KVP_IMAGE by digest to make this checkable without docker")
+                          "pin KVP_IMAGE by digest to make this checkable without the engine")
     status = OK if digest in info.digests() else MISMATCH
     found = ", ".join(sorted(info.digests())) or "no digest"
-    return FieldCheck(name, status, pin, found, f"docker image inspect {ctx.image}", "",
+    return FieldCheck(name, status, pin, found, f"{info.engine} image inspect {ctx.image}", "",
                       fix if status == MISMATCH else "")
 
 
@@ -267,7 +267,7 @@ def _check_vllm(pin: str, ctx: CheckContext) -> FieldCheck:
         found = ", ".join(f"{n}=={v}" for n, v in ctx.installed.vllm) or "no vLLM"
         return FieldCheck(name, MISMATCH, pin, found, "this Python's metadata",
                           "the config pins an image, but vLLM runs as a process here "
-                          "(KVP_IMAGE unset or KVP_DEVICE=cpu)",
+                          "(KVP_IMAGE unset)",
                           "pin the installed vLLM (name==version; a new namespace) or run the "
                           "image")
     return _check_dist(name, pin, ctx.installed.vllm, ctx.installed, "vLLM")

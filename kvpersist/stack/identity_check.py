@@ -133,7 +133,7 @@ def check_deployment(dep: Deployment, *, vllm_launched: bool,
     image_info = None
     if mode == "container" and vllm_launched and "@sha256:" not in s.image and \
             "sha256:" in f"{ident.vllm_build} {ident.connector_build}":
-        image_info = software.inspect_image(s.image)
+        image_info = software.inspect_image(s.image, engine=s.container_engine)
     ctx = CheckContext(model=model, model_why=why, installed=inst, vllm_mode=mode,
                        vllm_launched=vllm_launched, image=s.image, image_info=image_info)
     return IdentityCheck(dep.name, dep.namespace, path, state, mode,

@@ -73,9 +73,9 @@ def installed(extra: tuple[str, ...] = ()) -> Installed:
 
 @dataclass(frozen=True)
 class ImageInfo:
-    """What the local docker daemon knows about an image reference.
+    """What the local container engine (docker or podman) knows about an image reference.
 
-    ``checked`` is False when nothing could be learned (no docker client, the daemon not
+    ``checked`` is False when nothing could be learned (no client, the daemon not
     reachable, the image not pulled yet); ``reason`` says why.
     """
 
@@ -84,6 +84,8 @@ class ImageInfo:
     reason: str = ""
     image_id: str = ""
     repo_digests: tuple[str, ...] = ()
+    #: the container engine that was asked (docker or podman)
+    engine: str = "docker"
 
     def digests(self) -> set[str]:
         """Every ``sha256:…`` digest that names this image (its id and repo digests)."""
@@ -93,24 +95,29 @@ class ImageInfo:
         return out
 
 
-def inspect_image(reference: str, timeout: float = 30.0) -> ImageInfo:
-    """``docker image inspect REFERENCE``: the image id and repo digests, or why unknown."""
-    docker = shutil.which("docker")
-    if docker is None:
-        return ImageInfo(reference, False, "the docker client is not installed on this host")
+def inspect_image(reference: str, timeout: float = 30.0, engine: str = "docker") -> ImageInfo:
+    """``ENGINE image inspect REFERENCE`` (docker or podman): the image id and repo
+    digests, or why unknown. podman prints the id without its ``sha256:`` prefix."""
+    exe = shutil.which(engine)
+    if exe is None:
+        return ImageInfo(reference, False, f"the {engine} client is not installed on this host")
     try:
-        res = subprocess.run([docker, "image", "inspect", "--", reference], capture_output=True,
+        res = subprocess.run([exe, "image", "inspect", "--", reference], capture_output=True,
                              text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return ImageInfo(reference, False, f"docker image inspect failed: {exc}")
+        return ImageInfo(reference, False, f"{engine} image inspect failed: {exc}")
     if res.returncode != 0:
         last = (res.stderr.strip().splitlines() or ["no output"])[-1][:200]
-        return ImageInfo(reference, False, f"docker has no image {reference} here ({last})")
+        return ImageInfo(reference, False, f"{engine} has no image {reference} here ({last})")
     try:
         data = json.loads(res.stdout)
         entry = data[0]
         repo_digests = tuple(str(d) for d in entry.get("RepoDigests") or ())
         image_id = str(entry.get("Id") or "")
     except (ValueError, IndexError, KeyError, TypeError, AttributeError):
-        return ImageInfo(reference, False, "docker image inspect printed something unexpected")
-    return ImageInfo(reference, True, image_id=image_id, repo_digests=repo_digests)
+        return ImageInfo(reference, False,
+                         f"{engine} image inspect printed something unexpected")
+    if image_id and not image_id.startswith("sha256:"):
+        image_id = "sha256:" + image_id
+    return ImageInfo(reference, True, image_id=image_id, repo_digests=repo_digests,
+                     engine=engine)
