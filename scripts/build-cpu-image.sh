@@ -48,8 +48,10 @@ packages=python3.11,libgomp1,libnuma1,libstdc++6,zlib1g,libssl3,libffi8,libsqlit
 command -v "$engine" >/dev/null || { echo "$0: $engine not found (scripts/setup.sh)" >&2; exit 2; }
 
 # the venv's distributions: name-version of every *.dist-info, sorted
+# (kvpersist.system.software.venv_distributions_digest: identity check compares it with the
+# venv as it is now)
 dists=$(find "$venv"/lib/python3*/site-packages -maxdepth 1 -name '*.dist-info' -printf '%f\n' \
-        | sort | sha256sum | cut -c1-64)
+        | LC_ALL=C sort | sha256sum | cut -c1-64)
 key=$( { sha256sum <"$0"; echo "$packages $mirror bookworm"; echo "$venv"; echo "$base";
          echo "$dists"; } | sha256sum | cut -c1-16)
 ref="$name:$key"

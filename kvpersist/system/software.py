@@ -7,11 +7,14 @@ metadata, so the read-only commands stay fast and never load an inference stack.
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 
 #: Distributions that install the ``vllm`` package, by name (the CUDA build and the CPU
@@ -86,6 +89,8 @@ class ImageInfo:
     repo_digests: tuple[str, ...] = ()
     #: the container engine that was asked (docker or podman)
     engine: str = "docker"
+    #: the image's labels (scripts/build-cpu-image.sh records the venv it runs there)
+    labels: dict[str, str] = field(default_factory=dict)
 
     def digests(self) -> set[str]:
         """Every ``sha256:…`` digest that names this image (its id and repo digests)."""
@@ -114,10 +119,35 @@ def inspect_image(reference: str, timeout: float = 30.0, engine: str = "docker")
         entry = data[0]
         repo_digests = tuple(str(d) for d in entry.get("RepoDigests") or ())
         image_id = str(entry.get("Id") or "")
+        raw = (entry.get("Config") or {}).get("Labels") or entry.get("Labels") or {}
+        labels = {str(k): str(v) for k, v in raw.items()}
     except (ValueError, IndexError, KeyError, TypeError, AttributeError):
         return ImageInfo(reference, False,
                          f"{engine} image inspect printed something unexpected")
     if image_id and not image_id.startswith("sha256:"):
         image_id = "sha256:" + image_id
     return ImageInfo(reference, True, image_id=image_id, repo_digests=repo_digests,
-                     engine=engine)
+                     engine=engine, labels=labels)
+
+
+#: the label of a local image (scripts/build-cpu-image.sh) naming the host venv it runs,
+#: bind-mounted, and the label with the digest of that venv's distributions at build time
+VENV_LABEL = "org.kvpersist.venv"
+VENV_DISTS_LABEL = "org.kvpersist.venv-dists"
+
+
+def venv_distributions_digest(venv: str) -> str | None:
+    """``sha256:<hex>`` of the sorted ``*.dist-info`` names in ``venv``'s site-packages, one
+    a line, as ``scripts/build-cpu-image.sh`` computes it; None when there is no such venv."""
+    dirs = sorted(glob.glob(os.path.join(glob.escape(venv), "lib", "python3*",
+                                         "site-packages")))
+    if not dirs:
+        return None
+    names: list[str] = []
+    for d in dirs:
+        try:
+            names += [n for n in os.listdir(d) if n.endswith(".dist-info")]
+        except OSError:
+            return None
+    text = "".join(n + "\n" for n in sorted(names))
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
