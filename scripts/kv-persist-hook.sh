@@ -1,9 +1,18 @@
 # shellcheck shell=bash
 # kvpersist hook for an existing vLLM production recipe. Source it, then call
 #
-#     kvp_persist_apply ARRAY_NAME
+#     kvp_persist_apply ARRAY_NAME [CONTAINER_OPTS_ARRAY_NAME]
 #
 # on the bash array that holds the recipe's vLLM command, right before the recipe runs it.
+# A recipe that runs vLLM in its own container (`docker run`/`podman run` OPTS IMAGE CMD)
+# passes the array of its run options too: the hook then appends the mount that makes the
+# namespace resolve inside the container (the weights, read-only, at /kvp-models/<namespace>)
+# and the working directory (-w /kvp-models), as the rendered KVP_IMAGE container has them.
+# The recipe keeps its own name, image and mounts; it needs the host network (--network host)
+# to reach the cache server on loopback, and must mount nothing of the cache root, the state
+# dir, the key or a secret (the hook refuses a -v/--volume/--mount source that holds or lies
+# in one of them). Its --model is the weights' path inside the container, which must be the
+# same path as KVP_MODEL_PATH on the host (mount them at the same path).
 #
 # * Without KV_PERSIST=1 this does nothing: the command stays byte-for-byte unchanged.
 # * With KV_PERSIST=1 (and KVP_CONFIG naming the deployment) it checks that the deployment's
@@ -101,7 +110,17 @@ print(link["dir"]); print(link["name"]); print(link["target"])' "$render_file")
   ln -sfn "$(realpath "$link_target")" "$link_dir/$link_name" || return 1
   cd "$link_dir" || return 1
   __cmd=("${__new[@]}")
-  echo "kv-persist-hook: persistence on (namespace $link_name, working directory $link_dir)" >&2
+  if [ -n "${2:-}" ]; then
+    # the recipe's container: the weights at /kvp-models/<namespace> (render.py's
+    # CONTAINER_MODEL_DIR), the working directory there; its own mounts checked first
+    local -n __opts=$2
+    "$py" -m kvpersist.deploy.hook_container "$KVP_CONFIG" -- "${__opts[@]}" || return 2
+    __opts+=(-v "$(realpath "$link_target"):/kvp-models/$link_name:ro" -w /kvp-models)
+    echo "kv-persist-hook: persistence on in the recipe's container (namespace $link_name" \
+         "at /kvp-models)" >&2
+  else
+    echo "kv-persist-hook: persistence on (namespace $link_name, working directory $link_dir)" >&2
+  fi
   if [ "${KVP_WARMUP:-1}" != "0" ]; then
     # a double fork: the step is nobody's child once the recipe execs vLLM; a relative
     # config path is made absolute (the working directory changed above)

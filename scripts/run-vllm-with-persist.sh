@@ -3,8 +3,10 @@
 #
 #     scripts/run-vllm-with-persist.sh CONFIG [EXTRA VLLM ARGS...]
 #
-# With KVP_IMAGE set (and not KVP_DEVICE=cpu) it execs the rendered `docker run` (the
-# container named per the config, e.g. mimo-pro-tp4-kvp); otherwise it execs vLLM as a
+# With KVP_IMAGE set it execs the rendered `docker run` or `podman run`
+# (KVP_CONTAINER_ENGINE; the same argv either way): the container named per the config, e.g.
+# mimo-pro-tp4-kvp, host network, the weights and KVP_CONTAINER_MOUNTS read-only, nothing of
+# the cache root, the state dir, the key or a secret; otherwise it execs vLLM as a
 # direct process (`python -m vllm.entrypoints.openai.api_server`, the CPU build) in the
 # model-link directory, where `--model <namespace>` links to the weights. The namespace path
 # stays the same across restarts, so every restart finds the files on disk again.
@@ -67,8 +69,13 @@ ready_step() {  # the warm-up once vLLM serves; a double fork, so nobody has to 
   fi
 }
 mapfile -d '' container < <(field container_argv)
-if [ ${#container[@]} -gt 0 ] && [ "${KVP_DEVICE:-}" != "cpu" ] && command -v docker >/dev/null; then
+if [ ${#container[@]} -gt 0 ]; then
+  command -v "${container[0]}" >/dev/null || {
+    echo "run-vllm-with-persist: ${container[0]} not found (KVP_CONTAINER_ENGINE)" >&2; exit 2; }
   echo "run-vllm-with-persist: exec ${container[*]:0:5} ..." >&2
+  if [ -n "${KVP_VLLM_PID_FILE:-}" ]; then
+    echo $$ >"$KVP_VLLM_PID_FILE"
+  fi
   ready_step
   exec "${container[@]}" "$@"
 fi

@@ -2,9 +2,10 @@
 # Set up kvpersist on a fresh machine: a venv in .venv with vLLM's CPU build, stock
 # LMCache 0.5.6 and nixl, kvpersist itself (editable) with its test and deploy extras, and
 # the few system tools the tests use (jq, systemd-analyze, iproute2, iptables, redis-server,
-# redis-tools, openssl, mkfs.ext4 and mkfs.xfs, and Prometheus' promtool, prometheus and
-# node_exporter for the monitoring/ rules and dashboard). Idempotent: a second run only
-# re-checks. Usage: bash scripts/setup.sh   (env: KVP_VENV=path to use another venv)
+# redis-tools, openssl, mkfs.ext4 and mkfs.xfs, Prometheus' promtool, prometheus and
+# node_exporter for the monitoring/ rules and dashboard, and podman, runc and mmdebstrap for
+# vLLM in a container). Idempotent: a second run only re-checks.
+# Usage: bash scripts/setup.sh   (env: KVP_VENV=path to use another venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVP_VENV:-.venv}
@@ -64,6 +65,34 @@ if [ ${#need_prom[@]} -gt 0 ]; then
   else
     say "missing ${need_prom[*]}: install them (apt-get install ${need_prom[*]})"; exit 1
   fi
+fi
+
+# --- containers (tests/fullstack/test_container_e2e.py: vLLM in a real container) ----------------
+# podman with runc (crun refuses the hybrid cgroup layout of these hosts), mmdebstrap to
+# build the image from Debian's packages (scripts/build-cpu-image.sh; no registry needed).
+need_ctr=()
+command -v podman >/dev/null || need_ctr+=(podman)
+command -v runc >/dev/null || need_ctr+=(runc)
+command -v mmdebstrap >/dev/null || need_ctr+=(mmdebstrap)
+if [ ${#need_ctr[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing ${need_ctr[*]} with apt-get"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${need_ctr[@]}" uidmap >/dev/null
+  else
+    say "missing ${need_ctr[*]}: install them (apt-get install ${need_ctr[*]})"; exit 1
+  fi
+fi
+# podman's settings for these hosts, only when the host has none of its own: the runc
+# runtime, and no default ulimits (setting RLIMIT_NOFILE/NPROC in a container is refused here)
+ctr_conf=/etc/containers/containers.conf
+if [ "$(id -u)" = 0 ] && [ ! -e "$ctr_conf" ]; then
+  say "writing $ctr_conf (runtime runc, no default ulimits)"
+  mkdir -p /etc/containers
+  printf '%s\n' '# written by kvpersist scripts/setup.sh (only because there was none)' \
+    '[containers]' 'default_ulimits = []' '' '[engine]' 'runtime = "runc"' > "$ctr_conf.new"
+  mv "$ctr_conf.new" "$ctr_conf"
 fi
 
 # --- the venv --------------------------------------------------------------------------------

@@ -31,7 +31,13 @@ from kvpersist.config.model_geometry import kv_geometry, max_model_len
 from kvpersist.config.model_origin import origin
 from kvpersist.config.model_template import template_digest
 from kvpersist.errors import Problem
-from kvpersist.system.software import ImageInfo, Installed, normalize
+from kvpersist.system.software import (
+    VENV_DISTS_LABEL,
+    VENV_LABEL,
+    ImageInfo,
+    Installed,
+    normalize,
+)
 
 _DIGEST = re.compile(r"(?:([^\s@]+)@)?(sha256:[0-9a-f]{64})\Z")
 _PIN = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)\Z")
@@ -81,6 +87,9 @@ class CheckContext:
     vllm_launched: bool
     image: str = ""
     image_info: ImageInfo | None = None
+    #: the digest of the distributions of the venv the image's labels say it runs, as
+    #: installed now (None: no such label, or the venv is not on this host)
+    venv_dists_now: str | None = None
 
 
 REDERIVE = ("point KVP_MODEL_PATH at the weights this identity describes, or set the identity "
@@ -245,11 +254,19 @@ def _check_image(name: str, pin: str, ctx: CheckContext) -> FieldCheck:
     if info is None or not info.checked:
         why = info.reason if info is not None else "the image was not inspected"
         return FieldCheck(name, UNCHECKED, pin, detail=f"KVP_IMAGE={ctx.image} is a tag: {why}; "
-                          "pin KVP_IMAGE by digest to make this checkable without docker")
+                          "pin KVP_IMAGE by digest to make this checkable without the engine")
     status = OK if digest in info.digests() else MISMATCH
     found = ", ".join(sorted(info.digests())) or "no digest"
-    return FieldCheck(name, status, pin, found, f"docker image inspect {ctx.image}", "",
-                      fix if status == MISMATCH else "")
+    src = f"{info.engine} image inspect {ctx.image}"
+    built = info.labels.get(VENV_DISTS_LABEL, "")
+    if status == OK and built and ctx.venv_dists_now and ctx.venv_dists_now != built:
+        venv = info.labels.get(VENV_LABEL, "?")
+        return FieldCheck(name, MISMATCH, pin, f"the venv {venv} it runs now holds other "
+                          f"distributions ({ctx.venv_dists_now}, built with {built})", src,
+                          "the image runs a bind-mounted venv that changed since it was built",
+                          "rebuild the image (scripts/build-cpu-image.sh) and pin its digest "
+                          "(a new namespace), or restore the venv")
+    return FieldCheck(name, status, pin, found, src, "", fix if status == MISMATCH else "")
 
 
 def _check_vllm(pin: str, ctx: CheckContext) -> FieldCheck:
@@ -267,7 +284,7 @@ def _check_vllm(pin: str, ctx: CheckContext) -> FieldCheck:
         found = ", ".join(f"{n}=={v}" for n, v in ctx.installed.vllm) or "no vLLM"
         return FieldCheck(name, MISMATCH, pin, found, "this Python's metadata",
                           "the config pins an image, but vLLM runs as a process here "
-                          "(KVP_IMAGE unset or KVP_DEVICE=cpu)",
+                          "(KVP_IMAGE unset)",
                           "pin the installed vLLM (name==version; a new namespace) or run the "
                           "image")
     return _check_dist(name, pin, ctx.installed.vllm, ctx.installed, "vLLM")

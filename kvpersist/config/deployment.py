@@ -324,6 +324,8 @@ def agreement_problems(identity: CacheIdentity | None, s: DeploymentSettings,
             if pa == pb:
                 problems.append(Problem(f"{source}: {kb}", f"port {pb} is also {ka}",
                                         "give every listener its own port"))
+    if s.image:
+        problems += settings_mount_problems(s, source)
     if identity is not None:
         tp = identity.tensor_parallel_size
         if s.device != "cpu" and s.gpu_count and tp > s.gpu_count:
@@ -346,6 +348,42 @@ def agreement_problems(identity: CacheIdentity | None, s: DeploymentSettings,
                                     f"{identity.kv_cache_dtype}",
                                     "the KV cache is stored in the model dtype; make them agree"))
     return problems
+
+
+def _overlap(a: str, b: str) -> bool:
+    """``a`` and ``b`` are the same path or one lies below the other (pure)."""
+    pa, pb = PurePosixPath(a), PurePosixPath(b)
+    return pa == pb or pa in pb.parents or pb in pa.parents
+
+
+def private_paths(s: DeploymentSettings) -> list[tuple[str, str]]:
+    """(key, path) of what vLLM's container must never see: the cache root, the state, log
+    and model-link directories, the L2 key and the shared tier's secret."""
+    return [(k, p) for k, p in (
+        ("KVP_CACHE_ROOT", s.cache_root), ("KVP_STATE_DIR", s.state_dir),
+        ("KVP_LOG_DIR", s.log_dir), ("KVP_MODEL_LINK_DIR", s.model_link_dir),
+        ("KVP_SERDE_KEY_FILE", s.serde_key_file),
+        ("KVP_SHARED_TIER_SECRET_FILE", s.shared_tier_secret_file)) if p]
+
+
+def container_mount_problems(private: list[tuple[str, str]], mounts: list[tuple[str, str]],
+                             source: str) -> list[Problem]:
+    """Each (key, host path) of ``mounts`` that is, holds or lies in a ``private`` path
+    (pure: the paths as given; the caller resolves symlinks where it can)."""
+    return [Problem(f"{source}: {key}", f"{path} would show the container {pkey} {ppath}: "
+                    "vLLM's container never sees the cache, kvpersist's state, a key or a "
+                    "secret", "mount only what vLLM needs (the weights, its venv), apart "
+                    "from those")
+            for key, path in mounts for pkey, ppath in private if _overlap(path, ppath)]
+
+
+def settings_mount_problems(s: DeploymentSettings, source: str) -> list[Problem]:
+    """:func:`container_mount_problems` of a KVP_IMAGE deployment's own mounts:
+    ``KVP_CONTAINER_MOUNTS`` and the weights at ``KVP_MODEL_PATH``."""
+    mounts = [("KVP_CONTAINER_MOUNTS", m) for m in s.container_mounts]
+    if s.model_path.startswith("/"):
+        mounts.append(("KVP_MODEL_PATH", s.model_path))
+    return container_mount_problems(private_paths(s), mounts, source)
 
 
 def _closest(key: str, known: set[str]) -> str:

@@ -46,6 +46,12 @@ class DeploymentSettings:
     lmcache_http_port: int
     container_name: str = ""
     image: str = ""
+    #: the container engine of KVP_IMAGE (docker or podman; the same argv either way)
+    container_engine: str = "docker"
+    #: host paths bind-mounted read-only at the same path into the container (e.g. a venv
+    #: holding vLLM's CPU build and its interpreter); never the cache root, the state dir,
+    #: a key or a secret (deployment.agreement_problems)
+    container_mounts: tuple[str, ...] = ()
     vllm_host: str = "127.0.0.1"
     vllm_port: int = 8000
     gpu_count: int = 0
@@ -104,6 +110,8 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_LMCACHE_HTTP_PORT": ("lmcache_http_port", "port", "generic.http_port"),
     "KVP_CONTAINER_NAME": ("container_name", "container?", ""),
     "KVP_IMAGE": ("image", "image?", ""),
+    "KVP_CONTAINER_ENGINE": ("container_engine", "engine", "docker"),
+    "KVP_CONTAINER_MOUNTS": ("container_mounts", "mounts", ""),
     "KVP_VLLM_HOST": ("vllm_host", "host", "127.0.0.1"),
     "KVP_VLLM_PORT": ("vllm_port", "port", "8000"),
     "KVP_GPU_COUNT": ("gpu_count", "count", "0"),
@@ -156,6 +164,28 @@ def parse_peers(value: str) -> tuple[tuple[str, ...], str]:
 _CONTAINER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
 _IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]{0,511}\Z")
 _CONFNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+
+
+CONTAINER_ENGINES = ("docker", "podman")
+
+
+def parse_mounts(value: str) -> tuple[tuple[str, ...], str]:
+    """The absolute host paths of ``KVP_CONTAINER_MOUNTS`` (separated by spaces or commas),
+    normalized and without repeats; and an error message."""
+    out: list[str] = []
+    for token in (t for t in re.split(r"[ ,]+", value) if t):
+        problem = path_problem(token)
+        if problem or not token.startswith("/") or ":" in token:
+            why = problem or "must be an absolute path without ':'"
+            return (), f"{why}: {token[:64]!r}"
+        norm = str(PurePosixPath(token))
+        system = system_dir(norm)
+        if system and not norm.startswith("/usr/"):
+            return (), (f"{norm!r} is or lies in the system directory {system}: mount only "
+                        "what the container needs")
+        if norm not in out:
+            out.append(norm)
+    return tuple(out), ""
 
 
 def config_name_problem(name: str) -> str:
@@ -233,6 +263,11 @@ def convert_setting(kind: str, raw: str) -> tuple[Any, str]:
         return (value, "") if _IMAGE.match(value) else (
             None, f"must be an image reference (registry/name:tag or @sha256:...), "
             f"got {value!r}")
+    if kind == "engine":
+        return (value, "") if value in CONTAINER_ENGINES else (
+            None, f"must be {' or '.join(CONTAINER_ENGINES)}, got {value!r}")
+    if kind == "mounts":
+        return parse_mounts(value)
     if kind == "confname":
         message = config_name_problem(value)
         return (None, message) if message else (value, "")
@@ -295,5 +330,9 @@ DEPLOY_FIX = {
     "and password=... lines",
     "KVP_WARMUP_FILE": "empty (no warm set) or an absolute path to a JSONL file of "
     '{"messages": [...]} or {"prompt": "..."} lines (docs/warm-restart.md)',
+    "KVP_CONTAINER_ENGINE": "docker or podman (the container engine that runs KVP_IMAGE)",
+    "KVP_CONTAINER_MOUNTS": "absolute host paths the container needs read-only (e.g. the "
+    "venv with vLLM), separated by spaces; never the cache root, the state dir, a key or a "
+    "secret",
     "KVP_WARMUP_WAIT": "seconds (or 90s, 5m) the launch's warm-up may take, e.g. 120",
 }

@@ -133,8 +133,11 @@ def check_deployment(dep: Deployment, *, vllm_launched: bool,
     image_info = None
     if mode == "container" and vllm_launched and "@sha256:" not in s.image and \
             "sha256:" in f"{ident.vllm_build} {ident.connector_build}":
-        image_info = software.inspect_image(s.image)
+        image_info = software.inspect_image(s.image, engine=s.container_engine)
+    venv = image_info.labels.get(software.VENV_LABEL, "") if image_info else ""
     ctx = CheckContext(model=model, model_why=why, installed=inst, vllm_mode=mode,
-                       vllm_launched=vllm_launched, image=s.image, image_info=image_info)
+                       vllm_launched=vllm_launched, image=s.image, image_info=image_info,
+                       venv_dists_now=software.venv_distributions_digest(venv) if venv
+                       else None)
     return IdentityCheck(dep.name, dep.namespace, path, state, mode,
                          check_identity(ident, ctx), tuple(problems))

@@ -67,6 +67,8 @@ class Location:
     vllm_markers: tuple[str, ...]
     vllm_url: str
     container_name: str
+    #: KVP_CONTAINER_ENGINE: docker or podman
+    container_engine: str
     served_model_name: str
     serde_key_file: str
     serde: str
@@ -85,9 +87,9 @@ class Location:
 
 
 def vllm_mode(dep: Deployment) -> str:
-    """``container`` when an image is configured for a GPU device, else ``process``."""
-    s = dep.settings
-    return "container" if s.image and s.device != "cpu" else "process"
+    """``container`` when an image is configured (KVP_IMAGE, on any device), else
+    ``process``."""
+    return "container" if dep.settings.image else "process"
 
 
 def locate(dep: Deployment) -> Location:
@@ -117,6 +119,7 @@ def locate(dep: Deployment) -> Location:
         vllm_markers=("--model", dep.namespace, "--served-model-name"),
         vllm_url=f"http://{url_host(s.vllm_host)}:{s.vllm_port}",
         container_name=s.container_name or f"{dep.name}-kvp",
+        container_engine=s.container_engine,
         served_model_name=s.served_model_name,
         serde_key_file=s.serde_key_file,
         serde=s.serde,

@@ -24,7 +24,13 @@ import shutil
 import stat
 from dataclasses import dataclass, replace
 
-from kvpersist.config.deployment import Deployment, listeners, shared_tier_of
+from kvpersist.config.deployment import (
+    Deployment,
+    container_mount_problems,
+    listeners,
+    private_paths,
+    shared_tier_of,
+)
 from kvpersist.errors import ConfigError, KvpError, Problem
 from kvpersist.l2.inventory import Sizing
 from kvpersist.l2.layout import display_name
@@ -167,6 +173,22 @@ class PreflightFacts:
     #: what is wrong with the warm set (KVP_WARMUP_FILE), read and parsed as the warm-up
     #: will (with vLLM only: the warm-up runs after vLLM serves)
     warm_set_problems: tuple[Problem, ...] = ()
+    #: KVP_CONTAINER_ENGINE (``docker_found``: whether it is installed)
+    container_engine: str = "docker"
+    #: the container's mounts that, symlinks resolved, would show it a private path
+    mount_problems: tuple[Problem, ...] = ()
+
+
+def resolved_mount_problems(dep: Deployment) -> list[Problem]:
+    """The container's mounts (KVP_CONTAINER_MOUNTS, the weights) against the private paths,
+    both with symlinks resolved (the pure check of the deployment compares them as
+    written)."""
+    s = dep.settings
+    mounts = [("KVP_CONTAINER_MOUNTS", os.path.realpath(m)) for m in s.container_mounts]
+    if s.model_path.startswith("/"):
+        mounts.append(("KVP_MODEL_PATH", os.path.realpath(s.model_path)))
+    private = [(k, os.path.realpath(p)) for k, p in private_paths(s)]
+    return container_mount_problems(private, mounts, "KVP_IMAGE")
 
 
 def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
@@ -212,7 +234,10 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
         server_exe=exe, server_exe_found=bool(os.path.exists(exe) or shutil.which(exe)),
         vllm_mode=plan.vllm_mode, model_target=plan.model_target,
         model_exists=os.path.exists(plan.model_target),
-        docker_found=bool(shutil.which("docker")) if with_vllm else False,
+        docker_found=bool(shutil.which(s.container_engine)) if with_vllm else False,
+        container_engine=s.container_engine,
+        mount_problems=tuple(resolved_mount_problems(dep)) if with_vllm and
+        plan.vllm_mode == "container" else (),
         identity_problems=tuple(identity.launch_problems()),
         identity_notes=tuple(identity.launch_notes()),
         weights=check_weights(plan, pinned=dep.pinned, with_vllm=with_vllm, write_cache=False),
@@ -429,8 +454,11 @@ def judge(f: PreflightFacts, *, min_free_bytes: int = MIN_FREE_BYTES) -> Preflig
         problems.append(Problem("KVP_MODEL_PATH", f"{f.model_target} does not exist",
                                 "point it at the model weights directory"))
     if f.with_vllm and f.vllm_mode == "container" and not f.docker_found:
-        problems.append(Problem("KVP_IMAGE", "docker is not installed",
-                                "install Docker or set KVP_DEVICE=cpu for a direct process"))
+        engine = f.container_engine
+        problems.append(Problem("KVP_IMAGE", f"{engine} is not installed",
+                                f"install {engine} (KVP_CONTAINER_ENGINE), or unset KVP_IMAGE "
+                                "for a direct process"))
+    problems += f.mount_problems
     problems += f.identity_problems
     notes += f.identity_notes
     problems += f.weights.problems

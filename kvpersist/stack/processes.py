@@ -286,9 +286,10 @@ class Stopped:
 def stop_vllm(plan: Location, *, timeout: float = 60.0) -> Stopped:
     """Stop the deployment's vLLM (direct process via its pid file, or the container)."""
     if plan.vllm_mode == "container":
-        if not shutil.which("docker"):
-            return Stopped("vLLM", None, "not-running", detail="docker not installed")
-        r = subprocess.run(["docker", "stop", "-t", str(int(timeout)), plan.container_name],
+        engine = plan.container_engine
+        if not shutil.which(engine):
+            return Stopped("vLLM", None, "not-running", detail=f"{engine} not installed")
+        r = subprocess.run([engine, "stop", "-t", str(int(timeout)), plan.container_name],
                            capture_output=True, text=True, timeout=timeout + 30)
         how = "terminated" if r.returncode == 0 else "not-running"
         return Stopped("vLLM", None, how, detail=plan.container_name)

@@ -286,22 +286,55 @@ CONTAINER_MODEL_DIR = "/kvp-models"
 
 
 def container_argv(dep: Deployment, vllm_args: list[str]) -> list[str]:
-    """``docker run`` argv for the deployment's vLLM container.
+    """``ENGINE run`` argv for the deployment's vLLM container (the same for docker and
+    podman, ``KVP_CONTAINER_ENGINE``).
 
     The weights are mounted read-only at ``/kvp-models/<namespace>`` and the working
-    directory is ``/kvp-models``, so the relative ``--model <namespace>`` resolves there.
-    Host networking reaches the cache server on loopback; host IPC lets LMCache share GPU
-    memory handles with the workers.
+    directory is ``/kvp-models``, so the relative ``--model <namespace>`` resolves there;
+    ``KVP_CONTAINER_MOUNTS`` are mounted read-only at the same path (e.g. a venv with vLLM's
+    CPU build). Nothing else of the host's files: never the cache root, the state dir, the
+    key or a secret (the deployment refuses mounts that would show them). Host networking
+    reaches the cache server on loopback; on a GPU, host IPC lets LMCache share GPU memory
+    handles with the workers (a CPU container does not share the host's IPC namespace: it
+    gets a /dev/shm of its own, :data:`CPU_SHM_SIZE`).
     """
     s = dep.settings
-    gpus = "all" if s.device != "cpu" else ""
-    argv = ["docker", "run", "--rm", "--name", s.container_name or f"{dep.name}-kvp",
-            "--network", "host", "--ipc", "host",
-            "-v", f"{s.model_path}:{CONTAINER_MODEL_DIR}/{dep.namespace}:ro",
-            "-w", CONTAINER_MODEL_DIR]
-    if gpus:
-        argv += ["--gpus", gpus]
+    argv = [s.container_engine, "run", "--rm", "--name", s.container_name or f"{dep.name}-kvp",
+            "--network", "host"]
+    if s.device != "cpu":
+        argv += ["--ipc", "host"]
+    else:
+        # the engine's shared-memory queues live in the container's own /dev/shm (64 MiB by
+        # default; vLLM 0.32's CPU build asks for 160 MiB for the demo model)
+        argv += [f"--shm-size={CPU_SHM_SIZE}"]
+    argv += ["-v", f"{s.model_path}:{CONTAINER_MODEL_DIR}/{dep.namespace}:ro"]
+    for mount in s.container_mounts:
+        argv += ["-v", f"{mount}:{mount}:ro"]
+    argv += ["-w", CONTAINER_MODEL_DIR]
+    if s.device == "cpu":
+        # what the direct process gets from the launch's environment (stack/plan.py)
+        argv += [f"--env={k}={v}" for k, v in CPU_CONTAINER_ENV]
+    else:
+        argv += ["--gpus", "all"]
     return [*argv, s.image, *vllm_args]
+
+
+def container_python_argv(dep: Deployment) -> list[str]:
+    """The command that runs the image's ``python3`` with stdin, no network and the same
+    read-only mounts as vLLM's container (vLLM's parser check, stack/vllm_args.py)."""
+    s = dep.settings
+    argv = [s.container_engine, "run", "--rm", "-i", "--network", "none"]
+    for mount in s.container_mounts:
+        argv += ["-v", f"{mount}:{mount}:ro"]
+    return [*argv, "--entrypoint", "python3", s.image]
+
+
+#: the private /dev/shm of a CPU container (memory used only as vLLM fills it)
+CPU_SHM_SIZE = "1g"
+
+#: the environment of a CPU container (never a secret: only these fixed values)
+CPU_CONTAINER_ENV = (("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1"),
+                     ("VLLM_TARGET_DEVICE", "cpu"))
 
 
 def _num(value: float) -> str:

@@ -58,7 +58,7 @@ from kvpersist.config.engine_flag_table import VLLM_VERSION
 from kvpersist.config.engine_flags import KV, NEUTRAL
 from kvpersist.config.loader import load_deployment, load_identity_values
 from kvpersist.errors import KvpError, Problem
-from kvpersist.stack.render import container_argv
+from kvpersist.stack.render import container_argv, container_python_argv
 from kvpersist.system.files import atomic_write_json
 from kvpersist.system.untrusted import UnreadableFile, read_json_object
 
@@ -305,22 +305,24 @@ def verdict(result: Mapping[str, Any], request: Mapping[str, Any],
 
 def check_vllm_args(vllm_argv: Sequence[str], extra: Sequence[str], engine_text: str,
                     engine: Mapping[str, str], *, python: str, env: Mapping[str, str],
-                    image: str = "", timeout: float = TIMEOUT_S) -> ParserCheck:
+                    image: str = "", container_run: Sequence[str] = (),
+                    timeout: float = TIMEOUT_S) -> ParserCheck:
     """Ask the pinned vLLM's parser about a launch's arguments (see the module docstring).
 
     ``python`` runs vLLM for a direct process; with ``image`` (a container deployment) the
-    script runs in the image instead, and a check that cannot run is only a note."""
+    script runs in the image instead (``container_run``: the command that runs the image's
+    ``python3``, :func:`~kvpersist.stack.render.container_python_argv`), and a check that
+    cannot run is only a note."""
     if not extra and not engine_text.strip():
         return ParserCheck((), ())
     request = build_request(vllm_argv, extra, engine_text, engine)
     if image:
-        docker = shutil.which("docker")
-        if docker is None:
-            return ParserCheck((), ("vLLM arguments not checked by vLLM's own parser: docker "
-                                    "is not installed (the pure check against the flag table "
-                                    "passed)",))
-        command = [docker, "run", "--rm", "-i", "--network", "none", "--entrypoint",
-                   "python3", image]
+        command = list(container_run) or ["docker", "run", "--rm", "-i", "--network", "none",
+                                          "--entrypoint", "python3", image]
+        if shutil.which(command[0]) is None:
+            return ParserCheck((), (f"vLLM arguments not checked by vLLM's own parser: "
+                                    f"{command[0]} is not installed (the pure check against "
+                                    "the flag table passed)",))
         run_env: Mapping[str, str] | None = None
     else:
         command, run_env = [python], env
@@ -365,7 +367,8 @@ def check_deployment(dep: Deployment, vllm_mode: str, vllm_argv: Sequence[str],
 
         args = list(vllm_argv[len(container_argv(dep, [])):])
         return check_vllm_args(args, extra, engine_text, engine, python="python3",
-                               env=vllm_env, image=dep.settings.image)
+                               env=vllm_env, image=dep.settings.image,
+                               container_run=container_python_argv(dep))
     return check_vllm_args(list(vllm_argv[3:]), extra, engine_text, engine,
                            python=vllm_argv[0], env=vllm_env)
 
@@ -399,11 +402,11 @@ def main(args: list[str] | None = None) -> int:
         if engine:
 
             engine_text = load_identity_values(dep.source)[1].get(ENGINE_KEY, "")
-        container = bool(rendered.get("container_argv")) and dep.settings.device != "cpu" \
-            and shutil.which("docker") is not None
+        container = bool(rendered.get("container_argv"))
         check = check_vllm_args([*rendered["vllm_argv"], *more], extra, engine_text, engine,
                                 python=sys.executable, env=os.environ,
-                                image=dep.settings.image if container else "")
+                                image=dep.settings.image if container else "",
+                                container_run=container_python_argv(dep) if container else ())
         problems = list(check.problems)
         for note in check.notes:
             print(f"note: {note}", file=sys.stderr)

@@ -7,11 +7,14 @@ metadata, so the read-only commands stay fast and never load an inference stack.
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 
 #: Distributions that install the ``vllm`` package, by name (the CUDA build and the CPU
@@ -73,9 +76,9 @@ def installed(extra: tuple[str, ...] = ()) -> Installed:
 
 @dataclass(frozen=True)
 class ImageInfo:
-    """What the local docker daemon knows about an image reference.
+    """What the local container engine (docker or podman) knows about an image reference.
 
-    ``checked`` is False when nothing could be learned (no docker client, the daemon not
+    ``checked`` is False when nothing could be learned (no client, the daemon not
     reachable, the image not pulled yet); ``reason`` says why.
     """
 
@@ -84,6 +87,10 @@ class ImageInfo:
     reason: str = ""
     image_id: str = ""
     repo_digests: tuple[str, ...] = ()
+    #: the container engine that was asked (docker or podman)
+    engine: str = "docker"
+    #: the image's labels (scripts/build-cpu-image.sh records the venv it runs there)
+    labels: dict[str, str] = field(default_factory=dict)
 
     def digests(self) -> set[str]:
         """Every ``sha256:…`` digest that names this image (its id and repo digests)."""
@@ -93,24 +100,54 @@ class ImageInfo:
         return out
 
 
-def inspect_image(reference: str, timeout: float = 30.0) -> ImageInfo:
-    """``docker image inspect REFERENCE``: the image id and repo digests, or why unknown."""
-    docker = shutil.which("docker")
-    if docker is None:
-        return ImageInfo(reference, False, "the docker client is not installed on this host")
+def inspect_image(reference: str, timeout: float = 30.0, engine: str = "docker") -> ImageInfo:
+    """``ENGINE image inspect REFERENCE`` (docker or podman): the image id and repo
+    digests, or why unknown. podman prints the id without its ``sha256:`` prefix."""
+    exe = shutil.which(engine)
+    if exe is None:
+        return ImageInfo(reference, False, f"the {engine} client is not installed on this host")
     try:
-        res = subprocess.run([docker, "image", "inspect", "--", reference], capture_output=True,
+        res = subprocess.run([exe, "image", "inspect", "--", reference], capture_output=True,
                              text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return ImageInfo(reference, False, f"docker image inspect failed: {exc}")
+        return ImageInfo(reference, False, f"{engine} image inspect failed: {exc}")
     if res.returncode != 0:
         last = (res.stderr.strip().splitlines() or ["no output"])[-1][:200]
-        return ImageInfo(reference, False, f"docker has no image {reference} here ({last})")
+        return ImageInfo(reference, False, f"{engine} has no image {reference} here ({last})")
     try:
         data = json.loads(res.stdout)
         entry = data[0]
         repo_digests = tuple(str(d) for d in entry.get("RepoDigests") or ())
         image_id = str(entry.get("Id") or "")
+        raw = (entry.get("Config") or {}).get("Labels") or entry.get("Labels") or {}
+        labels = {str(k): str(v) for k, v in raw.items()}
     except (ValueError, IndexError, KeyError, TypeError, AttributeError):
-        return ImageInfo(reference, False, "docker image inspect printed something unexpected")
-    return ImageInfo(reference, True, image_id=image_id, repo_digests=repo_digests)
+        return ImageInfo(reference, False,
+                         f"{engine} image inspect printed something unexpected")
+    if image_id and not image_id.startswith("sha256:"):
+        image_id = "sha256:" + image_id
+    return ImageInfo(reference, True, image_id=image_id, repo_digests=repo_digests,
+                     engine=engine, labels=labels)
+
+
+#: the label of a local image (scripts/build-cpu-image.sh) naming the host venv it runs,
+#: bind-mounted, and the label with the digest of that venv's distributions at build time
+VENV_LABEL = "org.kvpersist.venv"
+VENV_DISTS_LABEL = "org.kvpersist.venv-dists"
+
+
+def venv_distributions_digest(venv: str) -> str | None:
+    """``sha256:<hex>`` of the sorted ``*.dist-info`` names in ``venv``'s site-packages, one
+    a line, as ``scripts/build-cpu-image.sh`` computes it; None when there is no such venv."""
+    dirs = sorted(glob.glob(os.path.join(glob.escape(venv), "lib", "python3*",
+                                         "site-packages")))
+    if not dirs:
+        return None
+    names: list[str] = []
+    for d in dirs:
+        try:
+            names += [n for n in os.listdir(d) if n.endswith(".dist-info")]
+        except OSError:
+            return None
+    text = "".join(n + "\n" for n in sorted(names))
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()

