@@ -44,13 +44,9 @@ FRAME_SIZE = 528384  # the cpu-demo (tiny) chunk as an aesgcm frame, padded to 4
 
 def _env(root: Path) -> dict[str, str]:
     from kvpersist.system.procs import free_port
+    from tests.integration._prefetch_faults import lab_env
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-    env.update({"KVP_CACHE_ROOT": str(root), "KVP_LMCACHE_PORT": str(free_port()),
-                "KVP_LMCACHE_HTTP_PORT": str(free_port()), "KVP_VLLM_PORT": str(free_port()),
-                "KVP_L1_SIZE_GB": "1", "KVP_L2_BUDGET": "4G", "KVP_L2_RESERVE": "1M",
-                "LMCACHE_DISABLE_BANNER": "1"})
-    return env
+    return lab_env(root, free_port)
 
 
 def _client(env: dict[str, str]) -> subprocess.Popen[str]:
