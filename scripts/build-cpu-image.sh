@@ -55,6 +55,10 @@ dists=$(find "$venv"/lib/python3*/site-packages -maxdepth 1 -name '*.dist-info' 
 key=$( { sha256sum <"$0"; echo "$packages $mirror bookworm"; echo "$venv"; echo "$base";
          echo "$dists"; } | sha256sum | cut -c1-16)
 ref="$name:$key"
+# one build at a time per machine: a second caller (the test suite builds it ahead in the
+# background, the container test asks for it) waits, then finds the image built
+exec 9>"${TMPDIR:-/tmp}/kvp-build-cpu-image.$(id -u).lock"
+flock 9
 image_id() { "$engine" image inspect --format '{{.Id}}' "$ref" 2>/dev/null | sed 's/^sha256://'; }
 if id=$(image_id) && [ -n "$id" ]; then
   echo "build-cpu-image: $ref exists (id sha256:$id), reused" >&2

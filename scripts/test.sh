@@ -30,6 +30,11 @@ if [ "${TEST_LANES:-2}" = 1 ]; then
 fi
 lane_a=(tests/fullstack tests/deploy tests/infra)
 tmp=$(mktemp -d -t kvp-test-lanes.XXXXXX)
+# The container test's local image (a Debian root filesystem from Debian's mirror, 1.5-3 min
+# on a fresh machine, then reused) is built while the lanes start; the test waits for it.
+if command -v podman >/dev/null && command -v mmdebstrap >/dev/null; then
+    bash scripts/build-cpu-image.sh "$VENV" >"$tmp/image.log" 2>&1 &
+fi
 log="$tmp/lane-a.log"
 echo "[test] two lanes: ${lane_a[*]} (output at the end) beside tests/unit tests/integration" >&2
 TEST_PORT_RANGE=20000-25999 "$VENV/bin/python" -m pytest -p no:cacheprovider \
