@@ -45,7 +45,7 @@ def test_a_killed_leaders_child_is_found_and_stopped(tmp_path: Path) -> None:
     found = procs.leftovers(leader)
     assert [p.pid for p in found] == [child]
     assert procs.resident_bytes(found) > 0
-    assert procs.stop_leftovers(found) == 1
+    assert procs.stop_leftovers(found) == 1  # SIGKILL: nothing of it may run on
     assert not procs.alive(child)
     assert procs.leftovers(leader) == []
 
