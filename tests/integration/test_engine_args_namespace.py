@@ -58,10 +58,11 @@ def test_engine_args_move_the_namespace_and_its_hits(stack: Stack) -> None:
                                                        "hf_overrides": '{"rope_theta":20000}'}
     assert ns_eager == jq_namespace(shown[eager]["identity"]) != ns_plain
     assert shown[respelled]["namespace"] == ns_eager
-    # vLLM would run with exactly the canonical flags (rendered before the extra arguments)
+    # vLLM would run with exactly the canonical flags (rendered after kvpersist's own
+    # arguments, before the extra arguments)
     argv = stack.kvp_json("render", eager)["vllm_argv"]
     assert argv[argv.index("--kv-transfer-config") + 2:] == [
-        "--enforce-eager", '--hf-overrides={"rope_theta":20000}']
+        "--shutdown-timeout", "20", "--enforce-eager", '--hf-overrides={"rope_theta":20000}']
 
     # 1. without engine args: store two sequences, stop (L2 on disk)
     stack.config = plain

@@ -155,7 +155,9 @@ def test_tp4_container_argv_names_the_seed_container(rendered: dict[str, dict[st
 
 
 @pytest.mark.parametrize(("url", "kind"), [
-    ("valkey://10.0.5.11:6379?workers=4", "RESPL2AdapterConfig"),
+    # auto: resp only for a store on the loopback (it has no timeouts), valkey elsewhere
+    ("valkey://127.0.0.1:6379?workers=4", "RESPL2AdapterConfig"),
+    ("valkey://10.0.5.11:6379?workers=4", "ValkeyL2AdapterConfig"),
     ("valkey://10.0.5.11:6379,10.0.5.12:6379?cluster=1&tls=1", "ValkeyL2AdapterConfig"),
 ])
 def test_lmcache_parser_accepts_the_shared_tier(tmp_path: Path,
