@@ -28,9 +28,13 @@ the frame (the aesgcm serializer never clears it: stale bytes of other chunks, s
 docs/lmcache-publish-path.md), so the end of a frame cannot be told from trailing zeros alone.
 The plaintext length of a namespace's chunks is fixed by its KV geometry: verify learns it
 from the first file that authenticates, and a file that failed before it was known is tried
-again with it (reading, if needed, a few other files of the namespace to learn it). Only a file
-that fails with the learned length is a finding, or, when no file of its group authenticates,
-one that fails every length that fits.
+again with it (reading, if needed, a few other files of the namespace to learn it). Until it
+is known, a file is tried at the lengths that end its frame after its last non-zero byte and
+at every length a KV chunk can have in its last 4 KiB (:func:`frame_candidates`): with a
+small L1 every file's padding can be dirty (the 60-minute soak quarantined 522 valid files
+before this), and a real chunk authenticates at the first aligned try. Only a file that fails
+with the learned length is a finding, or, when no file of its group authenticates, one that
+fails every length tried.
 
 A file that authenticates is never a ``size`` or ``auth`` finding. With the ``aesgcm``
 serde and a key, every chunk file of the namespace is read and authenticated before it is
@@ -76,6 +80,12 @@ _TAG_LEN = 16
 _HDR_LEN = 1 + _IV_LEN
 FRAME_OVERHEAD = _HDR_LEN + _TAG_LEN
 _ALIGN = 4096  # the POSIX backend pads each file to 4 KiB
+#: every KV chunk's plaintext length is a multiple of this (frame_candidates)
+PLAINTEXT_ALIGN = 256
+#: per group, at most this many files are tried at every aligned length before a length
+#: is known (a real chunk authenticates at the first try: the cap bounds what a flood of
+#: garbage files costs when nothing of the group authenticates)
+ALIGNED_SEARCHES = 8
 
 
 @dataclass(frozen=True)
@@ -128,12 +138,21 @@ def expected_sizes(sizes: dict[tuple[str, int], list[int]]) -> dict[tuple[str, i
     return {k: Counter(v).most_common(1)[0][0] for k, v in sizes.items() if v}
 
 
-def frame_candidates(blob: bytes, known_plaintext: int | None) -> list[int]:
+def frame_candidates(blob: bytes, known_plaintext: int | None,
+                     aligned: bool = False) -> list[int]:
     """Plaintext lengths to try for an aesgcm frame stored in ``blob`` (pure).
 
-    The file holds ``[version][iv][ciphertext||tag]`` then zero padding up to 4 KiB. The
-    length already seen for this namespace comes first, then lengths ending the frame just
-    after the last non-zero byte (a tag ends in zero bytes only rarely).
+    The file holds ``[version][iv][ciphertext||tag]`` then padding up to 4 KiB: zeros in a
+    fresh L1 page, but stale bytes of other chunks once L1 memory is reused (LMCache never
+    clears it). The length already seen for this namespace comes first, then lengths ending
+    the frame just after the last non-zero byte (right when the padding is clean; a tag ends
+    in zero bytes only rarely). With ``aligned`` (no length known yet), then the lengths a
+    KV chunk has whatever its padding: the frame ends in the file's last 4 KiB, and a KV
+    plaintext (tokens x bytes per token) is a multiple of :data:`PLAINTEXT_ALIGN` when a
+    chunk is 256 tokens (the default ``server.chunk_size``) or a multiple of it, or when a
+    token's KV is (a head size of 64 in two bytes for K and V already is); the most aligned
+    come first (a multiple of 4096, then of 1024,
+    then of 256), so that a real chunk authenticates in one or two tries.
     """
     out: list[int] = []
     if known_plaintext is not None:
@@ -143,6 +162,13 @@ def frame_candidates(blob: bytes, known_plaintext: int | None) -> list[int]:
         n = frame_end - FRAME_OVERHEAD
         if n >= 0 and n not in out:
             out.append(n)
+    if aligned:
+        top = len(blob) - FRAME_OVERHEAD  # the frame ends at the file's end at the latest
+        low = max(0, top - _ALIGN + 1)  # and after the page before the last
+        for step in (_ALIGN, 1024, PLAINTEXT_ALIGN):
+            for n in range(top - top % step, low - 1, -step):
+                if n > 0 and n not in out:
+                    out.append(n)
     return out
 
 
@@ -160,29 +186,33 @@ def derive_key(master: bytes, salt: str = "", aes_bits: int = 128) -> bytes:
     return _derive(master, salt, aes_bits // 8)
 
 
-def decrypt(blob: bytes, key: bytes, known_plaintext: int | None) -> bytes | None:
+def decrypt(blob: bytes, key: bytes, known_plaintext: int | None,
+            aligned: bool = False) -> bytes | None:
     """The plaintext of the aesgcm frame stored in ``blob`` if it authenticates with ``key``
-    (a derived key, :func:`derive_key`), else None."""
+    (a derived key, :func:`derive_key`), else None. ``aligned``: see
+    :func:`frame_candidates`."""
     from cryptography.exceptions import InvalidTag
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     if len(blob) < FRAME_OVERHEAD or blob[0] != _VERSION:
         return None
     aes = AESGCM(key)
-    for n in frame_candidates(blob, known_plaintext):
+    view = memoryview(blob)  # no copy of the file per length tried
+    for n in frame_candidates(blob, known_plaintext, aligned):
         end = _HDR_LEN + n + _TAG_LEN
         if end > len(blob):
             continue
         try:
-            return aes.decrypt(blob[1:_HDR_LEN], blob[_HDR_LEN:end], None)
+            return aes.decrypt(blob[1:_HDR_LEN], view[_HDR_LEN:end], None)
         except InvalidTag:
             continue
     return None
 
 
-def authenticate(blob: bytes, key: bytes, known_plaintext: int | None) -> int | None:
+def authenticate(blob: bytes, key: bytes, known_plaintext: int | None,
+                 aligned: bool = False) -> int | None:
     """The plaintext length if ``blob`` holds a frame that authenticates with ``key``."""
-    plain = decrypt(blob, key, known_plaintext)
+    plain = decrypt(blob, key, known_plaintext, aligned)
     return None if plain is None else len(plain)
 
 
@@ -368,6 +398,7 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
     #: files that failed before their group's frame length was known: tried again after
     pending: dict[Group, list[tuple[_Seen, layout.ChunkName]]] = {}
     referenced: set[Group] = set()  # groups whose older files were read to learn the length
+    searches: Counter[Group] = Counter()  # files tried at every aligned length, per group
     throttle = _Throttle(rate_mb_s)
     dirs_open = _DirCache(r.fd)
     frames: list[tuple[bytes, _Seen]] = []  # the IV of each frame that authenticated
@@ -404,7 +435,11 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
             return False, None
         throttle.account(len(blob))
         res.bytes_read += len(blob)
-        n = authenticate(blob, keys[salt], known)
+        group = (parsed.prefix, parsed.rank.world_size)
+        aligned = known is None and searches[group] < ALIGNED_SEARCHES
+        n = authenticate(blob, keys[salt], known, aligned)
+        if n is None and aligned:
+            searches[group] += 1
         if n is not None:
             frames.append((blob[1:_HDR_LEN], seen))
         return True, n
