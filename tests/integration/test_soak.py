@@ -5,7 +5,8 @@ only, kill -9 of each, warm-ups; on timers ``prune --to-budget --apply`` and ``v
 --apply``; L1 and the L2 budget smaller than the working set (LMCache's LRU evicts while
 prefetches run). Asserted from its summary: every output equal to its reference (0 wrong),
 every request served in the end, errors only of the restart window's kinds, the planted
-operator files untouched, the bytes under the root never past the budget + reserve."""
+operator files untouched, the bytes under the root never past the budget + reserve (or the
+worst case a start of the server announced, counted in the summary)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ def test_five_minute_soak_never_changes_an_output(tmp_path: Path) -> None:
     assert set(s["errors"]) <= {"connect", "reset", "stream", "http-500", "finish-abort",
                                 "finish-None"}, s["errors"]
     assert s["foreign_touched"] == [], s["foreign_touched"]
-    assert s["disk_high_water_bytes"] <= s["budget_bytes"] + s["reserve_bytes"], s
+    # the budget + reserve, or the worst case a start of the server announced (its warning)
+    bound = max(s["budget_bytes"] + s["reserve_bytes"], s["announced_worst_bytes"])
+    assert s["disk_high_water_bytes"] <= bound, s
     assert s["prunes"] >= 1 and s["verifies"] >= 1, s
     assert not s["prune_failures"] and not s["verify_failures"], s
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
