@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             by_phase[r.phase][f"error:{r.error_class}"] += 1
     unserved = {(uid, rnd) for uid, rnd in refs} - {(r.uid, r.round) for r in records if r.ok}
+    announced = max((int(p["worst_case"]) for p in plans if p), default=0)
     summary = {
         "minutes": round((time.monotonic() - started) / 60, 1), "rounds": round_no,
         "users": len(users), "requests": len(records),
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         # announces a worst case above the budget (a warning, until pruned)
         "launch_plans": len(plans),
         "launches_over_budget": sum(1 for p in plans if p and not p["within_budget"]),
-        "announced_worst_bytes": max((p["worst_case"] for p in plans if p), default=0),
+        "announced_worst_bytes": announced,
         "foreign_touched": touched, "stop_exit": stop.returncode, "aborted": aborted,
     }
     print(json.dumps(summary, indent=2))
@@ -428,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                             + "\n")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
-    bound = max(limit + (1 << 20), summary["announced_worst_bytes"])
+    bound = max(limit + (1 << 20), announced)
     bad = wrong or unserved or touched or aborted or sampler.high > bound
     return 1 if bad else 0
 

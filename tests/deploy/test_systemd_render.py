@@ -101,6 +101,16 @@ def test_vllm_unit_is_ordered_but_not_bound():
                 and "kvp-lmcache" in ln]
 
 
+def test_vllm_unit_stops_vllm_through_its_api_server_only():
+    """KillMode=mixed: the stop's SIGTERM goes to the main process (vLLM's API server), which
+    drains and stops its engine core and worker in order; a SIGTERM sent to the worker itself
+    mid-step left wrong KV in the cache (bench/orphan_repro.py --signal term)."""
+    vllm = sr.render_units(sr.UnitSettings())["kvp-vllm@.service"]
+    settings = [ln for ln in vllm.splitlines() if ln and not ln.startswith("#")]
+    assert "KillMode=mixed" in settings
+    assert not [ln for ln in settings if ln.startswith("KillSignal=") and "TERM" not in ln]
+
+
 def test_vllm_unit_is_active_only_after_the_warmup():
     """ExecStartPost waits for vLLM and warms up within the start timeout less 30 s; "-": a
     failed warm-up never fails the unit. The health unit counts warming (3) as a completed
