@@ -38,8 +38,8 @@ SIZE = 528384
 def make_tree(root: Path, n: int, master: bytes) -> list[Path]:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+    from kvpersist.l2.frames import _derive
     from kvpersist.l2.layout import ChunkName
-    from kvpersist.l2.verify import _derive
 
     aes = AESGCM(_derive(master, "", 16))
     files = []

@@ -47,7 +47,7 @@ import requests
 
 from kvpersist.demo.kvdriver import KVDriver, connect
 from kvpersist.l2 import keys
-from kvpersist.l2.verify import decrypt, derive_key
+from kvpersist.l2.frames import decrypt, derive_key
 
 #: tokens per sequence (16 chunks of 256 tokens: a wide prefetch)
 TOKENS = 4096

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.deploy import hook
-from kvpersist.l2 import keys, verify
+from kvpersist.l2 import frames, keys, verify
 from kvpersist.stack import health
 from kvpersist.system import procs
 
@@ -222,17 +222,17 @@ def test_frame_authentication_roundtrip() -> None:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     master = os.urandom(32)
-    dek = verify._derive(master, "", 16)
+    dek = frames._derive(master, "", 16)
     plain = os.urandom(5000)
     iv = os.urandom(12)
     frame = bytes([1]) + iv + AESGCM(dek).encrypt(iv, plain, None)
     blob = frame + b"\0" * (-len(frame) % 4096)
-    assert verify.authenticate(blob, dek, None) == 5000
-    assert verify.authenticate(blob, dek, 5000) == 5000
+    assert frames.authenticate(blob, dek, None) == 5000
+    assert frames.authenticate(blob, dek, 5000) == 5000
     bad = bytearray(blob)
     bad[100] ^= 1
-    assert verify.authenticate(bytes(bad), dek, None) is None
-    assert verify.authenticate(blob, verify._derive(os.urandom(32), "", 16), None) is None
+    assert frames.authenticate(bytes(bad), dek, None) is None
+    assert frames.authenticate(blob, frames._derive(os.urandom(32), "", 16), None) is None
     assert verify.expected_sizes({("p", 1): [5, 5, 3]}) == {("p", 1): 5}
 
 

@@ -11,20 +11,20 @@ from pathlib import Path
 import pytest
 
 from kvpersist.errors import KvpError, UsageError
-from kvpersist.l2 import verify
+from kvpersist.l2 import frames, verify
 from kvpersist.l2.layout import ChunkName, temp_name
 from tests.l2_roots import verify_at
 
 NS = "kvp-" + "d4" * 16
 MASTER = bytes(range(32))
-#: a KV chunk's plaintext is a multiple of 256 bytes (verify.PLAINTEXT_ALIGN): 5 KiB here
+#: a KV chunk's plaintext is a multiple of 256 bytes (frames.PLAINTEXT_ALIGN): 5 KiB here
 PLAIN = 5120
 
 
 def frame(salt: str | None = None, corrupt: bool = False, plain: int = PLAIN) -> bytes:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    dek = verify._derive(MASTER, salt or "", 16)
+    dek = frames._derive(MASTER, salt or "", 16)
     iv = os.urandom(12)
     blob = bytearray(bytes([1]) + iv + AESGCM(dek).encrypt(iv, os.urandom(plain), None))
     if corrupt:
@@ -197,12 +197,12 @@ def test_a_dirty_frame_of_an_unaligned_length_alone_is_the_case_left(tmp_path: P
 def test_aligned_lengths_are_tried_most_aligned_first() -> None:
     blob = dirty_frame(plain=1 << 20)  # the demo model's chunk: 1 MiB in a 1,052,672-byte file
     assert len(blob) == 1052672
-    cands = verify.frame_candidates(blob, None, aligned=True)
+    cands = frames.frame_candidates(blob, None, aligned=True)
     aligned = [n for n in cands if n % 256 == 0]
     assert aligned[0] == 1 << 20 and len(aligned) == 16
     assert all(len(blob) - 4096 < n + 29 <= len(blob) for n in aligned)
-    assert verify.frame_candidates(blob, 1 << 20)[0] == 1 << 20
-    assert not any(n % 256 == 0 for n in verify.frame_candidates(blob, None))
+    assert frames.frame_candidates(blob, 1 << 20)[0] == 1 << 20
+    assert not any(n % 256 == 0 for n in frames.frame_candidates(blob, None))
 
 
 def test_a_crash_window_checks_only_recent_files_and_learns_from_older_ones(
