@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Reproduction: how the orphaned engine of a ``kill -9``'d vLLM is stopped changes answers.
 
-    python bench/orphan_repro.py --signal term|kill [--users 8] [--seed 21] \\
-        [--workdir DIR] [--out FILE]
+    python bench/orphan_repro.py --signal term|kill|term-worker|term-engine [--users 8] \\
+        [--seed 21] [--workdir DIR] [--out FILE]
 
 The first round of the 60-minute soak (bench/soak.py, seed 21), alone, on a fresh cache
 root: the float32 copy of cpu-demo on the generated tiny model, launched by ``kvp-admin
@@ -13,9 +13,7 @@ itself with ``--signal`` (SIGTERM: a graceful shutdown; SIGKILL: none; or SIGTER
 worker only, or to the engine core only, the rest SIGKILLed after it), waits until they are
 gone, then runs ``kvp-admin launch``, which starts vLLM again (it finds nothing left to stop).
 The storm's requests are retried until served. Then every request is sent once more, alone:
-an answer that is still wrong then came from what the cache holds. With ``--return-after S``
-the storm's users do not retry: they come back S seconds after the relaunch, alone (with S
-past the server's worker reap timeout: what reaping the dead worker's registration does).
+an answer that is still wrong then came from what the cache holds.
 
 Printed and written to ``--out``: the wrong answers of the storm and of the repeat. Exit 1 if
 any answer was wrong.
@@ -36,29 +34,20 @@ from typing import Any
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.soak import make_deployment  # noqa: E402
-from bench.traffic import (  # noqa: E402
+# the soak's deployment and its traffic driver (bench/traffic.py, through bench/soak.py)
+from bench.soak import (  # noqa: E402
     User,
     compare,
     conversation,
+    make_deployment,
     references,
     storm,
     user_history,
 )
 from kvpersist.demo.model import generate_model  # noqa: E402
 from kvpersist.system import procs  # noqa: E402
-
-
-def _tail(dep: Any, n: int) -> list[str]:
-    log = dep.state_dir / "logs" / "lmcache-server.log"
-    try:
-        return log.read_text(errors="replace").splitlines()[-n:]
-    except OSError:
-        return []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,10 +58,6 @@ def main(argv: list[str] | None = None) -> int:
                          "worker (or the engine core) only, the others SIGKILLed once it is gone")
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--seed", type=int, default=21)
-    ap.add_argument("--return-after", type=float, default=0.0,
-                    help="the storm's users do not retry: they come back this many seconds "
-                         "after the relaunch (past the server's worker reap timeout, 120 s by "
-                         "default, to see what reaping the dead worker does)")
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -119,15 +104,10 @@ def main(argv: list[str] | None = None) -> int:
 
     th = threading.Thread(target=kill_and_relaunch, daemon=True)
     th.start()
-    retry = 0.0 if args.return_after else time.monotonic() + 900
     recs = storm(dep.url, "cpu-demo", batch, phase="kill9-vllm", spread_s=1.0, seed=args.seed,
-                 retry_until=retry)
+                 retry_until=time.monotonic() + 900)
     th.join(900)
     wrong = compare(recs, refs)
-    if args.return_after:
-        event["server_log_before_return"] = _tail(dep, 3)
-        time.sleep(args.return_after)
-        event["reaped"] = [ln[-120:] for ln in _tail(dep, 400) if "Reaped" in ln]
     again = []
     for item in batch:
         r = storm(dep.url, "cpu-demo", [item], phase="again", spread_s=0.0, seed=1,
@@ -135,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         again.append({"user": item[0], "cached_tokens": r.cached_tokens,
                       "same": r.text == refs[(item[0], 0)]})
     dep.kvp("stop", str(dep.config))
-    doc = {"event": event, "storm_wrong": wrong, "return_after_s": args.return_after,
+    doc = {"event": event, "storm_wrong": wrong,
            "again_wrong": [a for a in again if not a["same"]], "again": again,
            "users": args.users, "seed": args.seed}
     print(json.dumps(doc, indent=1))
