@@ -36,8 +36,8 @@ def frame_candidates(blob: bytes, known_plaintext: int | None,
     plaintext (tokens x bytes per token) is a multiple of :data:`PLAINTEXT_ALIGN` when a
     chunk is 256 tokens (the default ``server.chunk_size``) or a multiple of it, or when a
     token's KV is (a head size of 64 in two bytes for K and V already is); the most aligned
-    come first (a multiple of 4096, then of 1024,
-    then of 256), so that a real chunk authenticates in one or two tries.
+    come first (a multiple of 4096, then of 1024, then of 256), so that a real chunk
+    authenticates in one or two tries.
     """
     out: list[int] = []
     if known_plaintext is not None:

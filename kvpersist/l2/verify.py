@@ -31,9 +31,9 @@ from the first file that authenticates, and a file that failed before it was kno
 again with it (reading, if needed, a few other files of the namespace to learn it). Until it
 is known, a file is tried at the lengths that end its frame after its last non-zero byte and
 at every length a KV chunk can have in its last 4 KiB
-(:func:`kvpersist.l2.frames.frame_candidates`): with a
-small L1 every file's padding can be dirty (the 60-minute soak quarantined 522 valid files
-before this), and a real chunk authenticates at the first aligned try. Only a file that fails
+(:func:`kvpersist.l2.frames.frame_candidates`): with a small L1 every file's padding can be
+dirty (the 60-minute soak quarantined 522 valid files before this), and a real chunk
+authenticates at the first aligned try. Only a file that fails
 with the learned length is a finding, or, when no file of its group authenticates, one that
 fails every length tried.
 
