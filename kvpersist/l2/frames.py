@@ -11,9 +11,9 @@ from __future__ import annotations
 _HKDF_INFO_PREFIX = b"lmcache-l2-aesgcm-v1"  # lmcache/v1/distributed/serde/aesgcm.py
 _VERSION = 1
 _IV_LEN = 12
-_TAG_LEN = 16
-_HDR_LEN = 1 + _IV_LEN
-FRAME_OVERHEAD = _HDR_LEN + _TAG_LEN
+TAG_LEN = 16
+HDR_LEN = 1 + _IV_LEN
+FRAME_OVERHEAD = HDR_LEN + TAG_LEN
 _ALIGN = 4096  # the POSIX backend pads each file to 4 KiB
 #: every KV chunk's plaintext length is a multiple of this (frame_candidates)
 PLAINTEXT_ALIGN = 256
@@ -84,11 +84,11 @@ def decrypt(blob: bytes, key: bytes, known_plaintext: int | None,
     aes = AESGCM(key)
     view = memoryview(blob)  # no copy of the file per length tried
     for n in frame_candidates(blob, known_plaintext, aligned):
-        end = _HDR_LEN + n + _TAG_LEN
+        end = HDR_LEN + n + TAG_LEN
         if end > len(blob):
             continue
         try:
-            return aes.decrypt(blob[1:_HDR_LEN], view[_HDR_LEN:end], None)
+            return aes.decrypt(blob[1:HDR_LEN], view[HDR_LEN:end], None)
         except InvalidTag:
             continue
     return None

@@ -69,12 +69,12 @@ from typing import Any
 
 from kvpersist.l2 import layout
 from kvpersist.l2.frames import (
-    _HDR_LEN,
-    _TAG_LEN,
     ALIGNED_SEARCHES,
     FRAME_OVERHEAD,
-    _derive,
+    HDR_LEN,
+    TAG_LEN,
     authenticate,
+    derive_key,
 )
 from kvpersist.l2.layout import QUARANTINE_DIR, display_name
 from kvpersist.l2.tree import FILE_FLAGS, RootDir, chunk_dirs, meta_dir, open_rel
@@ -338,7 +338,7 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
         salt = parsed.salt or ""
         if salt not in keys:
             assert key is not None
-            keys[salt] = _derive(key, salt, aes_bits // 8)
+            keys[salt] = derive_key(key, salt, aes_bits)
         try:
             blob, st = _read(dirs_open.get(seen.rel), seen.name)
         except FileNotFoundError:
@@ -358,7 +358,7 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
         if n is None and aligned:
             searches[group] += 1
         if n is not None:
-            frames.append((blob[1:_HDR_LEN], seen))
+            frames.append((blob[1:HDR_LEN], seen))
         return True, n
 
     def passed(seen: _Seen, group: Group, n: int, counted: bool = True) -> None:
@@ -432,7 +432,7 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
         retries = [(g, seen, parsed) for g, failed in pending.items() for seen, parsed in failed]
         for j, (group, seen, parsed) in enumerate(retries):
             known = known_plain.get(group)
-            if known is None or seen.size < _HDR_LEN + known + _TAG_LEN:
+            if known is None or seen.size < HDR_LEN + known + TAG_LEN:
                 condemn(seen, group)  # nothing more to try: it failed every length that fits
                 continue
             if deadline is not None and time.monotonic() >= deadline:
