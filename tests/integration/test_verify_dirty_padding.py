@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpersist.l2.frames import FRAME_OVERHEAD
 from tests.cli import kvp
 
 from ..conftest import free_port
@@ -26,11 +27,9 @@ from ._prefetch_faults import CHUNKS, Lab, lab_env
 
 pytestmark = pytest.mark.integration
 
-_FRAME = 1 + 12 + 16  # version, IV, tag
-
-
 def _dirty(path: Path, plain: int) -> bool:
-    return any((path.read_bytes())[_FRAME + plain:])
+    """Whether the bytes after the frame (``plain`` bytes of plaintext) are not all zero."""
+    return any(path.read_bytes()[FRAME_OVERHEAD + plain:])
 
 
 def test_verify_keeps_valid_files_whose_padding_is_all_dirty(tmp_path: Path) -> None:
@@ -57,7 +56,7 @@ def test_verify_keeps_valid_files_whose_padding_is_all_dirty(tmp_path: Path) -> 
             lab.plain[n] = digest
         plain = lab.frame_plaintext
         assert plain is not None
-        dirty = {n for n in kept if any((lab.root / n).read_bytes()[_FRAME + plain:])}
+        dirty = {n for n in kept if _dirty(lab.root / n, plain)}
         print(f"\n{len(dirty)} of {len(kept)} chunk files have stale bytes in their padding")
         assert len(dirty) >= CHUNKS, "LMCache reused no L1 memory: nothing to test"
         for n in kept - dirty:
