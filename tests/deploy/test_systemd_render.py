@@ -104,7 +104,7 @@ def test_vllm_unit_is_ordered_but_not_bound():
 def test_vllm_unit_stops_vllm_through_its_api_server_only():
     """KillMode=mixed: the stop's SIGTERM goes to the main process (vLLM's API server), which
     drains and stops its engine core and worker in order; a SIGTERM sent to the worker itself
-    mid-step left wrong KV in the cache (bench/orphan_repro.py --signal term)."""
+    mid-step left wrong KV in the cache (bench/orphan_repro.py --signal term-worker)."""
     vllm = sr.render_units(sr.UnitSettings())["kvp-vllm@.service"]
     settings = [ln for ln in vllm.splitlines() if ln and not ln.startswith("#")]
     assert "KillMode=mixed" in settings
