@@ -20,6 +20,7 @@ from kvpersist.stack.health import health_report
 from kvpersist.stack.locate import Location, locate
 from kvpersist.stack.plan import LaunchPlan, prepare_launch
 from kvpersist.stack.preflight import preflight
+from kvpersist.stack.prime import PrimeRun
 from kvpersist.stack.processes import Progress, Stopped, quiet
 from kvpersist.stack.readiness import WarmupRun, log_to, warmup_after_vllm
 from kvpersist.stack.stops import systemd_stop_was_clean, systemd_stop_was_deliberate
@@ -100,6 +101,7 @@ class LaunchOutcome:
                         "seconds_to_healthy": round(srv.seconds, 2) if srv else None},
             "vllm": None,
             "crash_window": res.crash.to_dict() if res.crash is not None else None,
+            "prime": res.prime.to_dict() if res.prime is not None else None,
             "warmup": res.warmup.to_dict() if res.warmup is not None else None,
             "fleet_record": (res.fleet_record.to_dict() if res.fleet_record is not None
                              else None),
@@ -137,9 +139,12 @@ class WarmupOnlyOutcome:
     config: str
     namespace: str
     warmup: WarmupRun
+    #: the priming request (None: vLLM did not serve in time)
+    prime: PrimeRun | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config, "namespace": self.namespace,
+                "prime": self.prime.to_dict() if self.prime is not None else None,
                 "warmup": self.warmup.to_dict()}
 
 
@@ -155,11 +160,11 @@ def warmup_only(config: str, *, deadline_s: float = 1800.0,
 
     dep, loc = load_located(config)
     logged = log_to(loc.warmup_log, progress)
-    run = warmup_after_vllm(loc, config, warm_file=dep.settings.warmup_file,
-                            env=dict(os.environ if environ is None else environ),
-                            deadline_s=deadline_s, progress=logged)
-    logged(lc.warmup_summary(run))
-    return WarmupOnlyOutcome(dep.name, dep.namespace, run)
+    step = warmup_after_vllm(loc, config, warm_file=dep.settings.warmup_file,
+                             env=dict(os.environ if environ is None else environ),
+                             deadline_s=deadline_s, progress=logged)
+    logged(lc.warmup_summary(step.warmup))
+    return WarmupOnlyOutcome(dep.name, dep.namespace, step.warmup, step.prime)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ _server_timeout = click.option("--timeout", type=float, default=60.0, show_defau
 _vllm_timeout = click.option("--vllm-timeout", type=float, default=600.0, show_default=True,
                              help="Seconds to wait for vLLM to serve the namespace.")
 _no_warmup = click.option("--no-warmup", is_flag=True,
-                          help="Report ready as soon as vLLM serves, without the warm-up.")
+                          help="Report ready as soon as vLLM serves, without the priming "
+                               "request and the warm-up.")
 _warmup_wait = click.option(
     "--warmup-wait", type=float, default=None, metavar="SECONDS",
     help="Bound of the warm-up (kvp-admin warmup --wait) [default: KVP_WARMUP_WAIT, 120 s]; a "
@@ -137,6 +138,8 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
         from kvpersist.stack.launch import warmup_summary
 
         click.echo(f"warm-up         {warmup_summary(out.result.warmup)}")
+    if out.result.prime is not None:
+        click.echo(f"prime           {out.result.prime.summary()}")
 
 
 @click.command("stop")

@@ -8,8 +8,9 @@ the launch's first writes: the cache root when it is to be created (0700), the s
 an unclean stop, verify and quarantine what was written since the last launch, before the
 server starts) → :func:`~kvpersist.stack.processes.start_server` /
 :func:`~kvpersist.stack.processes.start_vllm` (processes, pid files, waiting for health) →
-the warm-up (:mod:`kvpersist.stack.readiness`: after vLLM serves, before the launch reports
-ready; a failed one is a warning, never a failed launch). Stopping and inspecting are in
+the prime and the warm-up (:mod:`kvpersist.stack.prime`, :mod:`kvpersist.stack.readiness`:
+after vLLM serves, before the launch reports ready; a failed one is a warning, never a failed
+launch). Stopping and inspecting are in
 :mod:`kvpersist.stack.processes`. The use cases in :mod:`kvpersist.actions.lifecycle` call
 these; the click commands only parse and format.
 """
@@ -31,6 +32,7 @@ from kvpersist.stack.fleet import RecordOutcome
 from kvpersist.stack.locate import Location
 from kvpersist.stack.plan import LaunchPlan, Prepared
 from kvpersist.stack.preflight import Preflight, preflight, root_creation_note
+from kvpersist.stack.prime import PrimeRun, prime_vllm
 from kvpersist.stack.processes import (
     Progress,
     Started,
@@ -157,6 +159,9 @@ class LaunchResult:
     #: this host's fleet record on the shared tier (None: no shared tier, or the server was
     #: already running)
     fleet_record: RecordOutcome | None = None
+    #: the priming request to the vLLM this launch started (None: none started, or
+    #: ``warmup`` False)
+    prime: PrimeRun | None = None
 
 
 @dataclass(frozen=True)
@@ -221,8 +226,9 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
     ``with_vllm`` vLLM; each is an independent process): preflight what will start, prepare
     state, check the crash window after an unclean stop (bounded by ``crash_rate_mb_s`` and
     ``crash_seconds``) before the server starts, start the cache server, write this host's
-    fleet record on the shared tier (a failure is a warning note), then vLLM, then
-    (``warmup``, when vLLM serves) the warm-up, bounded by ``warmup_wait`` seconds (default
+    fleet record on the shared tier (a failure is a warning note), then vLLM, then, with
+    ``warmup``, the priming request to the vLLM it started (:mod:`kvpersist.stack.prime`; a
+    failure is a warning) and the warm-up, bounded by ``warmup_wait`` seconds (default
     KVP_WARMUP_WAIT): the launch returns, ready, after it. A vLLM that runs already
     reconnects to a server started here by itself (LMCache's connector re-registers its KV
     layout); a vLLM started beside a running server connects to it.
@@ -289,6 +295,10 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
     if vsp is not None:
         vllm = wait_ready(vsp, vllm_timeout)
         progress(f"vLLM serves in {vllm.seconds:.1f} s (pid {vllm.pid})")
+    primed: PrimeRun | None = None
+    if vllm is not None and warmup:
+        primed = prime_vllm(plan)
+        progress(primed.summary())
     warm: WarmupRun | None = None
     if with_vllm and (vllm is not None or plan.vllm_mode == "process"):
         if warmup and not dep.settings.warmup_file:
@@ -298,7 +308,7 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
                               env=prepared.environ or os.environ, wait_s=warmup_wait,
                               progress=progress)
             progress(warmup_summary(warm))
-    return LaunchResult(plan, tuple(notes), server, vllm, crash, warm, record)
+    return LaunchResult(plan, tuple(notes), server, vllm, crash, warm, record, primed)
 
 
 def warmup_summary(warm: WarmupRun) -> str:

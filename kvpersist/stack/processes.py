@@ -178,7 +178,7 @@ def spawn_server(plan: LaunchPlan, *, progress: Progress = quiet) -> Spawned:
     return _spawn("lmcache server", plan.server_argv, log=plan.server_log, env=plan.server_env,
                   cwd=plan.state_dir, pid_file=plan.server_pid_file,
                   ready=lambda: http_ok(f"{plan.server_http_url}/healthcheck", 1.0),
-                  interval=0.5, stop_timeout=10, not_ready="not healthy")
+                  interval=0.25, stop_timeout=10, not_ready="not healthy")
 
 
 def start_server(plan: LaunchPlan, *, timeout: float = 60.0,
@@ -258,7 +258,7 @@ def spawn_vllm(plan: LaunchPlan, *, progress: Progress = quiet) -> Spawned:
     return _spawn("vLLM", plan.vllm_argv, log=plan.vllm_log, env=plan.vllm_env,
                   cwd=plan.model_link_dir,
                   pid_file=plan.vllm_pid_file if plan.vllm_mode == "process" else None,
-                  ready=lambda: vllm_ready(plan, 2.0), interval=1.0, stop_timeout=15,
+                  ready=lambda: vllm_ready(plan, 2.0), interval=0.25, stop_timeout=15,
                   not_ready="not ready")
 
 

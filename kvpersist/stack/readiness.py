@@ -3,10 +3,12 @@
 Order, wherever a deployment starts (``kvp-admin launch``, the systemd units, the
 ``KV_PERSIST=1`` hook): the cache server is healthy → vLLM answers and has registered its KV
 layout with the server (a vLLM worker registers before the OpenAI server answers) → the
-warm-up (:mod:`kvpersist.stack.warmup`, the engine ``kvp-admin warmup CONFIG --wait S`` runs
-too: the warm set's chunks L2 → L1) → ready. A warm-up that fails or times out never takes
-the deployment down: vLLM keeps serving, cold, and health reports it *degraded* (component
-``warmup``) until the next warm-up succeeds or the cache server restarts.
+prime (:mod:`kvpersist.stack.prime`: one short request, so that the first user does not
+pay vLLM's first-request cost) → the warm-up (:mod:`kvpersist.stack.warmup`, the engine
+``kvp-admin warmup CONFIG --wait S`` runs too: the warm set's chunks L2 → L1) → ready. A
+prime or a warm-up that fails or times out never takes the deployment down: vLLM keeps
+serving, cold, and health reports a failed warm-up *degraded* (component ``warmup``) until the
+next warm-up succeeds or the cache server restarts.
 
 The warm-up runs as a child process (it runs as the service user and imports vLLM):
 ``python -m kvpersist.stack.warmup CONFIG --wait S --json``, given the config argument and
@@ -34,6 +36,7 @@ from typing import Any
 
 from kvpersist.errors import KvpError
 from kvpersist.stack.locate import Location
+from kvpersist.stack.prime import PRIME_TIMEOUT_S, PrimeRun, prime_vllm
 from kvpersist.stack.processes import vllm_ready
 from kvpersist.system import procs
 from kvpersist.system.untrusted import (
@@ -383,32 +386,47 @@ def log_to(path: str, progress: Progress) -> Progress:
 NO_WARM_SET = WarmupRun("skipped", "no warm set (KVP_WARMUP_FILE is empty)")
 
 
+@dataclass(frozen=True)
+class AfterVllm:
+    """The readiness step of a vLLM started by someone else: the prime (None: vLLM did not
+    serve in time) and the warm-up."""
+
+    prime: PrimeRun | None
+    warmup: WarmupRun
+
+
 def warmup_after_vllm(loc: Location, config: str, *, warm_file: str,
                       env: Mapping[str, str], deadline_s: float, cwd: str | None = None,
-                      progress: Progress = _quiet) -> WarmupRun:
+                      progress: Progress = _quiet) -> AfterVllm:
     """For the units and the hook, which start vLLM themselves: wait until vLLM serves the
-    namespace, then :func:`run_warmup`, all of it within ``deadline_s`` seconds (the vLLM
-    unit's start timeout must not expire under it): the warm-up gets KVP_WARMUP_WAIT or what
-    is left, whichever is less. Without a warm set (``warm_file`` empty) it returns at once.
-    Never raises for a vLLM that does not come up in time (the result says so)."""
-    if not warm_file:
-        return NO_WARM_SET
+    namespace, prime it (:mod:`kvpersist.stack.prime`), then :func:`run_warmup`, all of it
+    within ``deadline_s`` seconds (the vLLM unit's start timeout must not expire under it):
+    the warm-up gets KVP_WARMUP_WAIT or what is left, whichever is less. Without a warm set
+    (``warm_file`` empty) the warm-up is skipped, the prime is not. Never raises for a vLLM
+    that does not come up in time (the result says so)."""
     t0 = time.monotonic()
     vllm_bound = max(1.0, deadline_s - GRACE_S - 10.0)
     progress(f"waiting for vLLM at {loc.vllm_url} to serve {loc.namespace} "
              f"(at most {vllm_bound:.0f} s)")
     if not procs.wait_for(lambda: vllm_ready(loc, 2.0), vllm_bound, 2.0):
-        return WarmupRun("failed", f"vLLM did not serve the namespace within "
-                         f"{vllm_bound:.0f} s: no warm-up", time.monotonic() - t0)
+        what = "no warm-up" if warm_file else "not primed"
+        return AfterVllm(None, WarmupRun(
+            "failed", f"vLLM did not serve the namespace within {vllm_bound:.0f} s: {what}",
+            time.monotonic() - t0))
+    progress(f"vLLM serves after {time.monotonic() - t0:.1f} s")
+    primed = prime_vllm(loc, timeout=min(PRIME_TIMEOUT_S, max(1.0, deadline_s / 4)))
+    progress(primed.summary())
+    if not warm_file:
+        return AfterVllm(primed, NO_WARM_SET)
     elapsed = time.monotonic() - t0
-    progress(f"vLLM serves after {elapsed:.1f} s")
     wait = min(loc.warmup_wait, deadline_s - elapsed - GRACE_S)
     if wait < 1.0:
-        return WarmupRun("failed", f"no time left for a warm-up within {deadline_s:.0f} s",
-                         elapsed)
-    return run_warmup(loc, config, env=env, wait_s=wait, cwd=cwd, progress=progress)
+        return AfterVllm(primed, WarmupRun(
+            "failed", f"no time left for a warm-up within {deadline_s:.0f} s", elapsed))
+    return AfterVllm(primed, run_warmup(loc, config, env=env, wait_s=wait, cwd=cwd,
+                                        progress=progress))
 
 
-__all__ = ["GRACE_S", "NO_WARM_SET", "WARMUP_MARKERS", "WARMUP_MODULE", "WarmupFacts",
+__all__ = ["GRACE_S", "AfterVllm", "NO_WARM_SET", "WARMUP_MARKERS", "WARMUP_MODULE", "WarmupFacts",
            "WarmupRun", "epoch_of", "gather", "judge", "log_to", "read_record", "run_warmup",
            "service_ids", "warmup_after_vllm", "warmup_argv"]

@@ -4,7 +4,8 @@
 One deployment with a warm set (a long chat's messages and a long shared document as a plain
 prompt), in file order:
 
-1. the first launch warms against an empty L2: 0 chunks found, done, health healthy;
+1. the first launch primes vLLM (one short request that stores nothing) and warms against an
+   empty L2: 0 chunks found, done, health healthy;
 2. the warm set is computed by vLLM's own server (the chat, and the document through
    ``/v1/completions``): the chunk files it stores are exactly the pins the warm-up computed
    with LMCache's key code from its token ids (so the ids are vLLM's); with the cache server
@@ -87,9 +88,13 @@ def _stopped(pid: int) -> Iterator[None]:
 def test_first_launch_warms_an_empty_l2_finds_nothing_and_is_healthy(stack: Stack) -> None:
     info = stack.launch()
     STATE["ns"] = info["namespace"]
+    # vLLM primed before ready: one short request, shorter than one vLLM block, nothing stored
+    prime = info["prime"]
+    assert prime["ok"] and 0 < prime["prompt_tokens"] < 128, prime
     warm = info["warmup"]
     assert warm["state"] == "done", warm
     assert warm["requested_chunks"] >= 3 and warm["found_chunks"] == 0, warm
+    assert stack.chunk_files(info["namespace"] + "_") == []
     code, doc = _health(stack)
     assert (code, doc["status"]) == (0, "healthy"), doc["checks"]
     assert doc["components"]["warmup"] == "ok"
@@ -119,8 +124,10 @@ def test_a_warmup_that_times_out_is_degraded_and_vllm_keeps_serving(stack: Stack
                            env=env, cwd=REPO, timeout=400)
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stderr  # a failed warm-up never fails the step
-    warm = json.loads(r.stdout)["warmup"]
+    step = json.loads(r.stdout)
+    warm = step["warmup"]
     assert warm["state"] == "failed" and warm["exit_code"] == 1, (warm, r.stderr)
+    assert step["prime"] is not None, r.stderr  # vLLM served: the step primed it
     assert took < 3 + 90 + 30, took
     code, doc = _health(stack)
     assert (code, doc["status"]) == (1, "degraded"), doc["checks"]
@@ -165,6 +172,7 @@ def test_health_says_warming_while_the_warmup_runs_and_healthy_after(stack: Stac
     assert step.returncode == 0, err
     warm = json.loads(out)["warmup"]
     assert warm["state"] == "done", (warm, err)
+    assert json.loads(out)["prime"]["ok"], err
     assert warm["found_chunks"] == warm["requested_chunks"] == STATE["requested"], warm
     code, doc = _health(stack)
     assert (code, doc["status"]) == (0, "healthy"), doc["checks"]
