@@ -11,10 +11,11 @@ from kvpersist.commands.common import echo_json, exit_with
 @click.option("--dir", "workdir", default="kvp-demo", show_default=True,
               type=click.Path(file_okay=False),
               help="Working directory: demo model, cache root, logs.")
-@click.option("--size", type=click.Choice(["tiny", "bench"]), default="tiny",
+@click.option("--size", type=click.Choice(["tiny", "demo", "bench"]), default="demo",
               show_default=True,
-              help="Demo model: tiny (7M parameters, fast, stable greedy output) or "
-                   "bench (~180M: prefill cost visible; see docs/persistence.md).")
+              help="Demo model: demo (79M parameters, one KV head, served in float32: prefill "
+                   "dominates the first token, identical output), tiny (7M, what the tests "
+                   "serve: fixed costs dominate) or bench (180M, bfloat16).")
 @click.option("--turns", type=int, default=12, show_default=True,
               help="Turns of chat history in the long request.")
 @click.option("--keep-running", is_flag=True,

@@ -67,10 +67,12 @@ class ChatResult:
 
 
 def chat_completion(base_url: str, model: str, messages: list[dict[str, str]], *,
-                    max_tokens: int = 32, timeout: float = 300.0) -> ChatResult:
+                    max_tokens: int = 32, timeout: float = 300.0,
+                    min_tokens: int = 0) -> ChatResult:
     """POST a greedy, streamed chat completion; return text and timings.
 
-    Given: the server's base URL (``http://host:port``), the served model name and messages.
+    Given: the server's base URL (``http://host:port``), the served model name and messages;
+    ``min_tokens`` (vLLM's sampling parameter: no end of sequence before that many tokens).
     Raises DemoFailed when the request fails (no answer, an HTTP error status, a timeout),
     the server streams an error, or a streamed event is not a JSON object.
     """
@@ -78,14 +80,14 @@ def chat_completion(base_url: str, model: str, messages: list[dict[str, str]], *
     fix = (f"check that vLLM serves the model {model!r} at {base_url} (its log says why it "
            "failed)")
     try:
-        return _stream(base_url, model, messages, max_tokens, timeout, what, fix)
+        return _stream(base_url, model, messages, max_tokens, timeout, what, fix, min_tokens)
     except requests.RequestException as exc:
         text = " ".join(str(exc).split())
         raise DemoFailed(what, f"{type(exc).__name__}: {text[:300]}", fix) from exc
 
 
 def _stream(base_url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
-            timeout: float, what: str, fix: str) -> ChatResult:
+            timeout: float, what: str, fix: str, min_tokens: int = 0) -> ChatResult:
     """The request of :func:`chat_completion`. Raises DemoFailed for an error event or one
     that is not a JSON object, requests.RequestException for HTTP failures."""
     body: dict[str, Any] = {
@@ -93,6 +95,8 @@ def _stream(base_url: str, model: str, messages: list[dict[str, str]], max_token
         "temperature": 0.0, "seed": 0, "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if min_tokens:
+        body["min_tokens"] = min_tokens
     t0 = time.monotonic()
     ttft: float | None = None
     parts: list[str] = []

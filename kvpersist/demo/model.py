@@ -78,6 +78,10 @@ SPECS: dict[str, ModelSpec] = {
     # Fast: for tests and the demo (a 2k-token prefill takes well under a second on 2 cores).
     "tiny": ModelSpec("tiny", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                       intermediate_size=688),
+    # The main job's default (kvp-admin demo): prefill dominates the first token, little KV
+    # per token (one KV head), so that the demo shows what a restart from disk saves.
+    "demo": ModelSpec("demo", hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=1,
+                      intermediate_size=3072),
     # Large enough that prefill cost is visible (benchmarks): ~186M parameters.
     "bench": ModelSpec("bench", hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4,
                        intermediate_size=3584),

@@ -67,7 +67,7 @@ def test_a_working_directory_under_a_file_is_one_line(tmp_path: Path) -> None:
 
 def test_a_hub_directory_holding_something_else_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "hub" / hub_repo_dir(CPU_DEMO_REPO)).mkdir(parents=True)
-    code, _, err = kvp("demo", "--dir", str(tmp_path))
+    code, _, err = kvp("demo", "--size", "tiny", "--dir", str(tmp_path))
     assert code == EXIT_PROBLEM
     line = one_clean_line(err)
     assert "generate the 'tiny' demo model" in line and "FileExistsError" in line
@@ -77,7 +77,7 @@ def test_a_hub_directory_holding_something_else_is_one_line(tmp_path: Path) -> N
 
 def test_a_bad_setting_is_the_configuration_error_exit_2(tmp_path: Path) -> None:
     fake_generated_model(tmp_path / "hub")
-    code, _, err = kvp("demo", "--dir", str(tmp_path),
+    code, _, err = kvp("demo", "--size", "tiny", "--dir", str(tmp_path),
                        env={**clean_env(), "KVP_L1_SIZE_GB": "lots"})
     assert code == EXIT_USAGE
     assert "Traceback" not in err
