@@ -129,7 +129,7 @@ print(link["dir"]); print(link["name"]); print(link["target"])' "$render_file")
     case $KVP_CONFIG in /*) cfg_abs=$KVP_CONFIG ;; esac
     ( "$admin" launch "$cfg_abs" --warmup-only --deadline "${KVP_READY_DEADLINE:-1800}" \
         </dev/null >/dev/null 2>&1 & )
-    echo "kv-persist-hook: the warm-up follows once vLLM serves (kvp-admin health says" \
-         "warming until it is done)" >&2
+    echo "kv-persist-hook: the priming request and the warm-up follow once vLLM serves" \
+         "(kvp-admin health says warming until the warm-up is done)" >&2
   fi
 }

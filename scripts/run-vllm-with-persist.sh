@@ -15,8 +15,9 @@
 # anything runs, `kvp-admin identity check CONFIG` must find no mismatch. EXTRA VLLM ARGS are
 # KV-neutral flags only, checked with the extra arguments by vLLM's own parser.
 # Readiness: right before the exec it starts, in the background, `kvp-admin launch CONFIG
-# --warmup-only`: once vLLM serves the namespace, the warm set is loaded into L1, as
-# `kvp-admin launch` does (`kvp-admin health` says warming meanwhile). The systemd unit sets
+# --warmup-only`: once vLLM serves the namespace, it is primed with one short request and the
+# warm set is loaded into L1, as `kvp-admin launch` does (`kvp-admin health` says warming
+# meanwhile). The systemd unit sets
 # KVP_WARMUP=0: its ExecStartPost runs that step, so that the unit turns active after it.
 # Environment: KVP_ADMIN (default kvp-admin), KVP_PYTHON (a Python with vLLM; default the
 # one next to kvp-admin), KVP_VLLM_PID_FILE (write the pid, which exec keeps), KVP_WARMUP (0:

@@ -223,6 +223,11 @@ def test_kv_persist_hook_on_a_sample_recipe(stack: Stack) -> None:
     try:
         ok = wait_until(lambda: _ready(stack) or proc.poll() is not None, 600, 2)
         assert ok and proc.poll() is None, (stack.tmp / "recipe.log").read_text()[-3000:]
+        # the hook's readiness step primes vLLM once it serves (no warm set here): ready
+        warmup_log = stack.state_dir / "logs" / "warmup.log"
+        assert wait_until(lambda: warmup_log.exists() and "vLLM primed by one short request"
+                          in warmup_log.read_text(), 120, 0.5), \
+            warmup_log.read_text() if warmup_log.exists() else "no warm-up log"
         out = _chat(stack)
         assert out.text == STATE["cold"]
         assert vllm_metric(stack.vllm_url, HITS) >= 5 * 256
