@@ -238,6 +238,27 @@ def alive(pid: int) -> bool:
         return False
 
 
+def _exited(p: psutil.Process) -> bool:
+    """True once ``p`` has exited: gone, or a zombie its parent has not reaped yet (a zombie
+    holds no memory, port or file any more; init may take seconds to reap one)."""
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_exited(ps: Iterable[psutil.Process], timeout: float,
+                interval: float = 0.02) -> list[psutil.Process]:
+    """Wait up to ``timeout`` seconds until every process of ``ps`` has exited (a zombie
+    counts: see :func:`_exited`); return those still running."""
+    left = [p for p in ps if not _exited(p)]
+    deadline = time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        time.sleep(interval)
+        left = [p for p in left if not _exited(p)]
+    return left
+
+
 @dataclass(frozen=True)
 class StopResult:
     """How a stop went: ``how`` is terminated / killed / not-running."""
@@ -265,14 +286,13 @@ def stop_process(pid: int, *, timeout: float = 30.0, kill_group: bool = True) ->
     with contextlib.suppress(psutil.NoSuchProcess):
         proc.send_signal(signal.SIGTERM)
     how = "terminated"
-    _, still = psutil.wait_procs([proc], timeout=timeout)
-    if still:
+    if wait_exited([proc], timeout):
         how = "killed"
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-        psutil.wait_procs([proc], timeout=5)
+        wait_exited([proc], 5)
     # Children get a moment to exit after their parent, then are killed.
-    _, left = psutil.wait_procs([p for p in family[1:] if p.is_running()], timeout=5)
+    left = wait_exited(family[1:], 5)
     for p in left:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
