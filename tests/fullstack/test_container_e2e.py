@@ -6,7 +6,7 @@ digest of its inputs, and a second run reuses it. It runs the host's venv (vLLM'
 LMCache's connector), bind-mounted read-only at the same path. podman runs it with the argv
 kvpersist renders for docker (``KVP_CONTAINER_ENGINE``).
 
-vLLM starts twice, in file order, on one cache root:
+vLLM starts three times, in file order, on one cache root:
 
 1. ``scripts/run-vllm-with-persist.sh`` with ``KVP_IMAGE`` runs the rendered container (named
    per the config, ``<config>-kvp``) beside a cache server that ``kvp-admin launch --no-vllm``
@@ -17,6 +17,9 @@ vLLM starts twice, in file order, on one cache root:
 2. A recipe that runs vLLM in its own container (``scripts/examples/recipe-vllm-container.sh``)
    with ``KV_PERSIST=1``: the hook starts the cache server and rewrites the recipe's command
    and run options; the same chat hits from disk with identical output.
+3. ``kvp-admin launch`` of the container deployment starts the cache server and the rendered
+   container together and primes vLLM; the chat hits from disk again; ``kvp-admin stop``
+   removes the container.
 
 Before: ``identity check`` compares the image digest pinned in ``KVP_VLLM_BUILD`` with the
 image (``podman image inspect``); another digest is a mismatch, and the launcher refuses.
@@ -43,7 +46,7 @@ import requests
 from kvpersist.demo.chat import chat_completion, long_chat
 
 from ..conftest import REPO
-from ._stack import Stack, l2_hits_in_log, vllm_metric, wait_until
+from ._stack import Stack, l2_hits_in_log, l2_hits_in_text, vllm_metric, wait_until
 
 pytestmark = pytest.mark.fullstack
 
@@ -263,3 +266,26 @@ def test_hook_recipe_in_its_own_container_hits_from_disk(stack: Stack) -> None:
     assert STATE["procs"][-1].wait(timeout=60) is not None
     stack.stop()
     assert _run(ENGINE, "container", "exists", STATE["recipe"]).returncode == 1
+
+
+def test_kvp_admin_launch_starts_the_rendered_container_beside_the_server(stack: Stack) -> None:
+    """``kvp-admin launch`` of the container deployment: the cache server on the host and the
+    rendered container together, vLLM primed before the launch returns; the chat hits from
+    disk with the cold output; ``kvp-admin stop`` stops the container (removed) and the
+    server."""
+    ns = STATE["ns"]
+    boot = stack.server_log.stat().st_size if stack.server_log.exists() else 0
+    info = stack.launch()
+    assert info["namespace"] == ns and info["started"] == ["server", "vllm"], info
+    assert info["vllm"]["mode"] == "container" and info["prime"]["ok"], info
+    assert _run(ENGINE, "container", "exists", STATE["container"]).returncode == 0
+    TIMINGS["launch_container_ready_s"] = info["vllm"]["seconds_to_ready"]
+    warm = chat_completion(stack.vllm_url, "cpu-demo", CHAT, max_tokens=24)
+    assert warm.text == STATE["cold"]
+    full_chunks = STATE["prompt_tokens"] // 256
+    assert vllm_metric(stack.vllm_url, HITS) >= full_chunks * 256
+    text = stack.server_log.read_text(errors="replace")[boot:]
+    assert max(l2_hits_in_text(text) or [0]) >= full_chunks, text[-3000:]
+    stopped = {s["what"]: s["how"] for s in stack.stop()["stopped"]}
+    assert stopped == {"vLLM": "terminated", "lmcache server": "terminated"}, stopped
+    assert _run(ENGINE, "container", "exists", STATE["container"]).returncode == 1
