@@ -19,7 +19,6 @@ One line per variant, time to first token in seconds.
 from __future__ import annotations
 
 import glob
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,10 +27,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from restart_downtime import kvp  # noqa: E402
+from restart_downtime import bench_env, kvp  # noqa: E402
 
 from kvpersist.demo.chat import chat_completion, long_chat  # noqa: E402
-from kvpersist.system import procs  # noqa: E402
 
 SHORT = [{"role": "user", "content": "Hello."}]
 FIXED = [{"role": "user", "content": " ".join(["restart primer words"] * 110)}]
@@ -43,16 +41,8 @@ def main() -> int:
     wd, variants = sys.argv[1], sys.argv[2:]
     config = f"{wd}/config-demo/identity.env"
     chat = long_chat(turns=12, words_per_turn=150, seed=4242)  # restart_downtime.py's user
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-    env.update({
-        "KVP_CACHE_ROOT": f"{wd}/cache",
-        "KVP_MODEL_PATH": glob.glob(f"{wd}/hub/models--*/snapshots/*")[0],
-        "KVP_LMCACHE_PORT": str(procs.free_port()),
-        "KVP_LMCACHE_HTTP_PORT": str(procs.free_port()),
-        "KVP_VLLM_PORT": str(procs.free_port()), "KVP_L1_SIZE_GB": "1",
-        "KVP_WARMUP_FILE": f"{wd}/warm.jsonl", "LMCACHE_DISABLE_BANNER": "1",
-        "VLLM_SERVER_DEV_MODE": "1",
-    })
+    env = bench_env(f"{wd}/cache", glob.glob(f"{wd}/hub/models--*/snapshots/*")[0],
+                    f"{wd}/warm.jsonl")
     url, served = f"http://127.0.0.1:{env['KVP_VLLM_PORT']}", "cpu-demo"
     for variant in variants:
         kvp(env, "launch", config)

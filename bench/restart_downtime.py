@@ -167,6 +167,22 @@ def run_bare(plan: LaunchPlan, served: str, chat: list[dict[str, str]],
     return rec
 
 
+def bench_env(root: Path | str, model: Path | str, warm_file: Path | str) -> dict[str, str]:
+    """The benchmarks' environment: this one without KVP_ keys, then the deployment's cache
+    root, model, free loopback ports, a 1 GB L1, the warm set, and vLLM's development endpoints
+    (``/reset_prefix_cache``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
+    env.update({
+        "KVP_CACHE_ROOT": str(root), "KVP_MODEL_PATH": str(model),
+        "KVP_LMCACHE_PORT": str(procs.free_port()),
+        "KVP_LMCACHE_HTTP_PORT": str(procs.free_port()),
+        "KVP_VLLM_PORT": str(procs.free_port()), "KVP_L1_SIZE_GB": "1",
+        "KVP_WARMUP_FILE": str(warm_file), "LMCACHE_DISABLE_BANNER": "1",
+        "VLLM_SERVER_DEV_MODE": "1",
+    })
+    return env
+
+
 def med(xs: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3),
             "max": round(max(xs), 3)}
@@ -188,15 +204,7 @@ def main() -> int:
     chat = long_chat(turns=args.turns, words_per_turn=150, seed=4242)
     warm_file = wd / "warm.jsonl"
     warm_file.write_text(json.dumps({"messages": chat[:-1]}) + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-    env.update({
-        "KVP_CACHE_ROOT": str(wd / "cache"), "KVP_MODEL_PATH": str(model),
-        "KVP_LMCACHE_PORT": str(procs.free_port()),
-        "KVP_LMCACHE_HTTP_PORT": str(procs.free_port()),
-        "KVP_VLLM_PORT": str(procs.free_port()), "KVP_L1_SIZE_GB": "1",
-        "KVP_WARMUP_FILE": str(warm_file), "LMCACHE_DISABLE_BANNER": "1",
-        "VLLM_SERVER_DEV_MODE": "1",
-    })
+    env = bench_env(wd / "cache", model, warm_file)
     (wd / "cache").mkdir(mode=0o700, exist_ok=True)
     prepared = prepare_launch(config, environ=env)
     plan, served = prepared.plan, prepared.dep.settings.served_model_name

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -41,10 +40,9 @@ from kvpersist.demo.chat import ChatResult, chat_completion, long_chat  # noqa: 
 from kvpersist.demo.model import generate_model  # noqa: E402
 from kvpersist.demo.run import _identity_file  # noqa: E402
 from kvpersist.stack.plan import prepare_launch  # noqa: E402
-from kvpersist.system import procs  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
-from restart_downtime import kvp, load  # noqa: E402
+from restart_downtime import bench_env, kvp, load  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -88,15 +86,7 @@ def main() -> int:
         warm_file.write_text("".join(json.dumps({"messages": c[:-1]}) + "\n" for c in chats))
         root = wd / f"cache-{i}"
         root.mkdir(mode=0o700)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-        env.update({
-            "KVP_CACHE_ROOT": str(root), "KVP_MODEL_PATH": str(model),
-            "KVP_LMCACHE_PORT": str(procs.free_port()),
-            "KVP_LMCACHE_HTTP_PORT": str(procs.free_port()),
-            "KVP_VLLM_PORT": str(procs.free_port()), "KVP_L1_SIZE_GB": "1",
-            "KVP_WARMUP_FILE": str(warm_file), "LMCACHE_DISABLE_BANNER": "1",
-            "VLLM_SERVER_DEV_MODE": "1",
-        })
+        env = bench_env(root, model, warm_file)
         prepared = prepare_launch(config, environ=env)
         url, served = prepared.plan.vllm_url, prepared.dep.settings.served_model_name
         rnd: dict[str, Any] = {"round": i + 1}
