@@ -354,6 +354,16 @@ def test_store_restart(fleet: Fleet) -> None:
     assert code == 0, doc
 
 
+def _retrieve_until_whole(d: Any, seq: int, timeout: float) -> list[dict[str, Any]]:
+    """Every retrieve of ``seq`` until one hits all its chunks or ``timeout`` passes."""
+    seen = [d.retrieve(seq)]
+    deadline = time.monotonic() + timeout
+    while seen[-1]["hit"] != CHUNKS and time.monotonic() < deadline:
+        time.sleep(0.2)
+        seen.append(d.retrieve(seq))
+    return seen
+
+
 def test_cluster_partition_and_heal(fleet: Fleet) -> None:
     """A 3-primary cluster in the store's namespace (the recommended cluster ACL): A stored,
     B gets A's chunks from every primary over the link; partitioned, B serves from L1
@@ -384,8 +394,13 @@ def test_cluster_partition_and_heal(fleet: Fleet) -> None:
     assert wait_until(lambda: d.retrieve(second)["hit"] == CHUNKS, 60, interval=0.2)
     recovery = time.monotonic() - healed
     for seq in (second, *rest):
-        got = d.retrieve(seq)
-        assert got["hit"] == CHUNKS and got["digests"] == stored[seq]
+        # each primary's connection comes back on its own: right after the heal a sequence
+        # whose later chunks live on a primary not yet reconnected is a shorter prefix hit
+        # (the rest recomputed), never other bytes; every sequence hits whole again
+        seen = _retrieve_until_whole(d, seq, 60)
+        assert seen[-1]["hit"] == CHUNKS, seen[-1]
+        for got in seen:
+            assert (got["digests"] or []) == stored[seq][:got["hit"]], (seq, got)
     code, doc, _ = fl.health(fl.cb)
     assert code == 0 and doc["components"]["shared_tier"] == "ok", doc
     fl.measured["cluster partition"] = {"l1_s": base, "l1_partition_s": during["s"],
