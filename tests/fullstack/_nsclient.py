@@ -1,0 +1,109 @@
+"""A chat client in a child process, so that it can run inside a host's network namespace
+(``ip netns exec NS``) next to that host's vLLM, which listens on the namespace's own
+loopback. The test talks to it over stdin/stdout, one JSON object per line::
+
+    {"op": "chat", "messages": [...], "max_tokens": 24}
+        -> {"text": "...", "ttft_s": 0.41, "total_s": 0.52, "prompt_tokens": 1790}
+    {"op": "metric", "name": "vllm:external_prefix_cache_hits_total"}  -> {"value": 1792.0}
+    {"op": "post", "path": "/reset_prefix_cache"}                      -> {"status": 200}
+
+An error (vLLM refused, a timeout) comes back as ``{"error": "..."}``; the child stays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..conftest import REPO
+
+
+def serve(base_url: str) -> None:
+    import requests
+
+    from kvpersist.demo.chat import chat_completion
+
+    from ._stack import vllm_metric
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        out: dict[str, Any]
+        try:
+            if cmd["op"] == "chat":
+                r = chat_completion(base_url, cmd.get("model", "cpu-demo"), cmd["messages"],
+                                    max_tokens=int(cmd.get("max_tokens", 24)))
+                out = {"text": r.text, "ttft_s": r.ttft_s, "total_s": r.total_s,
+                       "prompt_tokens": r.prompt_tokens}
+            elif cmd["op"] == "metric":
+                out = {"value": vllm_metric(base_url, cmd["name"])}
+            elif cmd["op"] == "post":
+                resp = requests.post(f"{base_url}{cmd['path']}", timeout=60)
+                out = {"status": resp.status_code}
+            else:
+                out = {"error": f"unknown op {cmd['op']!r}"}
+        except Exception as exc:  # reported to the test, which asserts on it
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(out), flush=True)
+
+
+class NsClient:
+    """``with NsClient(wrap, vllm_url) as c: c.chat(messages)``."""
+
+    def __init__(self, wrap: Sequence[str], base_url: str) -> None:
+        self.proc = subprocess.Popen(
+            [*wrap, sys.executable, "-m", "tests.fullstack._nsclient", base_url],
+            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            start_new_session=True)
+        if not self._read().get("ready"):
+            self.close()
+            raise RuntimeError("the namespace's chat client did not start")
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the chat client exited ({self.proc.wait(timeout=10)})")
+        return dict(json.loads(line))
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        out = self._read()
+        if "error" in out:
+            raise AssertionError(f"{cmd['op']} in the namespace: {out['error']}")
+        return out
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int = 24) -> dict[str, Any]:
+        return self.call(op="chat", messages=messages, max_tokens=max_tokens)
+
+    def metric(self, name: str) -> float:
+        return float(self.call(op="metric", name=name)["value"])
+
+    def post(self, path: str) -> int:
+        return int(self.call(op="post", path=path)["status"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> NsClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
