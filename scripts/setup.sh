@@ -3,8 +3,8 @@
 # LMCache 0.5.6 and nixl, kvpersist itself (editable) with its test and deploy extras, and
 # the few system tools the tests use (jq, systemd-analyze, iproute2, iptables, redis-server,
 # redis-tools, openssl, mkfs.ext4 and mkfs.xfs, Prometheus' promtool, prometheus and
-# node_exporter for the monitoring/ rules and dashboard, and podman, runc and mmdebstrap for
-# vLLM in a container). Idempotent: a second run only re-checks.
+# node_exporter for the monitoring/ rules and dashboard, and podman, runc, mmdebstrap and
+# docker's daemon for vLLM in a container). Idempotent: a second run only re-checks.
 # Usage: bash scripts/setup.sh   (env: KVP_VENV=path to use another venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -69,17 +69,31 @@ fi
 
 # --- containers (tests/fullstack/test_container_e2e.py: vLLM in a real container) ----------------
 # podman with runc (crun refuses the hybrid cgroup layout of these hosts), mmdebstrap to
-# build the image from Debian's packages (scripts/build-cpu-image.sh; no registry needed).
+# build the image from Debian's packages (scripts/build-cpu-image.sh; no registry needed),
+# and docker's daemon (docker.io: dockerd, containerd, runc): the test starts a private
+# dockerd of its own, so the Debian service must not start (policy-rc.d forbids it during
+# the install) nor stay enabled. A docker client alone (no dockerd) is not enough.
 need_ctr=()
 command -v podman >/dev/null || need_ctr+=(podman)
 command -v runc >/dev/null || need_ctr+=(runc)
 command -v mmdebstrap >/dev/null || need_ctr+=(mmdebstrap)
+have_sbin dockerd || need_ctr+=(docker.io)
 if [ ${#need_ctr[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    say "installing ${need_ctr[*]} with apt-get"
+    say "installing ${need_ctr[*]} with apt-get (services left stopped and disabled)"
+    policy=/usr/sbin/policy-rc.d made_policy=
+    if [ ! -e "$policy" ]; then
+      printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=1
+    fi
     apt-get update -qq >/dev/null
+    rc=0
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      "${need_ctr[@]}" uidmap >/dev/null
+      "${need_ctr[@]}" uidmap >/dev/null || rc=$?
+    [ -z "$made_policy" ] || rm -f "$policy"
+    [ "$rc" = 0 ] || { say "apt-get install ${need_ctr[*]} failed ($rc)"; exit 1; }
+    if [ -d /run/systemd/system ]; then
+      systemctl disable --now docker.socket docker containerd >/dev/null 2>&1 || true
+    fi
   else
     say "missing ${need_ctr[*]}: install them (apt-get install ${need_ctr[*]})"; exit 1
   fi
