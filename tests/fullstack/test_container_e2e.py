@@ -3,8 +3,11 @@
 The image is built here without a registry (``scripts/build-cpu-image.sh``: a Debian bookworm
 root filesystem from Debian's packages, ``podman import``), once per machine: its tag is a
 digest of its inputs, and a second run reuses it. It runs the host's venv (vLLM's CPU build,
-LMCache's connector), bind-mounted read-only at the same path. podman runs it with the argv
-kvpersist renders for docker (``KVP_CONTAINER_ENGINE``).
+LMCache's connector), bind-mounted read-only at the same path. Both engines run it with the
+argv kvpersist renders (``KVP_CONTAINER_ENGINE``; only the first word differs): podman in
+steps 1 and 2, docker in step 3, against a private dockerd that this module starts and stops
+(``_dockerd.py``) and that holds podman's image moved over with ``podman save | docker load``:
+the same image id, so the same ``KVP_VLLM_BUILD`` pin and the same namespace.
 
 vLLM starts three times, in file order, on one cache root:
 
@@ -17,9 +20,12 @@ vLLM starts three times, in file order, on one cache root:
 2. A recipe that runs vLLM in its own container (``scripts/examples/recipe-vllm-container.sh``)
    with ``KV_PERSIST=1``: the hook starts the cache server and rewrites the recipe's command
    and run options; the same chat hits from disk with identical output.
-3. ``kvp-admin launch`` of the container deployment starts the cache server and the rendered
-   container together and primes vLLM; the chat hits from disk again; ``kvp-admin stop``
-   removes the container.
+3. With ``KVP_CONTAINER_ENGINE=docker`` (``DOCKER_HOST``: the private dockerd), the
+   rendered argv is podman's but for its first word and ``identity check`` inspects the
+   image with docker; ``kvp-admin launch`` of the container deployment starts the cache
+   server and the rendered container together and primes vLLM; the container sees nothing
+   private (``docker inspect``, ``docker exec``); the chat hits from disk again with the
+   cold output; ``kvp-admin stop`` removes the container.
 
 Before: ``identity check`` compares the image digest pinned in ``KVP_VLLM_BUILD`` with the
 image (``podman image inspect``); another digest is a mismatch, and the launcher refuses.
@@ -28,6 +34,7 @@ image (``podman image inspect``); another digest is a mismatch, and the launcher
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import secrets
@@ -46,11 +53,14 @@ import requests
 from kvpersist.demo.chat import chat_completion, long_chat
 
 from ..conftest import REPO
+from ._dockerd import Dockerd, DockerdError, private_dockerd
 from ._stack import Stack, l2_hits_in_log, l2_hits_in_text, vllm_metric, wait_until
 
 pytestmark = pytest.mark.fullstack
 
+#: the engine of steps 1 and 2 (and of the image build); step 3 runs DOCKER
 ENGINE = "podman"
+DOCKER = "docker"
 CHAT = long_chat(turns=8, words_per_turn=150, seed=23)
 HITS = "vllm:external_prefix_cache_hits_total"
 STATE: dict[str, Any] = {}
@@ -114,6 +124,41 @@ def stack(tmp_path_factory: pytest.TempPathFactory, demo_model: Path,
         print(f"\ncontainer e2e timings: {json.dumps(TIMINGS)}")
 
 
+@pytest.fixture(scope="module")
+def dockerd(image: tuple[str, str, list[str]]) -> Iterator[Dockerd]:
+    """A private dockerd holding podman's image under the same reference and the same id
+    (checked); stopped, its containers and directories removed, at the end (set up after
+    ``stack``, it is torn down before it: a docker container never outlives the module)."""
+    ref, image_id, _ = image
+    try:
+        with private_dockerd() as d:
+            TIMINGS["dockerd_ready_s"] = d.seconds_to_ready
+            start = time.monotonic()
+            loaded = d.load_from_podman(ref)
+            TIMINGS["docker_load_s"] = round(time.monotonic() - start, 1)
+            assert loaded == image_id, (loaded, image_id)
+            STATE["docker_env"] = d.client_env
+            yield d
+    except DockerdError as exc:
+        pytest.fail(f"docker could not be set up: {exc}")
+
+
+def _ctr(engine: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``ENGINE ARGS``; docker talks to the private dockerd."""
+    env = dict(os.environ, **STATE["docker_env"]) if engine == DOCKER else None
+    return _run(engine, *args, timeout=timeout, env=env)
+
+
+def _exists(engine: str, container: str) -> bool:
+    if engine == DOCKER:  # docker has no `container exists`
+        r = _ctr(engine, "container", "inspect", container)
+        assert r.returncode == 0 or "No such" in r.stderr, r.stderr
+        return r.returncode == 0
+    r = _ctr(engine, "container", "exists", container)
+    assert r.returncode in (0, 1), r.stderr
+    return r.returncode == 0
+
+
 def _admin(s: Stack) -> Path:
     """A kvp-admin for the scripts: this checkout's CLI in this interpreter."""
     admin = s.tmp / "kvp-admin"
@@ -152,8 +197,8 @@ def _wait_serving(s: Stack, ns: str, log: Path, what: str) -> float:
     return round(time.monotonic() - start, 1)
 
 
-def _inspect(container: str) -> dict[str, Any]:
-    r = _run(ENGINE, "inspect", container)
+def _inspect(container: str, engine: str = ENGINE) -> dict[str, Any]:
+    r = _ctr(engine, "inspect", container)
     assert r.returncode == 0, r.stderr
     doc: dict[str, Any] = json.loads(r.stdout)[0]
     return doc
@@ -163,11 +208,12 @@ def _private(s: Stack) -> list[str]:
     return [str(s.root), str(s.state_dir), str(s.state_dir / "keys" / "l2-master.key")]
 
 
-def _assert_sees_nothing_private(s: Stack, container: str, allowed: set[tuple[str, str]]) -> None:
+def _assert_sees_nothing_private(s: Stack, container: str, allowed: set[tuple[str, str]],
+                                 engine: str = ENGINE) -> None:
     """The container's mounts are exactly ``allowed`` (source, destination), all read-only;
     no environment variable names a private path or a KVP_ key; inside, the cache root,
-    the state dir and the key do not exist."""
-    doc = _inspect(container)
+    the state dir and the key do not exist (``ENGINE inspect``, ``ENGINE exec``)."""
+    doc = _inspect(container, engine)
     mounts = {(m["Source"], m["Destination"]) for m in doc["Mounts"]}
     assert mounts == allowed, doc["Mounts"]
     assert all(not m["RW"] for m in doc["Mounts"]), doc["Mounts"]
@@ -176,7 +222,7 @@ def _assert_sees_nothing_private(s: Stack, container: str, allowed: set[tuple[st
     for path in _private(s):
         assert os.path.exists(path), path
         assert not [e for e in env if path in e], env
-        r = _run(ENGINE, "exec", container, "ls", "-d", path)
+        r = _ctr(engine, "exec", container, "ls", "-d", path)
         assert r.returncode != 0 and "No such file" in r.stderr, (path, r.stdout, r.stderr)
     key = (s.state_dir / "keys" / "l2-master.key").read_bytes()
     assert key and key.hex() not in json.dumps(doc)
@@ -201,7 +247,7 @@ def test_identity_check_compares_the_pinned_image_digest(stack: Stack) -> None:
     run = _run("bash", str(REPO / "scripts" / "run-vllm-with-persist.sh"), str(other),
                env=_script_env(stack), cwd=stack.tmp, timeout=300)
     assert run.returncode == 2 and "KVP_VLLM_BUILD" in run.stderr, run.stderr
-    assert _run(ENGINE, "container", "exists", f"{other.name}-kvp").returncode == 1
+    assert not _exists(ENGINE, f"{other.name}-kvp")
 
 
 def test_rendered_container_serves_cold_and_sees_nothing_private(stack: Stack) -> None:
@@ -211,6 +257,7 @@ def test_rendered_container_serves_cold_and_sees_nothing_private(stack: Stack) -
     argv = rendered["container_argv"]
     assert argv[:5] == [ENGINE, "run", "--rm", "--name", STATE["container"]], argv
     assert "--network" in argv and argv[argv.index("--network") + 1] == "host"
+    STATE["podman_argv"] = argv
     log = stack.tmp / "run-vllm.log"
     _start(stack, ["bash", str(REPO / "scripts" / "run-vllm-with-persist.sh"), stack.config],
            _script_env(stack), log)
@@ -228,7 +275,7 @@ def test_rendered_container_serves_cold_and_sees_nothing_private(stack: Stack) -
     assert "lmcache server" not in top.stdout and "lmcache_exec" not in top.stdout
     stopped = stack.stop()
     assert STATE["procs"][-1].wait(timeout=120) is not None
-    assert _run(ENGINE, "container", "exists", STATE["container"]).returncode == 1, stopped
+    assert not _exists(ENGINE, STATE["container"]), stopped
     files = stack.chunk_files(ns + "_01000100_")
     assert len(files) >= cold.prompt_tokens // 256, [f.name for f in stack.chunk_files()]
     STATE.update(ns=ns, cold=cold.text, prompt_tokens=cold.prompt_tokens)
@@ -265,27 +312,60 @@ def test_hook_recipe_in_its_own_container_hits_from_disk(stack: Stack) -> None:
     assert _run(ENGINE, "stop", "-t", "30", STATE["recipe"], timeout=90).returncode == 0
     assert STATE["procs"][-1].wait(timeout=60) is not None
     stack.stop()
-    assert _run(ENGINE, "container", "exists", STATE["recipe"]).returncode == 1
+    assert not _exists(ENGINE, STATE["recipe"])
 
 
-def test_kvp_admin_launch_starts_the_rendered_container_beside_the_server(stack: Stack) -> None:
-    """``kvp-admin launch`` of the container deployment: the cache server on the host and the
-    rendered container together, vLLM primed before the launch returns; the chat hits from
-    disk with the cold output; ``kvp-admin stop`` stops the container (removed) and the
-    server."""
-    ns = STATE["ns"]
-    boot = stack.server_log.stat().st_size if stack.server_log.exists() else 0
-    info = stack.launch()
+def _with_docker(s: Stack, d: Dockerd) -> Stack:
+    """The same deployment (config, cache root, state, ports) with KVP_CONTAINER_ENGINE=docker
+    and the docker client pointed at the private dockerd."""
+    dk = copy.copy(s)
+    dk.env = dict(s.env, KVP_CONTAINER_ENGINE=DOCKER, **d.client_env)
+    return dk
+
+
+def test_kvp_admin_launch_starts_the_rendered_container_beside_the_server(
+        stack: Stack, dockerd: Dockerd) -> None:
+    """With docker: the argv is podman's but for its first word, ``identity check`` inspects
+    the image with docker; ``kvp-admin launch`` of the container deployment starts the cache
+    server on the host and the rendered container together, vLLM primed before the launch
+    returns; the container sees nothing private; the chat hits from disk with the cold
+    output; ``kvp-admin stop`` stops the container (removed) and the server."""
+    ns, ref, container = STATE["ns"], STATE["ref"], STATE["container"]
+    dk = _with_docker(stack, dockerd)
+    argv = dk.render()["container_argv"]
+    assert argv[:5] == [DOCKER, "run", "--rm", "--name", container], argv
+    podman = STATE["podman_argv"]
+    assert podman[0] == ENGINE and argv[1:] == podman[1:], (argv, podman)
+    doc = dk.kvp_json("identity", "check", dk.config)
+    vb = doc["fields"]["vllm_build"]
+    assert vb["status"] == "ok" and vb["source"] == f"{DOCKER} image inspect {ref}", vb
+    assert not _exists(DOCKER, container) and not _exists(ENGINE, container)
+    boot = dk.server_log.stat().st_size if dk.server_log.exists() else 0
+    info = dk.launch()
     assert info["namespace"] == ns and info["started"] == ["server", "vllm"], info
     assert info["vllm"]["mode"] == "container" and info["prime"]["ok"], info
-    assert _run(ENGINE, "container", "exists", STATE["container"]).returncode == 0
-    TIMINGS["launch_container_ready_s"] = info["vllm"]["seconds_to_ready"]
-    warm = chat_completion(stack.vllm_url, "cpu-demo", CHAT, max_tokens=24)
+    TIMINGS["docker_launch_ready_s"] = info["vllm"]["seconds_to_ready"]
+    # the container docker runs is the rendered one, and podman runs nothing
+    assert _exists(DOCKER, container) and not _exists(ENGINE, container)
+    c = _inspect(container, DOCKER)
+    assert c["Config"]["Image"] == ref and c["Image"] == STATE["pin"].rsplit("@", 1)[1], c
+    assert c["Config"]["Cmd"] == argv[argv.index(ref) + 1:], c["Config"]["Cmd"]
+    assert c["HostConfig"]["NetworkMode"] == "host" and c["HostConfig"]["AutoRemove"], c
+    assert c["HostConfig"]["ShmSize"] == 1 << 30, c["HostConfig"]["ShmSize"]
+    top = _ctr(DOCKER, "top", container, "-o", "pid,args")
+    assert "vllm.entrypoints.openai.api_server" in top.stdout, (top.stdout, top.stderr)
+    assert "lmcache server" not in top.stdout and "lmcache_exec" not in top.stdout
+    _assert_sees_nothing_private(dk, container, {
+        (str(STATE["weights"]), f"/kvp-models/{ns}"), *((m, m) for m in STATE["mounts"])},
+        engine=DOCKER)
+    warm = chat_completion(dk.vllm_url, "cpu-demo", CHAT, max_tokens=24)
     assert warm.text == STATE["cold"]
     full_chunks = STATE["prompt_tokens"] // 256
-    assert vllm_metric(stack.vllm_url, HITS) >= full_chunks * 256
-    text = stack.server_log.read_text(errors="replace")[boot:]
+    assert vllm_metric(dk.vllm_url, HITS) >= full_chunks * 256
+    text = dk.server_log.read_text(errors="replace")[boot:]
     assert max(l2_hits_in_text(text) or [0]) >= full_chunks, text[-3000:]
-    stopped = {s["what"]: s["how"] for s in stack.stop()["stopped"]}
+    TIMINGS["docker_disk_hit_ttft_s"] = round(warm.ttft_s or 0.0, 3)
+    stopped = {s["what"]: s["how"] for s in dk.stop()["stopped"]}
     assert stopped == {"vLLM": "terminated", "lmcache server": "terminated"}, stopped
-    assert _run(ENGINE, "container", "exists", STATE["container"]).returncode == 1
+    # --rm: docker removes the stopped container (the daemon does it, just after the stop)
+    assert wait_until(lambda: not _exists(DOCKER, container), 30), _inspect(container, DOCKER)
