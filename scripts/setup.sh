@@ -2,7 +2,7 @@
 # Set up kvpersist on a fresh machine: a venv in .venv with vLLM's CPU build, stock
 # LMCache 0.5.6 and nixl, kvpersist itself (editable) with its test and deploy extras, and
 # the few system tools the tests use (jq, systemd-analyze, iproute2, iptables, redis-server,
-# redis-tools, openssl, mkfs.ext4 and mkfs.xfs, Prometheus' promtool, prometheus and
+# redis-tools, openssl, strace, mkfs.ext4 and mkfs.xfs, Prometheus' promtool, prometheus and
 # node_exporter for the monitoring/ rules and dashboard, and podman, runc, mmdebstrap and
 # docker's daemon for vLLM in a container). Idempotent: a second run only re-checks.
 # Usage: bash scripts/setup.sh   (env: KVP_VENV=path to use another venv)
@@ -24,6 +24,7 @@ command -v redis-server >/dev/null || need_apt+=(redis-server)  # shared-tier te
 command -v redis-benchmark >/dev/null || need_apt+=(redis-tools)  # bench/network_faults.py
 command -v openssl >/dev/null || need_apt+=(openssl)  # the TLS store's test certificates
 command -v setpriv >/dev/null || need_apt+=(util-linux)  # secret checks as another user
+command -v strace >/dev/null || need_apt+=(strace)  # what a refused launch executes
 # a full and a read-only cache root on loop-mounted ext4 and XFS images (test_full_filesystem;
 # run as root): mkfs, mount and losetup live in sbin, which a user's PATH may lack
 have_sbin() { PATH="$PATH:/usr/sbin:/sbin" command -v "$1" >/dev/null; }
