@@ -22,7 +22,8 @@ cache reset (``/reset_prefix_cache``, vLLM's development endpoints, VLLM_SERVER_
 and the same request again, served from the running cache server's L1 by a warm vLLM, three
 times. Stops: ``kvp-admin stop`` (whole process) against SIGTERM to the bare vLLM API server
 then the bare server, each to its exit. Load (/proc/loadavg) is recorded per variant. The
-output texts of every first request must be identical.
+output texts of every first request must be identical. Per request of the kvpersist variant,
+the chunks the cache server found in L1 and in L2 (its log's prefetch lines).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -53,6 +55,26 @@ from kvpersist.system import procs  # noqa: E402
 PY = sys.executable
 KVP = [PY, "-m", "kvpersist.cli"]
 POLL_S = 0.1
+#: the cache server's line for one request's prefetch: chunks it found in L1 and in L2
+PREFETCH_RE = re.compile(r"retained keys \((\d+) L1, (\d+) L2\)")
+
+
+def served_from(log: str, since: int) -> list[tuple[int, int]]:
+    """(L1, L2) chunk counts of each prefetch the server logged after byte ``since``."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return [(int(a), int(b)) for a, b in PREFETCH_RE.findall(text)]
+
+
+def log_size(log: str) -> int:
+    try:
+        return os.path.getsize(log)
+    except OSError:
+        return 0
 
 
 def load() -> float:
@@ -95,10 +117,12 @@ class ServingPoll:
 
 def first_token(plan: LaunchPlan, served: str, chat: list[dict[str, str]],
                 t0: float) -> dict[str, Any]:
+    since = log_size(plan.server_log)
     r = chat_completion(plan.vllm_url, served, chat, max_tokens=24)
     return {"request_ttft_s": round(r.ttft_s, 4), "text": r.text,
             "prompt_tokens": r.prompt_tokens,
-            "to_first_token_s": round(time.monotonic() - t0 - (r.total_s - r.ttft_s), 3)}
+            "to_first_token_s": round(time.monotonic() - t0 - (r.total_s - r.ttft_s), 3),
+            "l1_l2_chunks": served_from(plan.server_log, since)}
 
 
 def steady(plan: LaunchPlan, served: str, chat: list[dict[str, str]], n: int = 3) -> list[float]:
@@ -124,7 +148,9 @@ def run_kvpersist(env: dict[str, str], config: str, plan: LaunchPlan, served: st
     info = json.loads(launched.stdout)
     rec["prime"] = info.get("prime")
     rec["warmup"] = info.get("warmup")
+    since = log_size(plan.server_log)
     rec["steady_ttft_s"] = steady(plan, served, chat)
+    rec["steady_l1_l2_chunks"] = served_from(plan.server_log, since)
     stopped, took = kvp(env, "stop", config, "--json")
     rec["stop_s"] = round(took, 3)
     rec["stopped"] = [{"what": s["what"], "how": s["how"], "seconds": s["seconds"]}
