@@ -12,7 +12,10 @@ prefix cache hit) and, after ``/reset_prefix_cache`` (VLLM_SERVER_DEV_MODE=1), o
 ("steady": served from the cache server's L1 by a warm vLLM); then ``kvp-admin stop``.
 Variants: ``none`` (the launch's prime only), ``short2`` (three more short requests),
 ``fresh`` (a new 2-turn chat of about 400 tokens: a full prefill, one chunk stored),
-``fixed`` (the same ~670-token prompt every time: stored by its first run, retrieved after).
+``fixed`` (the same ~670-token prompt every time: stored by its first run, retrieved after),
+``chunk`` (a completion of the returning chat's first 257 token ids, one token: its first
+chunk, which the warm-up put in L1, goes through LMCache's load into vLLM once before the
+target; vLLM's prefix cache is reset after it, so the target takes nothing from it).
 One line per variant, time to first token in seconds.
 """
 
@@ -54,6 +57,16 @@ def main() -> int:
             fresh = long_chat(turns=2, words_per_turn=150, seed=int(time.time()))
             r = chat_completion(url, served, fresh, max_tokens=2)
             pre.append((round(r.ttft_s, 3), r.prompt_tokens))
+        elif variant == "chunk":
+            toks = requests.post(f"{url}/tokenize", json={
+                "model": served, "messages": chat, "add_generation_prompt": True},
+                timeout=30).json()["tokens"]
+            t0 = time.monotonic()
+            requests.post(f"{url}/v1/completions", json={
+                "model": served, "prompt": toks[:257], "max_tokens": 1, "temperature": 0},
+                timeout=60).raise_for_status()
+            pre.append((round(time.monotonic() - t0, 3), 257))
+            requests.post(f"{url}/reset_prefix_cache", timeout=30).raise_for_status()
         elif variant == "short2":
             for _ in range(3):
                 r = chat_completion(url, served, SHORT, max_tokens=2)
