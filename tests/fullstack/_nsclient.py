@@ -12,14 +12,12 @@ An error (vLLM refused, a timeout) comes back as ``{"error": "..."}``; the child
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..conftest import REPO
+from ..childproc import JsonLineChild
 
 
 def serve(base_url: str) -> None:
@@ -51,30 +49,17 @@ def serve(base_url: str) -> None:
         print(json.dumps(out), flush=True)
 
 
-class NsClient:
+class NsClient(JsonLineChild):
     """``with NsClient(wrap, vllm_url) as c: c.chat(messages)``."""
 
     def __init__(self, wrap: Sequence[str], base_url: str) -> None:
-        self.proc = subprocess.Popen(
-            [*wrap, sys.executable, "-m", "tests.fullstack._nsclient", base_url],
-            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            start_new_session=True)
-        if not self._read().get("ready"):
+        super().__init__([*wrap, sys.executable, "-m", "tests.fullstack._nsclient", base_url])
+        if not self.read().get("ready"):
             self.close()
             raise RuntimeError("the namespace's chat client did not start")
 
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the chat client exited ({self.proc.wait(timeout=10)})")
-        return dict(json.loads(line))
-
     def call(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        out = self._read()
+        out = self.send(cmd)
         if "error" in out:
             raise AssertionError(f"{cmd['op']} in the namespace: {out['error']}")
         return out
@@ -87,22 +72,6 @@ class NsClient:
 
     def post(self, path: str) -> int:
         return int(self.call(op="post", path=path)["status"])
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def __enter__(self) -> NsClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 if __name__ == "__main__":

@@ -21,16 +21,14 @@ the server's, not the client's patience (vLLM's scheduler waits for the lookup t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..conftest import REPO
+from ..childproc import JsonLineChild
 
 #: how long a lookup is polled before the client gives up (the bench client's: ~2.5 s)
 LOOKUP_WAIT_S = 120.0
@@ -67,18 +65,15 @@ def serve(rpc: str, http: str, model: str, num_tokens: int, spec: str) -> None:
             print(json.dumps(out), flush=True)
 
 
-class NetDriver:
+class NetDriver(JsonLineChild):
     """The child process; ``with NetDriver(wrap, rpc, http, model) as d: d.retrieve(1)``.
     Each sequence holds ``num_tokens`` tokens (1,024: 4 chunks of 256); ``spec``: the KV
     shape (``kvdriver.shape_spec``; default the demo's, 256 KiB per chunk)."""
 
     def __init__(self, wrap: Sequence[str], rpc: str, http: str, model: str,
                  num_tokens: int = 1024, spec: str = "", wait: bool = True) -> None:
-        self.proc = subprocess.Popen(
-            [*wrap, sys.executable, "-m", "tests.integration._netdriver", rpc, http, model,
-             str(num_tokens), spec],
-            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            start_new_session=True)
+        super().__init__([*wrap, sys.executable, "-m", "tests.integration._netdriver", rpc,
+                          http, model, str(num_tokens), spec])
         self._ready = False
         if wait:
             self.wait_ready()
@@ -88,7 +83,7 @@ class NetDriver:
         spends seconds importing LMCache and torch)."""
         if not self._ready:
             try:
-                ready = self._read().get("ready")
+                ready = self.read().get("ready")
             except BaseException:
                 self.close()
                 raise
@@ -98,18 +93,8 @@ class NetDriver:
             self._ready = True
         return self
 
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the driver exited ({self.proc.wait(timeout=10)})")
-        return dict(json.loads(line))
-
     def call(self, op: str, seq: int) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, "seq": seq}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        return self.send({"op": op, "seq": seq})
 
     def store(self, seq: int) -> list[str]:
         return list(self.call("store", seq)["digests"])
@@ -119,22 +104,6 @@ class NetDriver:
 
     def clear_l1(self) -> None:
         self.call("clear", 0)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def __enter__(self) -> NetDriver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 if __name__ == "__main__":

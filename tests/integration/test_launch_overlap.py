@@ -5,7 +5,8 @@ starts. These tests show that the overlap keeps every guarantee, with the real p
 - a refused preflight still starts nothing: no vLLM, no cache server (every program the
   launch executes is traced with ``strace -f -e execve``), the cache root not created;
 - after an unclean stop, the crash-window check has quarantined a bad file before the cache
-  server process exists, while vLLM, spawned before the check, is already loading;
+  server process exists, while vLLM, spawned before the check, is already loading (and a
+  vLLM that does not serve in time is stopped, the healthy server left running);
 - a cache server that does not come up stops the vLLM spawned beside it: nothing of the
   deployment is left running.
 """
@@ -147,22 +148,28 @@ def test_crash_window_is_checked_before_the_server_exists_with_vllm_loading(
     t = threading.Thread(target=watch, daemon=True)
     t.start()
     try:
-        info = stack.launch("--no-warmup")
+        # vLLM is not waited for to serve (it loads for 40 s and more on 2 cores): past its
+        # 2 s the launch stops it and leaves the healthy server running, as it does for any
+        # vLLM that fails; the order of the three events is decided before that
+        r = stack.kvp("launch", stack.config, "--no-warmup", "--vllm-timeout", "2",
+                      timeout=300)
     finally:
         done.set()
         t.join(10)
-    cw = info["crash_window"]
-    assert cw["unclean"] and cw["complete"] and cw["failed"] == 1, cw
-    assert [Path(q).name.split(".auth.")[0] for q in cw["quarantined"]] == [bad.name], cw
-    quarantined = Path(cw["quarantined"][0])
-    moved_at = quarantined.lstat().st_ctime  # the rename into quarantine
+    assert r.returncode != 0 and "vLLM" in r.stderr, (r.stdout, r.stderr)
+    assert "crash window: unclean stop" in r.stderr and "1 quarantined" in r.stderr, r.stderr
+    qdir = stack.root / ".kvpersist" / "quarantine"
+    quarantined = list(qdir.iterdir())
+    assert [q.name.split(".auth.")[0] for q in quarantined] == [bad.name], quarantined
+    moved_at = quarantined[0].lstat().st_ctime  # the rename into quarantine
     assert set(born) == {"vllm", "server"}, born
     # a process's start is known to one clock tick
     tick = 1 / os.sysconf("SC_CLK_TCK")
     assert born["vllm"] < moved_at < born["server"] + tick, (born, moved_at)
     print(f"vLLM started {moved_at - born['vllm']:.3f} s before the bad file was in "
           f"quarantine, the server {born['server'] - moved_at:.3f} s after")
-    assert info["started"] == ["server", "vllm"], info
+    st = stack.kvp_json("status", stack.config)
+    assert st["lmcache"]["state"] == "running" and st["vllm"]["state"] == "absent", st
     # the server never had the file: it is a miss, the other chunks of its sequence hit
     with connect(stack.rpc, stack.http, ns) as d:
         lk, _ = d.lookup_and_retrieve(1, prefix=True)
