@@ -1,4 +1,5 @@
-"""Shared fixtures: the repository root, relocated deployments, free loopback ports."""
+"""Shared fixtures: the repository root, relocated deployments, free loopback ports, the
+generated tiny demo model (one per session: per test lane)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,11 @@ def redis(tmp_path: Path) -> Iterator[Redis]:
         yield r
     finally:
         r.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny demo model, generated once per session (vLLM serves it in the full stack)."""
+    from kvpersist.demo.model import generate_model
+
+    return generate_model("tiny", tmp_path_factory.mktemp("models") / "tiny")

@@ -35,7 +35,7 @@ from kvpersist.demo.chat import long_chat
 from ..integration._netns import STORE_IP, Net, make_net
 from ..integration._redis import Redis, start_redis
 from ..integration.test_shared_tier import proc_as_nobody
-from ..integration.test_shared_tier_network import host_on
+from ..integration.test_shared_tier_network import WORKERS, host_on
 from ._nsclient import NsClient
 from ._stack import Stack, l2_hits_in_log, wait_until
 
@@ -43,13 +43,12 @@ pytestmark = pytest.mark.fullstack
 
 HITS = "vllm:external_prefix_cache_hits_total"
 CHUNK = 256
-#: every chat: 8 turns of 150 words (about 1,800 prompt tokens: 7 full chunks)
+#: every chat: 8 turns of 150 words (more than 1,280 prompt tokens: 5 full chunks)
 TURNS, WORDS = 8, 150
 #: the chats A answers cold; B asks each once, for the fault named (spares: after a heal or
 #: a restart, the first chats may still miss while the adapter reconnects)
 NAMES = ["base", "delay 5 ms", "delay 50 ms", "loss 1 %", "loss 10 %", "partition",
          *(f"healed {i}" for i in range(4)), *(f"restarted {i}" for i in range(4))]
-WORKERS = 8
 #: what the machine (2 cores, other tests beside) may add to a measured time
 SLACK_S = 3.0
 
@@ -76,7 +75,7 @@ class Hosts:
         """B answers chat ``name``: the answer equals A's cold one; with the tokens it took
         from the external cache (LMCache) for this request."""
         before = self.c.metric(HITS)
-        got = self.c.chat(chats()[name])
+        got = self.c.chat(CHATS[name])
         got["hit_tokens"] = self.c.metric(HITS) - before
         assert got["text"] == self.cold[name]["text"], (name, got, self.cold[name])
         return got
@@ -97,9 +96,8 @@ class Hosts:
         return r.returncode, json.loads(r.stdout)
 
 
-def chats() -> dict[str, list[dict[str, str]]]:
-    return {n: long_chat(turns=TURNS, words_per_turn=WORDS, seed=300 + i)
-            for i, n in enumerate(NAMES)}
+CHATS = {n: long_chat(turns=TURNS, words_per_turn=WORDS, seed=300 + i)
+         for i, n in enumerate(NAMES)}
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +135,7 @@ def test_host_a_answers_every_chat_cold_and_stores_it_in_the_store(hosts: Hosts)
     hosts.ns = info["namespace"]
     assert info["started"] == ["server", "vllm"], info
     with NsClient(a.wrapper, a.vllm_url) as c:
-        for name, messages in chats().items():
+        for name, messages in CHATS.items():
             got = c.chat(messages)
             assert got["prompt_tokens"] > 5 * CHUNK and got["text"], (name, got)
             hosts.cold[name] = got

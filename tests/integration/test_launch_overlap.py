@@ -34,16 +34,9 @@ from ..fullstack._stack import Stack, wait_until
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvpersist.demo.model import generate_model
-
-    return generate_model("tiny", tmp_path_factory.mktemp("models") / "tiny")
-
-
 @pytest.fixture
-def stack(tmp_path: Path, model: Path) -> Iterator[Stack]:
-    s = Stack(tmp_path, model=model)
+def stack(tmp_path: Path, demo_model: Path) -> Iterator[Stack]:
+    s = Stack(tmp_path, model=demo_model)
     try:
         yield s
     finally:
