@@ -23,6 +23,12 @@ PLAINTEXT_ALIGN = 256
 ALIGNED_SEARCHES = 8
 
 
+def frame_end(plaintext: int) -> int:
+    """Where the frame of a ``plaintext``-byte chunk ends in its file: the padding starts
+    there (pure)."""
+    return HDR_LEN + plaintext + TAG_LEN
+
+
 def frame_candidates(blob: bytes, known_plaintext: int | None,
                      aligned: bool = False) -> list[int]:
     """Plaintext lengths to try for an aesgcm frame stored in ``blob`` (pure).
