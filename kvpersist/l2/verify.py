@@ -215,7 +215,8 @@ def verify_root(root: RootDir, namespace: str, *, serde: str = "aesgcm",
                 all_namespaces: bool = False, since_ns: int | None = None,
                 deadline_s: float | None = None,
                 progress: Callable[[int, int], None] | None = None,
-                first: frozenset[str] = frozenset()) -> VerifyResult:
+                first: frozenset[str] = frozenset(),
+                key_for: Callable[[str], bytes | None] | None = None) -> VerifyResult:
     """Check the chunk files under the open ``root``; quarantine findings when ``apply``.
 
     ``key`` is the master key (aesgcm); files of ``namespace`` (all prefixes when
@@ -229,11 +230,15 @@ def verify_root(root: RootDir, namespace: str, *, serde: str = "aesgcm",
     warm-set pins, what every session needs first) are checked before all others, so a
     deadline never leaves them unchecked while others were read. Raises KvpError if, with
     ``apply``, the quarantine directory cannot be made safely.
+
+    ``key_for`` (per-namespace keys, docs/keys-and-shred.md) replaces ``key``: the master key
+    of each prefix, or None for a prefix whose key is not known (judged by size only).
     """
     t0 = time.monotonic()
     res = VerifyResult(root.given or root.path, namespace, serde, apply, since_ns=since_ns)
-    targets = _check(root, res, key=key, aes_bits=aes_bits, temp_age=temp_age,
-                     rate_mb_s=rate_mb_s, all_namespaces=all_namespaces, progress=progress,
+    targets = _check(root, res, key_for=key_for or (lambda _prefix: key), aes_bits=aes_bits,
+                     temp_age=temp_age, rate_mb_s=rate_mb_s, all_namespaces=all_namespaces,
+                     progress=progress,
                      deadline=None if deadline_s is None else t0 + deadline_s, first=first)
     if apply:
         _quarantine(root, res, targets)
@@ -241,7 +246,8 @@ def verify_root(root: RootDir, namespace: str, *, serde: str = "aesgcm",
     return res
 
 
-def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
+def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | None],
+           aes_bits: int,
            temp_age: float, rate_mb_s: float | None, all_namespaces: bool,
            progress: Callable[[int, int], None] | None,
            deadline: float | None = None, first: frozenset[str] = frozenset()) -> list[_Seen]:
@@ -308,7 +314,7 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
     if first:
         res.pinned = sum(1 for seen, _ in chunks if seen.name in first)
     usual = expected_sizes(sizes)
-    keys: dict[str, bytes] = {}
+    keys: dict[tuple[str, str], bytes] = {}
     known_plain: dict[Group, int] = {}
     #: the sizes of each group's files that authenticated: what an authentic file looks like
     authentic: dict[Group, Counter[int]] = {}
@@ -322,7 +328,7 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
 
     def authenticates(parsed: layout.ChunkName) -> bool:
         """Whether every file of ``parsed``'s group is read and authenticated."""
-        return (serde == "aesgcm" and key is not None
+        return (serde == "aesgcm" and key_for(parsed.prefix) is not None
                 and (all_namespaces or parsed.prefix == namespace))
 
     # the warm set first, then authentic sizes before sizes seen to fail (verify_order)
@@ -336,9 +342,10 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
                   known: int | None) -> tuple[bool, int | None]:
         """(read, plaintext length or None); read is False if the file could not be read."""
         salt = parsed.salt or ""
-        if salt not in keys:
-            assert key is not None
-            keys[salt] = derive_key(key, salt, aes_bits)
+        if (parsed.prefix, salt) not in keys:
+            master = key_for(parsed.prefix)
+            assert master is not None
+            keys[parsed.prefix, salt] = derive_key(master, salt, aes_bits)
         try:
             blob, st = _read(dirs_open.get(seen.rel), seen.name)
         except FileNotFoundError:
@@ -354,7 +361,7 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
         res.bytes_read += len(blob)
         group = (parsed.prefix, parsed.rank.world_size)
         aligned = known is None and searches[group] < ALIGNED_SEARCHES
-        n = authenticate(blob, keys[salt], known, aligned)
+        n = authenticate(blob, keys[parsed.prefix, salt], known, aligned)
         if n is None and aligned:
             searches[group] += 1
         if n is not None:
@@ -403,7 +410,8 @@ def _check(r: RootDir, res: VerifyResult, *, key: bytes | None, aes_bits: int,
         size, want = seen.size, usual.get(group)
         if want is not None and size != want:
             detail = f"{size} bytes where this namespace's chunks have {want}"
-            if serde == "aesgcm" and key is not None and size >= FRAME_OVERHEAD:
+            if serde == "aesgcm" and key_for(parsed.prefix) is not None \
+                    and size >= FRAME_OVERHEAD:
                 ok, n = read_auth(seen, parsed, known_plain.get(group))
                 if not ok:
                     return
