@@ -64,6 +64,9 @@ COMMANDS: dict[str, Entry] = {
                     "Check CONFIG's cache root: wrong sizes, frames failing authentication "
                     "with the deployment's key, one frame under two names, links, FIFOs and "
                     "unreadable files under chunk names, stale temp files."),
+    "scrub": Entry("kvpersist.commands.scrub:scrub",
+                   "Zero the padding after the aesgcm frame of CONFIG's chunk files (stale L1 "
+                   "bytes, often plaintext KV of other chunks)."),
     "weights": Entry("kvpersist.commands.weights:weights",
                      "Check that the weights at CONFIG's KVP_MODEL_PATH are those its namespace "
                      "was first served with."),

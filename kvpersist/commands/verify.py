@@ -20,12 +20,18 @@ from kvpersist.commands.common import config_argument, echo_json, exit_with, jso
               help="Read at most this many MB/s (0: unbounded).")
 @click.option("--temp-age", type=float, default=600.0, show_default=True,
               help="Temp files (interrupted writes) older than this many seconds are stale.")
+@click.option("--no-scrub", "no_scrub", is_flag=True,
+              help="With --apply, do not zero the padding after each frame of the "
+                   "namespace's files that authenticate (kvp-admin scrub).")
 @json_option
 def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
-           temp_age: float, as_json: bool) -> None:
+           temp_age: float, no_scrub: bool, as_json: bool) -> None:
     """Check CONFIG's cache root: wrong sizes, frames failing authentication with the
     deployment's key, one frame under two names, links, FIFOs and unreadable files under chunk
-    names, stale temp files. Exit 0 clean (or all quarantined), 1 findings left."""
+    names, stale temp files. Exit 0 clean (or all quarantined), 1 findings left. With
+    --apply (aesgcm) the padding after each authenticated frame is then zeroed, as
+    kvp-admin scrub --apply does."""
+    from kvpersist.actions.scrub import scrub as scrub_action
     from kvpersist.actions.verify import verify as verify_action
 
     show = not as_json and sys.stderr.isatty()
@@ -36,8 +42,13 @@ def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
 
     res = verify_action(config, apply=apply, all_namespaces=all_namespaces,
                         rate_mb_s=rate_mb_s or None, temp_age=temp_age, progress=progress)
+    scrubbed = (scrub_action(config, apply=True)
+                if apply and not no_scrub and res.serde == "aesgcm" else None)
     if as_json:
-        echo_json(res.to_dict())
+        doc = res.to_dict()
+        if scrubbed is not None:
+            doc["scrub"] = scrubbed.to_dict()
+        echo_json(doc)
     else:
         click.echo(f"{res.root}: {res.files} chunk files, {res.authenticated} authenticated, "
                    f"{len(res.findings)} finding(s) in {res.seconds:.1f} s")
@@ -55,6 +66,9 @@ def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
                 click.echo(f"  skipped {line}")
         elif res.findings:
             click.echo("dry run: run again with --apply to quarantine them")
+        if scrubbed is not None:
+            click.echo(f"padding zeroed after the frame of {scrubbed.scrubbed} file(s) "
+                       f"({scrubbed.clean} clean already)")
         for w in res.warnings:
             click.echo(f"warning: {w}", err=True)
     left = len(res.findings) - (len(res.quarantined) if apply else 0)

@@ -1,0 +1,250 @@
+"""Zero the padding after the aesgcm frame of each chunk file (I/O; explicit command only).
+
+LMCache 0.5.6 writes every chunk file as whole 4 KiB pages of an L1 buffer that it never
+clears: after the frame ``[version][iv][ciphertext||tag]`` the file holds whatever that L1
+memory held before, once L1 is reused plaintext KV of other chunks (possibly of other
+tenants), on disk in clear (docs/lmcache-publish-path.md). ``scrub`` overwrites exactly those
+bytes with zeros, in place, and never a byte of the frame.
+
+Why it is safe while LMCache runs (read in ``lmcache==0.5.6``):
+
+* a reader uses only the frame: ``dynamic_load`` reads the file's pages into an L1 buffer and
+  ``AesGcmDeserializer.deserialize`` takes the ciphertext length from the chunk's KV layout
+  (``frame_end = 1 + 12 + plaintext + 16``), never from the file; the padding it reads is
+  ignored, so a read that overlaps a scrub sees the same frame whatever it sees after it;
+* LMCache never writes into a published file: a store writes ``<name>.tmp.<uuid>`` (a new
+  inode) and renames it over the name. The scrub opens the name once (relative to the
+  directory's descriptor, ``O_NOFOLLOW``), checks with ``fstat`` that it is the regular file
+  listed (device, inode, size), reads and authenticates the frame through that descriptor
+  with the deployment's key, and writes zeros through the same descriptor with ``pwrite``,
+  only from the frame's end to the file's end, then ``fsync``. A file that LMCache (or prune,
+  or verify's quarantine) replaced or removed meanwhile is another inode: the zeros land in
+  the one that was authenticated, past its frame;
+* the file's size, atime and mtime are kept (restored with ``futimens``), so retention,
+  crash-window checks and the re-checks of prune and verify see the file they listed.
+
+Only a file whose frame authenticates is written, and only when its padding is not all zeros
+already. Clean files cost one read of their last bytes: the plaintext length of a
+namespace's chunks is learned from the first file that authenticates (per kv world size and
+file size), after which a file's padding is read alone (under 4 KiB) and the rest of the file
+only if that padding is dirty. A file that fails authentication is left alone (``verify``'s
+business).
+"""
+
+from __future__ import annotations
+
+import os
+import stat as stat_mod
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvpersist.l2 import layout
+from kvpersist.l2.frames import ALIGNED_SEARCHES, decrypt, derive_key, frame_end
+from kvpersist.l2.layout import display_name
+from kvpersist.l2.tree import RootDir, chunk_dirs, open_rel
+
+SCHEMA = "kvpersist.scrub/1"
+
+#: how a chunk file is opened: never through a symlink, and a FIFO cannot block the open
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+@dataclass
+class ScrubResult:
+    """What a scrub saw and did (``kvpersist.scrub/1``)."""
+
+    root: str
+    namespace: str
+    apply: bool
+    #: chunk files of the namespace looked at
+    files: int = 0
+    #: files whose padding is all zeros already (nothing written)
+    clean: int = 0
+    #: files whose padding holds non-zero bytes and whose frame authenticates
+    dirty: int = 0
+    #: of those, the files zeroed (``apply``)
+    scrubbed: int = 0
+    #: padding bytes that are (dry run: would be) overwritten with zeros
+    bytes_zeroed: int = 0
+    bytes_read: int = 0
+    #: files whose frame does not authenticate (or whose length is unknown): left alone
+    unauthenticated: int = 0
+    skipped: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    #: only files modified at or after this instant (ns since the epoch) were looked at
+    since_ns: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["schema"] = SCHEMA
+        d["root"] = display_name(self.root)
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class _Listed:
+    rel: str
+    name: str
+    dev: int
+    ino: int
+    size: int
+    salt: str
+    group: tuple[str, int]
+
+
+def scrub_root(root: RootDir, namespace: str, key: bytes, *, aes_bits: int = 128,
+               apply: bool = False, since_ns: int | None = None,
+               progress: Callable[[int, int], None] | None = None) -> ScrubResult:
+    """Zero the padding after the aesgcm frame of ``namespace``'s chunk files under the open
+    ``root`` when ``apply`` (a dry run counts what would be zeroed). ``key`` is the master key
+    of the namespace; ``since_ns`` limits the scrub to files modified at or after that instant.
+
+    Only the chunk directories are visited (the root and ``ab/cd`` shard directories, never
+    through a symlink) and only regular files named as the namespace's chunks. Files that
+    cannot be opened, or changed between the listing and the open, are listed in ``skipped``.
+    Never raises for a single file; raises OSError only if the root cannot be listed at all.
+    """
+    t0 = time.monotonic()
+    res = ScrubResult(root.given or root.path, namespace, apply, since_ns=since_ns)
+    listed = _list(root, res)
+    keys: dict[str, bytes] = {}
+    #: plaintext length per (group, file size), learned from a file that authenticates
+    known: dict[tuple[tuple[str, int], int], int] = {}
+    searches: Counter[tuple[str, int]] = Counter()
+    dirs: dict[str, int] = {}
+    try:
+        for i, f in enumerate(listed):
+            if progress is not None and (i % 256 == 0 or i == len(listed) - 1):
+                progress(i + 1, len(listed))
+            if f.salt not in keys:
+                keys[f.salt] = derive_key(key, f.salt, aes_bits)
+            try:
+                dfd = dirs.get(f.rel)
+                if dfd is None:
+                    dfd = dirs[f.rel] = _open_dir(root, f.rel)
+                _scrub_file(dfd, f, keys[f.salt], known, searches, res)
+            except OSError as exc:
+                if not isinstance(exc, FileNotFoundError):
+                    res.skipped.append(f"{_shown(res, f.rel, f.name)}: {exc.strerror or exc}")
+    finally:
+        for fd in dirs.values():
+            os.close(fd)
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+def _shown(res: ScrubResult, rel: str, name: str) -> str:
+    return display_name(os.path.join(res.root, rel, name))
+
+
+def _open_dir(root: RootDir, rel: str) -> int:
+    return open_rel(root.fd, rel)
+
+
+def _list(root: RootDir, res: ScrubResult) -> list[_Listed]:
+    """The regular files named as ``res.namespace``'s chunks (in the window, if any)."""
+    out: list[_Listed] = []
+
+    def note(rel: str, exc: OSError) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            res.skipped.append(f"{display_name(os.path.join(res.root, rel))}: {exc.strerror}")
+
+    with chunk_dirs(root.fd, on_error=note) as walk:
+        for d in walk:
+            try:
+                for e in d.entries():
+                    kind, parsed = layout.classify(e.name, d.shard)
+                    if (kind != layout.Kind.CHUNK or parsed is None
+                            or parsed.prefix != res.namespace
+                            or not e.is_file(follow_symlinks=False)):
+                        continue
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError as exc:
+                        note(d.path_of(e.name), exc)
+                        continue
+                    if res.since_ns is not None and st.st_mtime_ns < res.since_ns:
+                        continue
+                    out.append(_Listed(d.rel, e.name, st.st_dev, st.st_ino, st.st_size,
+                                       parsed.salt or "",
+                                       (parsed.prefix, parsed.rank.world_size)))
+            except OSError as exc:
+                note(d.rel or ".", exc)
+    return out
+
+
+def _scrub_file(dfd: int, f: _Listed, key: bytes,
+                known: dict[tuple[tuple[str, int], int], int],
+                searches: Counter[tuple[str, int]], res: ScrubResult) -> None:
+    """Look at one file; zero its padding if it is dirty, authenticates and ``res.apply``.
+    Raises OSError (the caller notes it)."""
+    mode = os.O_RDWR if res.apply else os.O_RDONLY
+    fd = os.open(f.name, mode | _OPEN_FLAGS, dir_fd=dfd)
+    try:
+        st = os.fstat(fd)
+        if (not stat_mod.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino, st.st_size)
+                != (f.dev, f.ino, f.size)):
+            res.skipped.append(f"{_shown(res, f.rel, f.name)}: changed since it was listed")
+            return
+        res.files += 1
+        n = known.get((f.group, f.size))
+        if n is not None and frame_end(n) <= f.size:
+            tail = os.pread(fd, f.size - frame_end(n), frame_end(n))
+            res.bytes_read += len(tail)
+            if not any(tail):
+                res.clean += 1
+                return
+        blob = _read_all(fd, f.size)
+        res.bytes_read += len(blob)
+        aligned = searches[f.group] < ALIGNED_SEARCHES
+        plain = decrypt(blob, key, n, aligned=aligned)
+        if plain is None:
+            if aligned and n is None:
+                searches[f.group] += 1
+            res.unauthenticated += 1
+            return
+        n = len(plain)
+        known[(f.group, f.size)] = n
+        end = frame_end(n)
+        if not any(memoryview(blob)[end:]):
+            res.clean += 1
+            return
+        res.dirty += 1
+        res.bytes_zeroed += f.size - end
+        if not res.apply:
+            return
+        now = os.fstat(fd)
+        if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+            res.skipped.append(f"{_shown(res, f.rel, f.name)}: changed while it was read")
+            res.dirty -= 1
+            res.bytes_zeroed -= f.size - end
+            return
+        _pwrite_all(fd, bytes(f.size - end), end)
+        os.fsync(fd)
+        os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+        res.scrubbed += 1
+    finally:
+        os.close(fd)
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    """``size`` bytes from offset 0 of ``fd`` (fewer if the file is shorter). Raises OSError."""
+    parts: list[bytes] = []
+    done = 0
+    while done < size:
+        b = os.pread(fd, size - done, done)
+        if not b:
+            break
+        parts.append(b)
+        done += len(b)
+    return b"".join(parts)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
