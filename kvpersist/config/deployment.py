@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -25,6 +25,7 @@ from kvpersist.config.identity import (
     parse_engine_args,
     unpinned_namespace,
 )
+from kvpersist.config.key_paths import namespace_dir_problem, namespace_key_path
 from kvpersist.config.settings import (
     DEPLOY_FIX,
     DEPLOYMENT_KEYS,
@@ -272,6 +273,8 @@ def build_deployment(
                                 "configuration (a wrong hit would serve wrong output)",
                                 "fix the fields above, or pass --allow-unpinned for a "
                                 "one-off namespace that never reuses anything"))
+    if settings is not None:
+        settings = with_namespace_key(settings, namespace)
     if settings is not None and not problems:
         problems += agreement_problems(identity, settings, generic, source)
     if problems or settings is None:
@@ -282,6 +285,15 @@ def build_deployment(
                       identity_values=_valid_identity_values(values, id_problems, source),
                       notes=(LEGACY_STATE_NOTE.format(root=settings.cache_root),)
                       if legacy_state_dir else ())
+
+
+def with_namespace_key(s: DeploymentSettings, namespace: str) -> DeploymentSettings:
+    """``s`` with ``serde_key_file`` set to ``namespace``'s own key
+    (``<state dir>/keys/<namespace>/l2-master.key``) when KVP_SERDE_KEY_FILE is empty (the
+    default); an operator's KVP_SERDE_KEY_FILE is kept as given (pure)."""
+    if s.serde_key_file or namespace_dir_problem(namespace):
+        return s
+    return replace(s, serde_key_file=namespace_key_path(s.state_dir, namespace))
 
 
 LEGACY_STATE_NOTE = (

@@ -122,7 +122,9 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_L2_RESERVE": ("l2_reserve", "sizepct", "generic.l2_reserve"),
     "KVP_L2_QUOTA": ("l2_quota", "sizepct?", ""),
     "KVP_L2_SERDE": ("serde", "serde", "generic.l2_serde"),
-    "KVP_SERDE_KEY_FILE": ("serde_key_file", "abspath", "{state_dir}/keys/l2-master.key"),
+    # empty: the namespace's own key, {state_dir}/keys/<namespace>/l2-master.key
+    # (kvpersist.config.key_paths; filled in by build_deployment once the namespace is known)
+    "KVP_SERDE_KEY_FILE": ("serde_key_file", "abspath?", ""),
     "KVP_PREREAD_RAM_SHARE": ("preread_ram_share", "share", "0"),
     "KVP_ALLOW_UNPINNED": ("allow_unpinned", "bool", "false"),
     "KVP_GENERIC_CONFIG": ("generic_config", "confname", "generic"),

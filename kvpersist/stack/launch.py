@@ -84,11 +84,12 @@ def create_cache_root(root: str) -> str:
 
 def prepare_state(plan: LaunchPlan, rendered: Rendered, sizing: Sizing, *,
                   progress: Progress = quiet, weights: WeightsCheck | None = None) -> list[str]:
-    """Create state/log directories (0700), write the manifest (with the weights record:
-    the first launch's, or ``weights``' at the first) and the budget record (what
-    ``health`` reports without scanning), ensure the serde key. Returns notes (e.g. a new
-    key, a changed key fingerprint, the weights' digest cache that could not be written).
-    Raises KvpError if the state cannot be written."""
+    """Create state/log directories (0700); make the namespace's serde key ready (adopt
+    the root key, or create one: :func:`~kvpersist.l2.keys.prepare_launch_key`); write the
+    manifest (with the weights record: the first launch's, or ``weights``' at the first) and
+    the budget record (what ``health`` reports without scanning). Returns notes (e.g. a new
+    key, an adopted one, a changed key fingerprint, the weights' digest cache that could not
+    be written). Raises KvpError if the state cannot be written."""
     notes: list[str] = []
     for d in (plan.state_dir, str(Path(plan.server_log).parent)):
         try:
@@ -96,23 +97,20 @@ def prepare_state(plan: LaunchPlan, rendered: Rendered, sizing: Sizing, *,
         except OSError as exc:
             raise KvpError(f"cannot create {d}: {exc.strerror}; check KVP_STATE_DIR and "
                            "KVP_LOG_DIR and their owner") from exc
+    if plan.serde == "aesgcm":
+        # before the manifest is written: a manifest means "launched before" (keyplan)
+        scan = sizing.measurement.scan if sizing.measurement else None
+        key = keys.prepare_launch_key(
+            plan.state_dir, plan.namespace, plan.serde_key_file,
+            has_files=bool(scan and plan.namespace in scan.prefixes),
+            manifest_file=plan.manifest_file, also=service_uids(plan.service_user))
+        notes += key.notes
     notes += save_digests(weights)
     atomic_write_json(plan.manifest_file,
                       manifest_with_weights(rendered.manifest, plan.manifest_file, weights))
     atomic_write_json(plan.budget_record, {"schema": "kvpersist.budget-record/1",
                                            "recorded_at_ns": time.time_ns(),
                                            "plan": sizing.plan.to_dict()})
-    if plan.serde == "aesgcm":
-        info = keys.ensure_key(plan.serde_key_file, also=service_uids(plan.service_user))
-        if info.created:
-            notes.append(f"created L2 master key {info.path} (0600, fingerprint "
-                         f"{info.fingerprint})")
-        old = keys.recorded_fingerprint(plan.state_dir)
-        if old and old != info.fingerprint:
-            notes.append(f"WARNING: the L2 key changed (fingerprint {old} -> "
-                         f"{info.fingerprint}): files written under the old key are "
-                         "permanent misses; run `kvp-admin verify --apply` to quarantine them")
-        keys.record_fingerprint(plan.state_dir, info.fingerprint)
     progress(f"manifest {plan.manifest_file}")
     return notes
 

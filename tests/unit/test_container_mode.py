@@ -63,7 +63,7 @@ def test_gpu_container_keeps_docker_host_ipc_and_gpus() -> None:
     ("KVP_CONTAINER_MOUNTS", "/var/lib/kvp/test", "KVP_CACHE_ROOT /var/lib/kvp/test"),
     ("KVP_CONTAINER_MOUNTS", "/var/lib/kvp", "KVP_STATE_DIR /var/lib/kvp/.kvpersist/test"),
     ("KVP_CONTAINER_MOUNTS", "/var/lib/kvp/.kvpersist/test/keys",
-     "KVP_SERDE_KEY_FILE /var/lib/kvp/.kvpersist/test/keys/l2-master.key"),
+     "KVP_SERDE_KEY_FILE /var/lib/kvp/.kvpersist/test/keys/kvp-"),  # the namespace's key
     ("KVP_MODEL_PATH", "/var/lib/kvp/test/weights", "KVP_CACHE_ROOT"),
 ])
 def test_refused_settings(key: str, value: str, message: str) -> None:

@@ -44,7 +44,8 @@ def test_server_argv_and_adapter() -> None:
     assert adapter["eviction"] == {"eviction_policy": "LRU", "trigger_watermark": 0.9,
                                    "eviction_ratio": 0.1}
     assert adapter["serde"]["type"] == "aesgcm"
-    assert adapter["serde"]["master_key_path"] == "/var/lib/kvp/.kvpersist/test/keys/l2-master.key"
+    assert adapter["serde"]["master_key_path"] == (  # the namespace's own key
+        f"/var/lib/kvp/.kvpersist/test/keys/{r.namespace}/l2-master.key")
 
 
 def test_vllm_args_carry_the_namespace() -> None:
