@@ -24,6 +24,7 @@ from kvpersist.config.values import (
     is_scoped,
     parse_decimal,
     parse_duration,
+    parse_max_age,
     parse_size_or_percent,
     parse_uint,
     path_problem,
@@ -90,6 +91,10 @@ class DeploymentSettings:
     #: launch even though files that are not LMCache's have ``.tmp.`` in their names under
     #: the cache root, which LMCache's clean-up deletes at a clean stop (default: refuse)
     allow_lmcache_tmp_cleanup: bool = False
+    #: the longest a chunk file may stay on the cache root, counted from when it was written
+    #: (its mtime; docs/max-age.md), in seconds; 0: no maximum. ``prune --max-age`` and the
+    #: opt-in timer delete what is older; report and metrics count it
+    l2_max_age_s: float = 0.0
 
 
 #: env key -> (field, kind, default-or-None-if-required). Defaults starting with "generic."
@@ -139,6 +144,7 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_WARMUP_FILE": ("warmup_file", "abspath?", ""),
     "KVP_WARMUP_WAIT": ("warmup_wait", "duration", "120"),
     "KVP_ALLOW_LMCACHE_TMP_CLEANUP": ("allow_lmcache_tmp_cleanup", "bool", "false"),
+    "KVP_L2_MAX_AGE": ("l2_max_age_s", "maxage", ""),
 }
 
 def parse_peers(value: str) -> tuple[tuple[str, ...], str]:
@@ -247,6 +253,8 @@ def convert_setting(kind: str, raw: str) -> tuple[Any, str]:
         except ValueError as exc:
             return None, str(exc)
         return (seconds, "") if seconds > 0 else (None, "must be > 0")
+    if kind == "maxage":
+        return parse_max_age(value)
     if kind == "share":
         f = parse_decimal(value)
         if f is None or not 0 <= f <= 1:
@@ -337,4 +345,6 @@ DEPLOY_FIX = {
     "venv with vLLM), separated by spaces; never the cache root, the state dir, a key or a "
     "secret",
     "KVP_WARMUP_WAIT": "seconds (or 90s, 5m) the launch's warm-up may take, e.g. 120",
+    "KVP_L2_MAX_AGE": "empty (no maximum) or how long a chunk file may stay after it was "
+    "written, with a unit: 30d, 12h, 90m (docs/max-age.md)",
 }

@@ -50,6 +50,25 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
 
 
+def parse_max_age(value: str) -> tuple[float, str]:
+    """Seconds of a ``KVP_L2_MAX_AGE`` / ``--older-than`` value (``30d``, ``12h``, ``90m``,
+    ``2w``; empty: 0, no maximum) and an error message. A bare number is refused: written
+    alone, ``30`` would be 30 seconds to the parser and 30 days to a reader."""
+    value = value.strip()
+    if value == "":
+        return 0.0, ""
+    if value[-1:].isdigit():
+        return 0.0, (f"give a unit: {value}d for days, {value}h for hours, {value}m for "
+                     f"minutes (got {value!r})")
+    try:
+        seconds = parse_duration(value)
+    except ValueError as exc:
+        return 0.0, str(exc)
+    if seconds < 60:
+        return 0.0, f"must be at least a minute (e.g. 30d, 12h, 90m), got {value!r}"
+    return seconds, ""
+
+
 def format_size(n: float) -> str:
     """Human size with binary units: 0 B, 1023 B, 1.0 KiB, 4.0 MiB, 1.5 TiB."""
     value = float(n)
