@@ -164,6 +164,13 @@ def root_families(exp: Exposition, facts: RootFacts, now_s: float) -> None:
                   "namespace's newest chunk file.", lab, _seconds(newest))
         exp.gauge("namespace_active", "1 when a deployment configured on this host uses the "
                   "namespace.", lab, 1 if row["active"] else 0)
+        past = row.get("past_max_age")
+        exp.gauge("l2_past_max_age_files", "Chunk files of the namespace written longer ago "
+                  "than KVP_L2_MAX_AGE, warm-set pins left out (what prune --max-age "
+                  "deletes; to the hour; absent without a maximum age).", lab,
+                  past["files"] if past else None)
+        exp.gauge("l2_past_max_age_bytes", "Bytes of those files.", lab,
+                  past["bytes"] if past else None)
     fs = doc["filesystem"]
     exp.gauge("filesystem_size_bytes", "Size of the filesystem holding the cache root.", r,
               fs["total_bytes"])
@@ -172,6 +179,8 @@ def root_families(exp: Exposition, facts: RootFacts, now_s: float) -> None:
     exp.gauge("filesystem_readonly", "1 when that filesystem is mounted read-only (every "
               "L2 write fails).", r, 1 if fs.get("read_only") else 0)
     exp.gauge("l2_budget_bytes", "L2 budget of the root's deployment.", r, doc["budget_bytes"])
+    exp.gauge("l2_max_age_seconds", "The root's maximum age (the shortest KVP_L2_MAX_AGE of "
+              "its deployments; absent: none).", r, doc.get("max_age_s"))
     exp.gauge("l2_reserve_bytes", "Free space the budget keeps for everything else.", r,
               doc["reserve_bytes"])
     exp.gauge("l2_limit_bytes", "What chunks may use: the budget less what the reserve "

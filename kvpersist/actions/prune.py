@@ -13,6 +13,7 @@ manifest. Only ``--namespace`` deletes a held namespace, as it deletes pinned fi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from kvpersist.l2.prune import PruneResult, prune_lock, prune_stream
 from kvpersist.l2.retention import (
     RetentionPlan,
     UsageView,
+    format_age,
     plan_explicit,
     plan_retention,
     select_named,
@@ -54,25 +56,54 @@ class PruneRequest:
     temp_older_than_s: float | None = None
     to_budget: bool = False
     force: bool = False
+    #: a maximum age: every namespace's files written longer ago than this (--older-than)
+    older_than_s: float | None = None
+    #: the maximum age the root's deployments configure (KVP_L2_MAX_AGE; --max-age)
+    max_age: bool = False
 
     @property
     def needs_scan(self) -> bool:
         """Choosing needs the per-namespace picture (and, for --to-budget, last use)."""
-        return self.stale or self.unpinned or self.to_budget
+        return (self.stale or self.unpinned or self.to_budget or self.older_than_s is not None
+                or self.max_age)
 
 
 def check_request(req: PruneRequest) -> None:
     """Raise UsageError for a request that selects nothing or mixes exclusive selections."""
     if not (req.namespaces or req.stale or req.unpinned or req.temp_older_than_s is not None
-            or req.to_budget):
+            or req.to_budget or req.older_than_s is not None or req.max_age):
         raise UsageError("nothing selected: give --namespace, --stale, --unpinned, "
-                         "--temp-older-than or --to-budget")
-    if req.to_budget and (req.namespaces or req.stale or req.unpinned):
+                         "--temp-older-than, --older-than, --max-age or --to-budget")
+    if req.to_budget and (req.namespaces or req.stale or req.unpinned
+                          or req.older_than_s is not None or req.max_age):
         raise UsageError("--to-budget chooses what to delete itself; do not combine it with "
-                         "--namespace, --stale or --unpinned")
+                         "--namespace, --stale, --unpinned, --older-than or --max-age")
+    if req.max_age and req.older_than_s is not None:
+        raise UsageError("--max-age takes the age from KVP_L2_MAX_AGE; give it or "
+                         "--older-than AGE, not both")
     for ns in req.namespaces:
         if not ns or "/" in ns or ns.startswith(".") or not ns.isprintable():
             raise UsageError(f"--namespace {ns!r}: not a file-name prefix")
+
+
+def configured_max_age(inv: Inventory) -> tuple[float, list[str]]:
+    """The maximum age of the root (--max-age): the shortest ``KVP_L2_MAX_AGE`` its
+    deployments set, applied to every namespace on it; and notes (pure). Raises UsageError
+    when none sets one."""
+    ages = {d.name: d.settings.l2_max_age_s for d in inv.deployments
+            if d.settings.l2_max_age_s > 0}
+    if not ages:
+        raise UsageError("--max-age: no deployment config on this root sets KVP_L2_MAX_AGE; "
+                         "set it in identity.env (e.g. KVP_L2_MAX_AGE=30d) or give "
+                         "--older-than AGE")
+    age = min(ages.values())
+    notes = []
+    if len(set(ages.values())) > 1:
+        notes.append("maximum age: the deployments on this root set different KVP_L2_MAX_AGE "
+                     "values (" + ", ".join(f"{n} {format_age(a)}" for n, a in
+                                            sorted(ages.items())) +
+                     f"); the shortest, {format_age(age)}, applies to the whole root")
+    return age, notes
 
 
 def check_inventory(req: PruneRequest, inv: Inventory, configs: Sequence[str]) -> None:
@@ -130,10 +161,15 @@ def select(res: ScanResult, inv: Inventory, req: PruneRequest,
     now = time.time_ns()
     prefixes = unpinned_usage(res, pinned or {}, held, hold_all)
     if not req.to_budget:
-        return plan_explicit(prefixes, res.temp, active=inv.active, now_ns=now,
+        older, age_notes = req.older_than_s, list[str]()
+        if req.max_age:
+            older, age_notes = configured_max_age(inv)
+        plan = plan_explicit(prefixes, res.temp, active=inv.active, now_ns=now,
                              namespaces=req.namespaces, stale=req.stale,
                              unpinned=req.unpinned, temp_older_than_s=req.temp_older_than_s,
-                             force=req.force), None
+                             older_than_s=older, force=req.force)
+        return (dataclasses.replace(plan, notes=(*age_notes, *plan.notes)) if age_notes
+                else plan), None
     m = measurement_of(res, ram_bytes)
     need = 0
     budget_doc = None
@@ -180,6 +216,8 @@ def prune(root: str | None, configs: Sequence[str], req: PruneRequest, *, apply:
     check_request(req)
     inv = resolve_inventory(root, configs)
     check_inventory(req, inv, configs)
+    if req.max_age:
+        configured_max_age(inv)  # before the root is opened: a usage error, nothing scanned
 
     def bar(what: str) -> Callable[..., None] | None:
         return progress(what) if progress is not None else None

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvpersist.config.values import parse_size_or_percent
+from kvpersist.l2.ages import age_distribution, past_max_age, root_max_age, salt_rows
 from kvpersist.l2.budget import l2_limit
 from kvpersist.l2.inventory import (
     Inventory,
@@ -71,13 +72,20 @@ def _usage(u: Usage, samples: bool = False) -> dict[str, Any]:
 def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest],
                  budget: int | None, limit: int | None = None,
                  reserve: int | None = None,
-                 pins: dict[str, tuple[PinSet, PinnedUsage]] | None = None) -> dict[str, Any]:
+                 pins: dict[str, tuple[PinSet, PinnedUsage]] | None = None,
+                 max_age_s: float | None = None) -> dict[str, Any]:
     """The report document (schema ``kvpersist.report/1``) from a scan (pure).
 
     ``share_of_budget`` is each namespace's share of the limit (the budget less what the
     reserve takes), the figure ``kvp-admin budget`` plans with. ``pins``: each namespace's
-    warm-set pins and what they hold on disk (``warm_pins`` of its row)."""
+    warm-set pins and what they hold on disk (``warm_pins`` of its row). Each row's
+    ``ages`` is its age distribution by write time (a scan with ``ages``; kvpersist.l2.ages)
+    and, with ``max_age_s`` (the root's KVP_L2_MAX_AGE), what lies past it in a namespace
+    (``past_max_age``: what ``prune --max-age`` deletes, and the pins it keeps); ``salts``
+    its files per ``cache_salt``."""
     pins = pins or {}
+    now = res.started_ns
+    past_files = past_bytes = 0
     assert res.fs is not None
     limit = budget if limit is None else limit
     rows = []
@@ -89,6 +97,14 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
             continue
         ns = prefix if is_namespace(prefix) else None
         man = manifests.get(prefix)
+        past = None
+        if max_age_s and ns:
+            pin = pins.get(prefix)
+            past = past_max_age(u.write_hist, now, max_age_s,
+                                pin[1].write_hist if pin else None,
+                                held=bool(pin and pin[0].held))
+            past_files += past.files
+            past_bytes += past.bytes
         ranks = sorted(u.ranks)
         decoded = [KvRank.decode(r) for r in ranks]
         rows.append({
@@ -114,6 +130,10 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
             "groups": sorted(u.groups),
             "salted_files": u.salted_files,
             "salts": sorted(u.salts),
+            "salt_usage": salt_rows(u.files, u.bytes, u.salt_usage, u.salt_overflow),
+            "ages": age_distribution(u.write_hist, now) if u.write_hist or not u.files
+            else None,
+            "past_max_age": None if past is None else past.to_dict(),
             "sharded_files": u.sharded_files,
             "warm_pins": None if prefix not in pins else {
                 **pins[prefix][1].to_dict(), "listed": len(pins[prefix][0].files),
@@ -147,6 +167,10 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
         "total_bytes": res.total_bytes,
         "chunk_files": res.chunk_files,
         "chunk_bytes": res.chunk_bytes,
+        # the root's maximum age (the shortest KVP_L2_MAX_AGE of its deployments) and what
+        # of its namespaces lies past it (prune --max-age deletes it; warm-set pins kept)
+        "max_age_s": max_age_s or None,
+        "past_max_age": None if not max_age_s else {"files": past_files, "bytes": past_bytes},
         "namespaces": rows,
         "temp": _usage(res.temp),
         "foreign": {**_usage(res.foreign, samples=True), "dirs": res.foreign_dirs},
@@ -187,10 +211,11 @@ def report(root: str | None, configs: Sequence[str] = (), *,
 def report_on(root: RootDir, inv: Inventory, *, progress: ProgressFn | None = None) -> Report:
     """:func:`report` of the open ``root`` (``inv``'s, opened by the caller). The problems met
     reading manifests and pins are added to ``inv.notes``."""
-    snap = snapshot(root, inv.deployments, progress=progress)
+    snap = snapshot(root, inv.deployments, ages=True, pin_hist=True, progress=progress)
     inv.notes.extend(p for p in snap.manifest_problems if p not in inv.notes)
     inv.notes.extend(snap.pin_problems)
     pins = {ns: (p, snap.pinned[ns]) for ns, p in snap.pins.items()}
     budget, limit, reserve = budget_figures(inv, snap.scan)
+    max_age = root_max_age(d.settings.l2_max_age_s for d in inv.deployments)
     return Report(build_report(snap.scan, inv, dict(snap.manifests), budget, limit, reserve,
-                               pins), snap.scan)
+                               pins, max_age), snap.scan)

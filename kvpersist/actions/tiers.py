@@ -86,9 +86,11 @@ def check_tier_request(tier: str, req: PruneRequest, *, list_paths: bool = False
     namespace (the shared tier has no temp files, last use or budget)."""
     check_tier(tier)
     if tier != "local" and (req.stale or req.unpinned or req.temp_older_than_s is not None
-                            or req.to_budget or list_paths):
+                            or req.to_budget or list_paths or req.older_than_s is not None
+                            or req.max_age):
         raise UsageError("--tier shared/all selects by --namespace only (no --stale, "
-                         "--unpinned, --temp-older-than, --to-budget or --list)")
+                         "--unpinned, --temp-older-than, --older-than, --max-age, "
+                         "--to-budget or --list)")
 
 
 def prune_tiers(tier: str, root: str | None, configs: Sequence[str], req: PruneRequest, *,

@@ -19,7 +19,7 @@ from kvpersist.commands.common import (
     json_option,
 )
 from kvpersist.commands.common import progress_printer as _printer
-from kvpersist.config.values import format_size, parse_duration
+from kvpersist.config.values import format_size, parse_duration, parse_max_age
 from kvpersist.errors import UsageError
 from kvpersist.l2.shared_keys import skipped_lines
 
@@ -35,7 +35,8 @@ def format_result(res: PruneResult, plan: RetentionPlan) -> str:
         what = s["prefix"] or "temp files"
         cut = ""
         if s["before_ns"] is not None:
-            cut = " last used before " + time.strftime(
+            cut = (" written before " if s.get("by") == "written" else " last used before ") + \
+                time.strftime(
                 "%Y-%m-%d %H:%M", time.gmtime(s["before_ns"] / 1e9)) + " UTC"
         lines.append(f"{verb} {s['deleted_files']:,} files, {format_size(s['deleted_bytes'])}: "
                      f"{what}{cut} ({s['reason']})")
@@ -91,6 +92,12 @@ def format_shared(doc: dict[str, Any]) -> str:
               help="Delete unpinned (kvp-unpinned-*) namespaces no active deployment uses.")
 @click.option("--temp-older-than", metavar="DURATION", default=None,
               help="Delete temp files (interrupted writes) untouched for DURATION (e.g. 1h).")
+@click.option("--older-than", metavar="AGE", default=None,
+              help="Delete every namespace's chunk files written more than AGE ago (30d, 12h, "
+                   "90m; by mtime, never atime; warm-set pins kept).")
+@click.option("--max-age", is_flag=True,
+              help="--older-than the root's KVP_L2_MAX_AGE (the shortest its deployments "
+                   "set).")
 @click.option("--to-budget", is_flag=True,
               help="Free space down to the budget's low watermark: temp, unpinned, then stale "
                    "namespaces least recently used first (and the active one with --force).")
@@ -104,8 +111,9 @@ def format_shared(doc: dict[str, Any]) -> str:
               help="List every file (in the JSON output: a 'files' array).")
 @json_option
 def prune(root: str | None, configs: tuple[str, ...], namespaces: tuple[str, ...], stale: bool,
-          unpinned: bool, temp_older_than: str | None, to_budget: bool, tier: str,
-          force: bool, apply: bool, list_paths: bool, as_json: bool) -> None:
+          unpinned: bool, temp_older_than: str | None, older_than: str | None, max_age: bool,
+          to_budget: bool, tier: str, force: bool, apply: bool, list_paths: bool,
+          as_json: bool) -> None:
     """Delete L2 cache files explicitly: dry run unless --apply.
 
     Only files whose names parse as LMCache chunk or temp files of a selected namespace are
@@ -122,8 +130,14 @@ def prune(root: str | None, configs: tuple[str, ...], namespaces: tuple[str, ...
             older = parse_duration(temp_older_than)
         except ValueError as exc:
             raise UsageError(f"--temp-older-than: {exc}") from None
+    aged: float | None = None
+    if older_than is not None:
+        aged, problem = parse_max_age(older_than)
+        if problem or not aged:
+            raise UsageError(f"--older-than: {problem or 'give an age, e.g. 30d'}")
     req = PruneRequest(namespaces=namespaces, stale=stale, unpinned=unpinned,
-                       temp_older_than_s=older, to_budget=to_budget, force=force)
+                       temp_older_than_s=older, to_budget=to_budget, force=force,
+                       older_than_s=aged, max_age=max_age)
     bars: list[Callable[..., None] | None] = []
 
     def progress(what: str) -> Callable[..., None] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import click
@@ -30,9 +31,59 @@ def _pins(p: dict[str, Any] | None) -> str:
     return f"{p['files']:,} ({format_size(p['bytes'])}{missing})"
 
 
+def _age(seconds: float) -> str:
+    """``40d``, ``5h``, ``12m``: an age in its largest whole unit, rounded down."""
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n:
+            return f"{int(seconds // n)}{unit}"
+    return f"{int(seconds)}s"
+
+
+def _oldest(r: dict[str, Any], scanned_at: str | None) -> str:
+    """The age of a row's oldest file (by write time) at the scan, or '-'."""
+    if not r["oldest_mtime"] or not scanned_at:
+        return "-"
+    delta = datetime.fromisoformat(scanned_at) - datetime.fromisoformat(r["oldest_mtime"])
+    return _age(max(0.0, delta.total_seconds()))
+
+
+def _past(r: dict[str, Any]) -> str:
+    """``files (size)`` past the maximum age that prune deletes, with the pins it keeps."""
+    p = r.get("past_max_age")
+    if not p:
+        return "-"
+    kept = f", {p['pinned_files']:,} pinned" if p["pinned_files"] else ""
+    return f"{p['files']:,} ({format_size(p['bytes'])}{kept})"
+
+
+def age_lines(doc: dict[str, Any]) -> list[str]:
+    """One line per namespace with files: how many were written within each age bucket."""
+    out = []
+    for r in doc["namespaces"]:
+        if not r["files"] or not r.get("ages"):
+            continue
+        parts = [f"<={b['label']} {b['files']:,}" if b["max_age_s"] is not None
+                 else f"older {b['files']:,}" for b in r["ages"] if b["files"]]
+        out.append(f"  {r['namespace'] or r['prefix']}: " + ", ".join(parts))
+    return ["written (files by age):", *out] if out else []
+
+
+def salt_lines(doc: dict[str, Any]) -> list[str]:
+    """Files per cache_salt, for the namespaces that hold salted files."""
+    out = []
+    for r in doc["namespaces"]:
+        if not r.get("salted_files"):
+            continue
+        parts = [f"{'(unsalted)' if x['salt'] is None else x['salt']} {x['files']:,} "
+                 f"({format_size(x['bytes'])})" for x in r.get("salt_usage") or []]
+        out.append(f"  {r['namespace'] or r['prefix']}: " + ", ".join(parts))
+    return ["files per cache_salt:", *out] if out else []
+
+
 def format_report(doc: dict[str, Any]) -> str:
     """The human table: largest first, human sizes, share of budget, status marks."""
     budget = doc["limit_bytes"]
+    max_age = doc.get("max_age_s")
     rows = []
     for r in doc["namespaces"]:
         man = r["manifest"] or {}
@@ -51,11 +102,14 @@ def format_report(doc: dict[str, Any]) -> str:
             _pins(r.get("warm_pins")),
             f"{100 * r['share_of_budget']:.1f}%" if r["share_of_budget"] is not None else "-",
             (r["last_use"] or "-")[:16].replace("T", " "),
+            _oldest(r, doc.get("scanned_at")),
+            *([_past(r)] if max_age else []),
         ])
     out = [f"L2 cache root {doc['root']}"]
     if rows:
         out.append(table(rows, ["NAMESPACE", "STATUS", "MODEL", "TP", "DTYPE", "FILES",
-                                "SIZE", "WARM PINS", "BUDGET", "LAST USE"]))
+                                "SIZE", "WARM PINS", "BUDGET", "LAST USE", "OLDEST",
+                                *(["PAST MAX AGE"] if max_age else [])]))
     else:
         out.append("no chunk files")
     t, f, s = doc["temp"], doc["foreign"], doc["symlinks"]
@@ -77,12 +131,19 @@ def format_report(doc: dict[str, Any]) -> str:
                f"(du --apparent-size), filesystem {format_size(fs['total_bytes'])} with "
                f"{format_size(fs['avail_bytes'])} available"
                + (", mounted read-only: LMCache's writes fail" if fs.get("read_only") else ""))
+    if max_age:
+        past = doc["past_max_age"]
+        out.append(f"max age   {_age(max_age)} (KVP_L2_MAX_AGE): {past['files']:,} files, "
+                   f"{format_size(past['bytes'])} written before it; kvp-admin prune "
+                   "--max-age --apply deletes them (warm-set pins kept)")
     if budget:
         out.append(f"budget    {format_size(doc['budget_bytes'])}, limit {format_size(budget)} "
                    f"after the reserve ({100 * doc['chunk_bytes'] / budget:.1f}% used by "
                    "chunks)")
     if doc["manifests_without_files"]:
         out.append("manifests without files: " + ", ".join(doc["manifests_without_files"]))
+    out += age_lines(doc)
+    out += salt_lines(doc)
     if any(r.get("warm_pins") for r in doc["namespaces"]):
         out.append("warm pins: the warm set's files (kvp-admin warmup); prune --to-budget and "
                    "--stale never delete them")

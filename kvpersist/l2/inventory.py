@@ -188,12 +188,12 @@ def open_existing(root: str | os.PathLike[str], *, purpose: str = "scan") -> Roo
     return open_root(root, purpose=purpose)
 
 
-def scan(root: RootDir, *, hist: bool = False,
+def scan(root: RootDir, *, hist: bool = False, ages: bool = False,
          progress: ProgressFn | None = None) -> ScanResult:
-    """Scan the open ``root``. Raises UsageError when it is no longer a directory, KvpError
-    when it cannot be read."""
+    """Scan the open ``root`` (``ages``: with the write-time histogram). Raises UsageError
+    when it is no longer a directory, KvpError when it cannot be read."""
     try:
-        return scan_root(root, progress=progress, hist=hist)
+        return scan_root(root, progress=progress, hist=hist, ages=ages)
     except (FileNotFoundError, NotADirectoryError) as exc:
         raise UsageError(f"cannot scan {display_name(root.given or root.path)}: not an "
                          "existing directory (check --root or KVP_CACHE_ROOT)") from exc
@@ -222,12 +222,12 @@ class Snapshot:
 
 def snapshot(root: RootDir, deployments: Sequence[Deployment] = (), *,
              manifests: bool = True, hist: bool = False, pin_hist: bool = False,
-             progress: ProgressFn | None = None) -> Snapshot:
+             ages: bool = False, progress: ProgressFn | None = None) -> Snapshot:
     """Scan the open ``root`` once (``hist``: with the last-use histogram), read its pins and
     measure them right after (``pin_hist``: with theirs), and (``manifests``) read the
     manifests of the root and of ``deployments``. Raises UsageError/KvpError as :func:`scan`
     does; a manifest or pin manifest that cannot be read is a problem, not an error."""
-    res = scan(root, hist=hist, progress=progress)
+    res = scan(root, hist=hist, ages=ages, progress=progress)
     read = read_pins(root)
     pinned = {ns: measure_pins(root, p, hist=pin_hist) for ns, p in read.pins.items()}
     found: dict[str, Manifest] = {}

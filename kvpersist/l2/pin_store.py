@@ -162,11 +162,12 @@ def remove_pins(root: RootDir, namespace: str) -> bool:
 
 def measure_pins(root: RootDir, pins: PinSet, *, hist: bool = False) -> PinnedUsage:
     """Stat each pinned file relative to the open root (never through a symlink): present
-    files and bytes, missing ones, and (``hist``) their last-use histogram in the scan's
-    buckets."""
+    files and bytes, missing ones, and (``hist``) their last-use and write-time histograms in
+    the scan's buckets."""
     root_fd = root.fd
     files = nbytes = missing = 0
     use: dict[int, list[int]] = {}
+    written: dict[int, list[int]] = {}
     for rel in sorted(pins.files):
         head, _, name = rel.rpartition("/")
         try:
@@ -191,4 +192,8 @@ def measure_pins(root: RootDir, pins: PinSet, *, hist: bool = False) -> PinnedUs
             h = use.setdefault(b, [0, 0])
             h[0] += 1
             h[1] += st.st_size
-    return PinnedUsage(files, nbytes, missing, use if hist else None)
+            h = written.setdefault(st.st_mtime_ns // HIST_BUCKET_NS, [0, 0])
+            h[0] += 1
+            h[1] += st.st_size
+    return PinnedUsage(files, nbytes, missing, use if hist else None,
+                       written if hist else None)

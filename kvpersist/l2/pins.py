@@ -153,6 +153,8 @@ class PinnedUsage:
     missing: int = 0
     #: last use (max of mtime and atime) bucket -> [files, bytes], as the scan's histogram
     use_hist: Mapping[int, Sequence[int]] | None = None
+    #: write time (mtime) bucket -> [files, bytes], as the scan's ``write_hist``
+    write_hist: Mapping[int, Sequence[int]] | None = None
 
     def to_dict(self) -> dict[str, int]:
         return {"files": self.files, "bytes": self.bytes, "missing": self.missing}

@@ -9,7 +9,8 @@ only if
 
 - it is still a regular file with the inode the listing showed (else: skipped, changed),
 - its last use still matches its selection (an LRU selection skips a file used since the prune
-  began: skipped, used),
+  began: skipped, used; a maximum-age selection compares when the file was written, its
+  ``st_mtime``, with the cutoff instead),
 - its inode did not change since the prune began (``st_ctime`` is older than the start: a file
   written, truncated or re-linked in place since then is skipped, changed).
 
@@ -294,13 +295,14 @@ def _stream_part(root: RootDir, selections: Sequence[Selection], part: int, part
             use = _last_use(st)
             hit = -1
             for i in idxs:
-                if selections[i].matches(key, use):
+                if selections[i].matches(key, use, st.st_mtime_ns):
                     hit = i
                     break
             if hit < 0:
                 # an LRU selection that no longer matches: used since the prune began, or
-                # simply newer than its cutoff (never selected)
-                if use >= started_ns:
+                # simply newer than its cutoff (never selected); a maximum age compares the
+                # write time, which a use does not change
+                if use >= started_ns and not all(selections[i].by_written for i in idxs):
                     out.used += 1
                 continue
             pinned = keep.keeps(name, key)

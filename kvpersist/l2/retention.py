@@ -17,6 +17,10 @@ Order for a byte target (``plan_retention``):
 Prefixes that are not kvpersist namespaces (``test-model``, ``--a--b``) are never chosen for a
 byte target: they are removed only when named explicitly.
 
+A maximum age (``plan_explicit(older_than_s=...)``, :func:`age_selections`) selects, in every
+kvpersist namespace, the files *written* before a cutoff (mtime; atime is never used, since
+``relatime`` makes it unreliable): docs/max-age.md.
+
 A namespace's warm-set pins (:mod:`kvpersist.l2.pins`) are never chosen: the caller passes
 each prefix's usage less its pinned files (:func:`kvpersist.l2.pins.without_pins`), and the
 executor skips pinned files for every selection but one named on the command line
@@ -86,12 +90,21 @@ class Selection:
     #: named on the command line (``--namespace``): the only selection that may delete a
     #: namespace's warm-set pins (kvpersist.l2.pins); every other one leaves them
     named: bool = False
+    #: ``before_ns`` is compared with when the file was written (its mtime: a maximum age,
+    #: docs/max-age.md), not with its last use
+    by_written: bool = False
 
-    def matches(self, prefix: str | None, last_use_ns: int) -> bool:
-        """True if a file of ``prefix`` (None for temp) last used at ``last_use_ns`` is in."""
+    def matches(self, prefix: str | None, last_use_ns: int,
+                written_ns: int | None = None) -> bool:
+        """True if a file of ``prefix`` (None for temp) last used at ``last_use_ns`` and
+        written at ``written_ns`` (its mtime; needed by a ``by_written`` selection) is in."""
         if prefix != self.prefix:
             return False
-        return self.before_ns is None or last_use_ns < self.before_ns
+        if self.before_ns is None:
+            return True
+        if self.by_written:
+            return written_ns is not None and written_ns < self.before_ns
+        return last_use_ns < self.before_ns
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -103,6 +116,7 @@ class Selection:
             "bytes": self.bytes,
             "reason": self.reason,
             "named": self.named,
+            "by": "written" if self.by_written else "last_use",
         }
 
 
@@ -258,6 +272,30 @@ def plan_retention(
     return RetentionPlan(tuple(sels), need_bytes, tuple(notes))
 
 
+def format_age(seconds: float) -> str:
+    """``30d``, ``12h``, ``90m``, ``45s``: the largest whole unit (pure)."""
+    for unit, n in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n and seconds % n == 0:
+            return f"{int(seconds // n)}{unit}"
+    return f"{seconds:g}s"
+
+
+def age_selections(prefixes: Mapping[str, UsageView], *, active: Iterable[str], now_ns: int,
+                   older_than_s: float, skip: Iterable[str | None] = ()) -> list[Selection]:
+    """A maximum age: one selection per kvpersist namespace with files (the active ones
+    too: what goes is recomputed on the next miss), "its files written more than
+    ``older_than_s`` ago" (by mtime, never atime; docs/max-age.md). ``files``/``bytes`` are
+    left at 0: the executor counts them, file by file. Prefixes in ``skip`` (already selected
+    whole) and prefixes that are not namespaces are left out (pure)."""
+    active_set, skipped = set(active), set(skip)
+    before = now_ns - int(older_than_s * 1e9)
+    age = format_age(older_than_s)
+    return [Selection(category(p, active_set), p, before, 0, 0,
+                      f"maximum age {age}", by_written=True)
+            for p, u in sorted(prefixes.items())
+            if u.files and p not in skipped and is_namespace(p)]
+
+
 def plan_explicit(
     prefixes: Mapping[str, UsageView],
     temp: UsageView,
@@ -268,10 +306,13 @@ def plan_explicit(
     stale: bool = False,
     unpinned: bool = False,
     temp_older_than_s: float | None = None,
+    older_than_s: float | None = None,
     force: bool = False,
 ) -> RetentionPlan:
     """Selections for explicit targets: whole prefixes named in ``namespaces``, all stale
-    pinned namespaces, all unpinned namespaces nobody uses, temp files older than a duration.
+    pinned namespaces, all unpinned namespaces nobody uses, temp files older than a duration,
+    and (``older_than_s``) every namespace's files written longer ago than that
+    (:func:`age_selections`).
 
     Raises UsageError when a named prefix is active and ``force`` is not set.
     """
@@ -305,7 +346,16 @@ def plan_explicit(
         t = temp_selection(temp, now_ns, temp_older_than_s, align=False)
         if t is not None:
             sels[None] = t
-    return RetentionPlan(tuple(sels.values()), None, tuple(notes))
+    aged: list[Selection] = []
+    if older_than_s is not None:
+        aged = age_selections(prefixes, active=active_set, now_ns=now_ns,
+                              older_than_s=older_than_s, skip=sels)
+        others = sorted(p for p, u in prefixes.items()
+                        if u.files and p not in sels and not is_namespace(p))
+        if others:
+            notes.append("maximum age: not applied to prefixes that are not kvpersist "
+                         "namespaces (name them with --namespace): " + ", ".join(others))
+    return RetentionPlan((*sels.values(), *aged), None, tuple(notes))
 
 
 def select_named(

@@ -152,12 +152,14 @@ class _Walker:
         parts: int,
         progress: ProgressFn | None,
         hist: bool,
+        ages: bool = False,
     ) -> None:
         self.root = root
         self.part = part
         self.parts = parts
         self.progress = progress
         self.hist = hist
+        self.ages = ages
         self.res = ScanResult(root=root)
         self.count = 0
         # (prefix, rank hex, group hex) -> PrefixUsage, or None if that triple is invalid
@@ -219,7 +221,7 @@ class _Walker:
         ``rpartition``, one dict lookup, one lstat and a few integer updates. Everything else
         goes through :meth:`_slow_entry`.
         """
-        hist = self.hist
+        hist, ages = self.hist, self.ages
         keys = self.keys
         parts, part = self.parts, self.part
         progress = self.progress
@@ -284,6 +286,13 @@ class _Walker:
                             else:
                                 h[0] += 1
                                 h[1] += sz
+                        if ages:
+                            w = a[8].get(m // bucket_ns)
+                            if w is None:
+                                a[8][m // bucket_ns] = [1, sz]
+                            else:
+                                w[0] += 1
+                                w[1] += sz
                         if shard is not None:
                             a[6] += 1
                         continue
@@ -306,7 +315,8 @@ class _Walker:
                 if st.st_nlink > 1:
                     res.links.append((name, path, depth, foreign, meta, shard, st))
                     return
-                _count_file(res, name, path, depth, foreign, meta, shard, st, self.hist)
+                _count_file(res, name, path, depth, foreign, meta, shard, st, self.hist,
+                            self.ages)
             elif e.is_symlink():
                 st = e.stat(follow_symlinks=False)
                 res.symlinks.add(st, sample=display_name(path))
@@ -336,8 +346,8 @@ class _Walker:
         """Validate a ``prefix_rank_group`` head once; its fast accumulator or None.
 
         An accumulator is ``[files, bytes, blocks, min mtime, max mtime, use histogram,
-        sharded files, max atime]``; :meth:`_fold` adds it to the prefix's PrefixUsage at the
-        end (with its rank and group, if any file was counted).
+        sharded files, max atime, write-time histogram]``; :meth:`_fold` adds it to the
+        prefix's PrefixUsage at the end (with its rank and group, if any file was counted).
         """
         fields = head.rsplit("_", 2)
         if len(fields) != 3:
@@ -351,16 +361,17 @@ class _Walker:
             return None
         acc = self.accs.get((prefix, rank, group))
         if acc is None:
-            acc = self.accs[(prefix, rank, group)] = [0, 0, 0, _NO_MIN, 0, {}, 0, 0]
+            acc = self.accs[(prefix, rank, group)] = [0, 0, 0, _NO_MIN, 0, {}, 0, 0, {}]
         return acc
 
     def _fold(self) -> None:
         for (prefix, rank, group), acc in self.accs.items():
-            files, nbytes, blocks, lo, hi, hist, sharded, atime = acc
+            files, nbytes, blocks, lo, hi, hist, sharded, atime, written = acc
             if not files:
                 continue
             u = self._prefix(prefix)
-            u.merge(Usage(files, nbytes, blocks * 512, lo, hi, hist, newest_atime_ns=atime))
+            u.merge(Usage(files, nbytes, blocks * 512, lo, hi, hist, newest_atime_ns=atime,
+                          write_hist=written))
             u.sharded_files += sharded
             u.ranks.add(int(rank, 16))
             u.groups.add(int(group, 16))
@@ -394,8 +405,11 @@ def _cleaned_not_lmcaches(res: ScanResult, name: str, path: str, depth: int, for
 
 
 def _count_file(res: ScanResult, name: str, path: str, depth: int, foreign: bool, meta: bool,
-                shard: tuple[str, str] | None, st: os.stat_result, hist: bool) -> None:
-    """Count one regular file into its category (the slow path, and linked files)."""
+                shard: tuple[str, str] | None, st: os.stat_result, hist: bool,
+                ages: bool = False) -> None:
+    """Count one regular file into its category (the slow path, and linked files): a salted
+    chunk file (``@{cache_salt}`` in its name) always comes here, and is counted under its
+    salt too."""
     _cleaned_not_lmcaches(res, name, path, depth, foreign, meta, shard, st)
     if meta:
         res.metadata.add(st)
@@ -409,22 +423,20 @@ def _count_file(res: ScanResult, name: str, path: str, depth: int, foreign: bool
         kind, chunk = classify(name, shard)
         if kind is Kind.CHUNK and chunk is not None:
             u = _prefix(res, chunk.prefix)
-            u.add(st, hist=hist)
+            u.add(st, hist=hist, ages=ages)
             u.ranks.add(chunk.kv_rank)
             u.groups.add(chunk.group)
             if shard is not None:
                 u.sharded_files += 1
             if chunk.salt is not None:
-                u.salted_files += 1
-                if len(u.salts) < SAMPLE_CAP:
-                    u.salts.add(display_name(chunk.salt))
+                u.add_salted(display_name(chunk.salt), st.st_size)
         elif kind is Kind.TEMP:
             res.temp.add(st, hist=True)
         else:
             res.foreign.add(st, sample=display_name(path))
 
 
-def _count_links(res: ScanResult, hist: bool) -> None:
+def _count_links(res: ScanResult, hist: bool, ages: bool = False) -> None:
     """Count each file with several names once, as du does, whichever worker met which name:
     the first name in path order counts, the others are skipped."""
     seen: set[tuple[int, int]] = set()
@@ -435,7 +447,7 @@ def _count_links(res: ScanResult, hist: bool) -> None:
             _cleaned_not_lmcaches(res, name, path, depth, foreign, meta, shard, st)
             continue
         seen.add(key)
-        _count_file(res, name, path, depth, foreign, meta, shard, st, hist)
+        _count_file(res, name, path, depth, foreign, meta, shard, st, hist, ages)
     res.links = []
 
 
@@ -484,14 +496,15 @@ def scan_root(
     progress: ProgressFn | None = None,
     workers: int | None = None,
     hist: bool = True,
+    ages: bool = False,
 ) -> ScanResult:
     """Scan the open ``root`` and return the aggregates.
 
     ``progress`` is called now and then with the number of entries seen (by the first worker,
     scaled to an estimate of the total). ``workers`` forces the number of processes (default:
     one, or up to four on a multi-core host when the tree is big). ``hist`` keeps the last-use
-    histogram needed by retention planning. Errors on single entries are collected in
-    ``result.errors``.
+    histogram needed by retention planning, ``ages`` the write-time (mtime) histogram of
+    ``report``'s ages. Errors on single entries are collected in ``result.errors``.
     """
     # the root itself may be a symlink the operator set up (resolved when it was opened);
     # nothing below it is followed
@@ -501,10 +514,10 @@ def scan_root(
     n = _want_workers(root.fd, workers)
     result: ScanResult
     if n == 1:
-        result = _Walker(root_s, 0, 1, progress, hist).walk_root(root.fd)
+        result = _Walker(root_s, 0, 1, progress, hist, ages).walk_root(root.fd)
     else:
-        result = _scan_forked(root_s, root.fd, n, progress, hist)
-    _count_links(result, hist)
+        result = _scan_forked(root_s, root.fd, n, progress, hist, ages)
+    _count_links(result, hist, ages)
     result.root = root_s
     result.started_ns = started
     result.duration_s = time.perf_counter() - t0
@@ -514,12 +527,12 @@ def scan_root(
 
 
 def _scan_forked(root: str, root_fd: int, n: int, progress: ProgressFn | None,
-                 hist: bool) -> ScanResult:
+                 hist: bool, ages: bool = False) -> ScanResult:
     """Scan with ``n`` processes: this one takes part 0 (on ``root_fd``), forked children the
     rest. A child opens the root itself: a directory descriptor shared between processes would
     share its read position too."""
     parts = run_parts(
-        n, lambda part, prog: _Walker(root, part, n, prog, hist).walk_root(
+        n, lambda part, prog: _Walker(root, part, n, prog, hist, ages).walk_root(
             root_fd if part == 0 else None),
         progress, "scan")
     result = parts[0]

@@ -1,6 +1,7 @@
 """What a scan counts per category: files, bytes, allocated bytes, the oldest and newest
-modification, a last-use histogram and a few examples (pure aggregates,
-:mod:`kvpersist.l2.scan` fills them)."""
+modification, a last-use histogram, a write-time histogram (the ages ``report`` shows), files
+per ``cache_salt`` and a few examples (pure aggregates, :mod:`kvpersist.l2.scan` fills
+them)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,26 @@ from kvpersist.l2.layout import namespace_of_prefix
 HIST_BUCKET_NS = 3600 * 10**9
 #: Cap on remembered examples (salts, foreign paths, errors) so memory stays bounded.
 SAMPLE_CAP = 20
+#: Cap on the salts counted one by one per prefix; the files of further salts are counted
+#: together (``PrefixUsage.salt_overflow``).
+SALT_CAP = 256
+
+
+def hist_add(hist: dict[int, list[int]], bucket: int, nbytes: int) -> None:
+    """Count one file of ``nbytes`` in ``hist``'s ``bucket``."""
+    h = hist.get(bucket)
+    if h is None:
+        hist[bucket] = [1, nbytes]
+    else:
+        h[0] += 1
+        h[1] += nbytes
+
+
+def hist_merge(into: dict[int, list[int]], other: dict[int, list[int]]) -> None:
+    for b, (f, n) in other.items():
+        h = into.setdefault(b, [0, 0])
+        h[0] += f
+        h[1] += n
 
 
 @dataclass
@@ -28,8 +49,11 @@ class Usage:
     use_hist: dict[int, list[int]] = field(default_factory=dict)
     samples: list[str] = field(default_factory=list)
     newest_atime_ns: int = 0
+    #: write time (mtime) hour bucket -> [files, bytes]; filled by a scan with ``ages``
+    write_hist: dict[int, list[int]] = field(default_factory=dict)
 
-    def add(self, st: os.stat_result, sample: str | None = None, hist: bool = False) -> None:
+    def add(self, st: os.stat_result, sample: str | None = None, hist: bool = False,
+            ages: bool = False) -> None:
         self.files += 1
         self.bytes += st.st_size
         self.allocated_bytes += st.st_blocks * 512
@@ -49,6 +73,8 @@ class Usage:
             else:
                 h[0] += 1
                 h[1] += st.st_size
+        if ages:
+            hist_add(self.write_hist, m // HIST_BUCKET_NS, st.st_size)
         if sample is not None and len(self.samples) < SAMPLE_CAP:
             self.samples.append(sample)
 
@@ -62,10 +88,8 @@ class Usage:
             self.oldest_mtime_ns = other.oldest_mtime_ns
         self.newest_mtime_ns = max(self.newest_mtime_ns, other.newest_mtime_ns)
         self.newest_atime_ns = max(self.newest_atime_ns, other.newest_atime_ns)
-        for b, (f, n) in other.use_hist.items():
-            h = self.use_hist.setdefault(b, [0, 0])
-            h[0] += f
-            h[1] += n
+        hist_merge(self.use_hist, other.use_hist)
+        hist_merge(self.write_hist, other.write_hist)
         room = SAMPLE_CAP - len(self.samples)
         if room > 0:
             self.samples.extend(other.samples[:room])
@@ -90,6 +114,25 @@ class PrefixUsage(Usage):
     salted_files: int = 0
     salts: set[str] = field(default_factory=set)
     sharded_files: int = 0
+    #: salt (as shown, escaped) -> [files, bytes], at most SALT_CAP salts
+    salt_usage: dict[str, list[int]] = field(default_factory=dict)
+    #: [files, bytes] of the salts beyond SALT_CAP
+    salt_overflow: list[int] = field(default_factory=lambda: [0, 0])
+
+    def add_salted(self, salt: str, nbytes: int) -> None:
+        """Count one file of ``nbytes`` under ``salt`` (shown escaped)."""
+        self.salted_files += 1
+        if len(self.salts) < SAMPLE_CAP:
+            self.salts.add(salt)
+        h = self.salt_usage.get(salt)
+        if h is not None:
+            h[0] += 1
+            h[1] += nbytes
+        elif len(self.salt_usage) < SALT_CAP:
+            self.salt_usage[salt] = [1, nbytes]
+        else:
+            self.salt_overflow[0] += 1
+            self.salt_overflow[1] += nbytes
 
     @property
     def namespace(self) -> str | None:
@@ -106,3 +149,13 @@ class PrefixUsage(Usage):
                 if len(self.salts) >= SAMPLE_CAP:
                     break
                 self.salts.add(s)
+            for salt, (f, n) in other.salt_usage.items():
+                h = self.salt_usage.get(salt)
+                if h is None and len(self.salt_usage) < SALT_CAP:
+                    h = self.salt_usage[salt] = [0, 0]
+                if h is None:
+                    h = self.salt_overflow
+                h[0] += f
+                h[1] += n
+            self.salt_overflow[0] += other.salt_overflow[0]
+            self.salt_overflow[1] += other.salt_overflow[1]
