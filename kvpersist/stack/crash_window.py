@@ -19,6 +19,7 @@ from typing import Any
 from kvpersist.errors import KvpError
 from kvpersist.l2 import keys
 from kvpersist.l2.pin_store import read_pins
+from kvpersist.l2.scrub import scrub_root
 from kvpersist.l2.tree import open_root
 from kvpersist.l2.verify import verify_root
 from kvpersist.stack.locate import Location
@@ -126,6 +127,9 @@ class CrashCheck:
     skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    #: files of the window whose padding after the frame was zeroed (kvpersist.l2.scrub)
+    scrubbed: int = 0
+    scrub_seconds: float = 0.0
 
     @property
     def complete(self) -> bool:
@@ -149,6 +153,8 @@ class CrashCheck:
                 f"since {since}: {self.authenticated if self.serde == 'aesgcm' else self.files}"
                 f" {what}, {self.failed} failed, {len(self.quarantined)} quarantined "
                 f"({self.bytes_read / 1e6:.1f} MB read in {self.seconds:.1f} s)")
+        if self.scrubbed:
+            line += f"; padding zeroed after the frame of {self.scrubbed} file(s)"
         if self.unchecked:
             line += (f"; {self.unchecked} file(s) NOT checked (time bound reached): the next "
                      "launch checks them again, or run `kvp-admin verify CONFIG --apply`")
@@ -180,6 +186,10 @@ def check(loc: Location, window: CrashWindow, *, rate_mb_s: float | None = DEFAU
         v = verify_root(root, loc.namespace, serde=loc.serde, key=key, apply=True,
                         rate_mb_s=rate_mb_s or None, since_ns=window.since_ns,
                         deadline_s=deadline_s, first=pins.names)
+        if key is not None:  # the padding of what was written since: zeros (cheap, measured)
+            sc = scrub_root(root, loc.namespace, key, apply=True, since_ns=window.since_ns)
+            res.scrubbed, res.scrub_seconds = sc.scrubbed, sc.seconds
+            res.skipped.extend(sc.skipped)
     res.ran = True
     res.warnings.extend(pins.problems)
     res.files, res.authenticated, res.bytes_read = v.files, v.authenticated, v.bytes_read
