@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvpersist.actions.verify import namespace_keys
 from kvpersist.config.loader import load_deployment
 from kvpersist.errors import UsageError
-from kvpersist.l2 import keys
 from kvpersist.l2.inventory import open_root
 from kvpersist.l2.scrub import ScrubResult, scrub_root
 from kvpersist.system.files import service_uids
@@ -14,7 +14,8 @@ from kvpersist.system.files import service_uids
 
 def scrub(config: str, *, apply: bool = False, since_ns: int | None = None,
           progress: Callable[[int, int], None] | None = None) -> ScrubResult:
-    """Load ``config``, read its serde key and scrub the padding of its namespace's chunk
+    """Load ``config``, read its namespace's serde key (the one verify authenticates it
+    with) and scrub the padding of its namespace's chunk
     files (only those modified at or after ``since_ns`` when given).
 
     Raises ConfigError for a config that does not load, UsageError for a deployment without
@@ -25,7 +26,8 @@ def scrub(config: str, *, apply: bool = False, since_ns: int | None = None,
     if s.serde != "aesgcm":
         raise UsageError(f"{config}: KVP_L2_SERDE is {s.serde!r}: the chunk files hold the KV "
                          "in clear, there is no padding to scrub (set KVP_L2_SERDE=aesgcm)")
-    key = keys.read_key(s.serde_key_file, service_uids(s.service_user))
+    key, _ = namespace_keys(s.state_dir, dep.namespace, s.serde_key_file,
+                            service_uids(s.service_user))
     with open_root(s.cache_root, purpose="scrub") as root:
         return scrub_root(root, dep.namespace, key, apply=apply, since_ns=since_ns,
                           progress=progress)
