@@ -76,6 +76,8 @@ class ScrubResult:
     seconds: float = 0.0
     #: only files modified at or after this instant (ns since the epoch) were looked at
     since_ns: int | None = None
+    #: files not looked at because ``deadline_s`` ran out
+    unchecked: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -97,10 +99,12 @@ class _Listed:
 
 def scrub_root(root: RootDir, namespace: str, key: bytes, *, aes_bits: int = 128,
                apply: bool = False, since_ns: int | None = None,
+               deadline_s: float | None = None,
                progress: Callable[[int, int], None] | None = None) -> ScrubResult:
     """Zero the padding after the aesgcm frame of ``namespace``'s chunk files under the open
     ``root`` when ``apply`` (a dry run counts what would be zeroed). ``key`` is the master key
-    of the namespace; ``since_ns`` limits the scrub to files modified at or after that instant.
+    of the namespace; ``since_ns`` limits the scrub to files modified at or after that instant;
+    ``deadline_s`` stops it after that many seconds (``unchecked`` counts the rest).
 
     Only the chunk directories are visited (the root and ``ab/cd`` shard directories, never
     through a symlink) and only regular files named as the namespace's chunks. Files that
@@ -119,6 +123,9 @@ def scrub_root(root: RootDir, namespace: str, key: bytes, *, aes_bits: int = 128
         for i, f in enumerate(listed):
             if progress is not None and (i % 256 == 0 or i == len(listed) - 1):
                 progress(i + 1, len(listed))
+            if deadline_s is not None and time.monotonic() - t0 >= deadline_s:
+                res.unchecked = len(listed) - i
+                break
             if f.salt not in keys:
                 keys[f.salt] = derive_key(key, f.salt, aes_bits)
             try:

@@ -127,7 +127,8 @@ class CrashCheck:
     skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
-    #: files of the window whose padding after the frame was zeroed (kvpersist.l2.scrub)
+    #: files of the window whose padding after the frame was zeroed (kvpersist.l2.scrub);
+    #: the scrub has its own time bound, ``deadline_s`` again (the rest: the next scrub)
     scrubbed: int = 0
     scrub_seconds: float = 0.0
 
@@ -187,7 +188,8 @@ def check(loc: Location, window: CrashWindow, *, rate_mb_s: float | None = DEFAU
                         rate_mb_s=rate_mb_s or None, since_ns=window.since_ns,
                         deadline_s=deadline_s, first=pins.names)
         if key is not None:  # the padding of what was written since: zeros (cheap, measured)
-            sc = scrub_root(root, loc.namespace, key, apply=True, since_ns=window.since_ns)
+            sc = scrub_root(root, loc.namespace, key, apply=True, since_ns=window.since_ns,
+                            deadline_s=deadline_s)
             res.scrubbed, res.scrub_seconds = sc.scrubbed, sc.seconds
             res.skipped.extend(sc.skipped)
     res.ran = True

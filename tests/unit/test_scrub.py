@@ -141,3 +141,8 @@ def test_a_file_replaced_after_the_listing_is_left_alone(tree: dict[str, Path]) 
     res = scrub(tree["root"], apply=True, progress=replace)
     assert any("changed since it was listed" in s for s in res.skipped), res.skipped
     assert any(padding(tree["dirty"])) and res.scrubbed == 1
+
+
+def test_a_deadline_stops_the_scrub_and_counts_the_rest(tree: dict[str, Path]) -> None:
+    res = scrub(tree["root"], apply=True, deadline_s=0)
+    assert res.unchecked == 4 and res.files == 0 and any(padding(tree["dirty"]))
