@@ -73,6 +73,9 @@ COMMANDS: dict[str, Entry] = {
     "warmup": Entry("kvpersist.commands.warmup:warmup",
                     "Prefetch CONFIG's warm set (KVP_WARMUP_FILE) from disk into the cache "
                     "server's memory."),
+    "forget": Entry("kvpersist.commands.forget:forget",
+                    "Remove one conversation's KV chunks from every tier: dry run unless "
+                    "--apply."),
     "demo": Entry("kvpersist.commands.demo:demo",
                   "Launch the cache server and vLLM (CPU build) on a generated model, send a "
                   "long chat, restart both, send it again: cold vs after-restart time to first "
