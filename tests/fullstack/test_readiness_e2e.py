@@ -37,7 +37,7 @@ from kvpersist.demo.chat import chat_completion, long_chat
 from kvpersist.system import procs
 
 from ..conftest import REPO
-from ._stack import KVP_ADMIN, Stack, wait_until
+from ._stack import KVP_ADMIN, Stack, vllm_metric, wait_until
 
 pytestmark = pytest.mark.fullstack
 
@@ -179,3 +179,183 @@ def test_health_says_warming_while_the_warmup_runs_and_healthy_after(stack: Stac
     assert doc["components"]["warmup"] == "ok"
     detail = _warmup_check(doc)["detail"]
     assert f"{STATE['requested']}/{STATE['requested']} chunks found" in detail, detail
+
+
+# -- 4. tenants: vLLM's per-request cache_salt through LMCache's MP connector -------------
+
+#: lookup counters of the cache server's /metrics, labelled model_name and cache_salt
+REQUESTED = "lmcache_mp_lookup_requested_tokens_total"
+FOUND = "lmcache_mp_lookup_hit_tokens_total"
+EXTERNAL = "vllm:external_prefix_cache_hits_total"  # tokens vLLM loaded through the connector
+LOCAL = "vllm:prefix_cache_hits_total"  # tokens vLLM found in its own prefix cache
+SERVED = "vllm:request_success_total"
+ROUNDS = 4
+
+
+def _tenant_chat(s: Stack, messages: list[dict[str, str]], salt: str | None) -> Any:
+    """One greedy streamed chat completion, with ``cache_salt`` when ``salt`` is given (the
+    OpenAI request field vLLM reads). Returns its ``output`` (the generated token ids: the
+    tiny model's tokens may decode to no text), ``ttft_s`` (to the first streamed event,
+    which vLLM sends with the first token) and ``prompt_tokens``."""
+    from types import SimpleNamespace
+
+    body: dict[str, Any] = {"model": "cpu-demo", "messages": messages, "max_tokens": 16,
+                            "temperature": 0.0, "seed": 0, "stream": True,
+                            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    if salt is not None:
+        body["cache_salt"] = salt
+    if "answered" not in STATE:  # the requests vLLM answered before (all counted by now)
+        STATE["answered"] = vllm_metric(s.vllm_url, SERVED)
+    t0 = time.monotonic()
+    ttft, ids, usage = None, [], {}
+    with requests.post(f"{s.vllm_url}/v1/chat/completions", json=body, stream=True,
+                       timeout=300) as resp:
+        resp.raise_for_status()
+        for raw in resp.iter_lines():
+            if not raw.startswith(b"data: ") or raw == b"data: [DONE]":
+                continue
+            event = json.loads(raw[len(b"data: "):])
+            usage = event.get("usage") or usage
+            for choice in event.get("choices", []):
+                ttft = ttft if ttft is not None else time.monotonic() - t0
+                ids.extend(choice.get("token_ids") or [])
+    STATE["answered"] += 1
+    assert ttft is not None and ids and len(ids) == usage.get("completion_tokens"), (ids, usage)
+    return SimpleNamespace(output=tuple(ids), ttft_s=ttft, prompt_tokens=usage["prompt_tokens"])
+
+
+def _lookups(s: Stack, salt: str) -> tuple[float, float]:
+    """(tokens looked up, tokens found) the cache server counted for the namespace and
+    ``salt`` ("" for requests without one) since it started."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{s.http}/metrics", timeout=10).text
+    got = {REQUESTED: 0.0, FOUND: 0.0}
+    for fam in text_string_to_metric_families(text):
+        for x in fam.samples:
+            if x.name in got and x.labels.get("model_name") == STATE["ns"] \
+                    and x.labels.get("cache_salt") == salt:
+                got[x.name] += x.value
+    return got[REQUESTED], got[FOUND]
+
+
+def _looked_up(s: Stack, salt: str, before: tuple[float, float]) -> tuple[float, float]:
+    """The (looked up, found) tokens of ``salt`` added since ``before``, once the server has
+    counted a lookup (its counters follow the request by a moment)."""
+    assert wait_until(lambda: _lookups(s, salt)[0] > before[0], 30, 0.2), (salt, before)
+    now = _lookups(s, salt)
+    return now[0] - before[0], now[1] - before[1]
+
+
+def _salted_files(s: Stack, salt: str) -> dict[str, str]:
+    """The namespace's chunk files carrying ``salt`` ("" for none): chunk hash -> name."""
+    out = {}
+    for p in s.chunk_files(STATE["ns"] + "_"):
+        head, _, rest = p.name[:-len(".bin")].partition("@")
+        if rest == salt:
+            out[head.rsplit("_", 1)[1]] = p.name
+    return out
+
+
+def _counters(s: Stack) -> tuple[float, float]:
+    """vLLM's (connector, own prefix cache) hit tokens, once its counters include every
+    request answered so far (they are updated as the engine steps)."""
+    answered = STATE.get("answered", 0.0)
+    assert wait_until(lambda: vllm_metric(s.vllm_url, SERVED) >= answered, 30, 0.2), answered
+    return vllm_metric(s.vllm_url, EXTERNAL), vllm_metric(s.vllm_url, LOCAL)
+
+
+def _two_tenants(s: Stack, r: int) -> tuple[float, float, float, float]:
+    """Round ``r``: tenant A (a fresh salt) sends a fresh chat; then, in an order that
+    alternates with ``r``, tenant B (another salt) sends the same chat and tenant C a cold
+    chat (one never sent, as long); then A again. The assertions of the test below; the
+    TTFTs of (A cold, B first, C cold, A again)."""
+    import secrets
+
+    chat, cold = (long_chat(turns=6, words_per_turn=150, seed=101 + 2 * r + i) for i in (0, 1))
+    salt_a, salt_b = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    a0 = _lookups(s, salt_a)
+    a1 = _tenant_chat(s, chat, salt_a)
+    full = a1.prompt_tokens // 256
+    assert full >= 4, a1.prompt_tokens
+    assert _looked_up(s, salt_a, a0) == (full * 256, 0)  # a fresh chat: cold
+    assert wait_until(lambda: len(_salted_files(s, salt_a)) >= full, 60), \
+        [p.name for p in s.chunk_files()][-12:]
+    stored_a = _salted_files(s, salt_a)
+
+    b0, (ext0, loc0) = _lookups(s, salt_b), _counters(s)
+    if r % 2:
+        c1 = _tenant_chat(s, cold, secrets.token_urlsafe(32))
+    b1 = _tenant_chat(s, chat, salt_b)
+    assert b1.output == a1.output and b1.prompt_tokens == a1.prompt_tokens
+    assert _looked_up(s, salt_b, b0) == (full * 256, 0)  # no cross-tenant hit
+    if not r % 2:
+        c1 = _tenant_chat(s, cold, secrets.token_urlsafe(32))
+    assert _counters(s) == (ext0, loc0), "vLLM reused a token across tenants"
+    assert wait_until(lambda: _salted_files(s, salt_b).keys() == stored_a.keys(), 60), \
+        (sorted(stored_a), sorted(_salted_files(s, salt_b)))
+    for chunk_hash, name in _salted_files(s, salt_b).items():
+        assert name == stored_a[chunk_hash].replace(f"@{salt_a}.bin", f"@{salt_b}.bin")
+
+    a0, (ext0, loc0) = _lookups(s, salt_a), _counters(s)
+    a2 = _tenant_chat(s, chat, salt_a)
+    assert a2.output == a1.output
+    assert _looked_up(s, salt_a, a0) == (full * 256, full * 256)  # the same tenant hits
+    assert _counters(s)[1] - loc0 >= (full - 1) * 256  # ... in vLLM's own prefix cache too
+    return a1.ttft_s, b1.ttft_s, c1.ttft_s, a2.ttft_s
+
+
+def test_tenants_with_different_cache_salts_share_no_chunk_and_no_time(stack: Stack) -> None:
+    """Two tenants send the same long chat with different ``cache_salt`` values, over
+    ``ROUNDS`` fresh chats: tenant B's first request finds nothing of A's (LMCache's lookup
+    counters for B's salt: 0 tokens found; vLLM: no token from its own prefix cache nor from
+    the connector), B's chunks are files of their own (the same chunk hashes as A's, each name
+    ending in ``@<B's salt>``), A again finds every full chunk, the generated tokens are the
+    same. B's time to first token is compared with a cold request's beside it: recorded, not
+    asserted (docs/tenants.md)."""
+    import statistics
+
+    figures = [_two_tenants(stack, r) for r in range(ROUNDS)]
+    medians = [round(statistics.median(col), 3) for col in zip(*figures, strict=True)]
+    print("\nTTFT s (A cold, B first, C cold, A again) per round:",
+          [tuple(round(t, 3) for t in f) for f in figures], "medians:", medians)
+
+
+def test_a_request_without_cache_salt_and_one_with_a_salt_share_nothing(stack: Stack) -> None:
+    """Requests without ``cache_salt`` are one more tenant (the empty salt): the warm set's
+    chat, whose chunks the warm-up loaded into L1 unsalted, misses with a salt and stores
+    salted files; a salted tenant's chat misses without a salt, stores unsalted files (no
+    ``@``) and then hits unsalted. The same generated tokens every time."""
+    import secrets
+
+    salt = secrets.token_urlsafe(32)
+    unsalted_warm = set(_salted_files(stack, ""))
+    assert len(unsalted_warm) >= STATE["requested"]
+    s0, (ext0, loc0) = _lookups(stack, salt), _counters(stack)
+    warm = _tenant_chat(stack, WARM, salt)
+    full = warm.prompt_tokens // 256
+    assert _looked_up(stack, salt, s0) == (full * 256, 0)
+    assert _counters(stack) == (ext0, loc0)
+    assert wait_until(lambda: len(_salted_files(stack, salt)) >= full, 60)
+    # the same chunk hashes as the unsalted files, under names of their own
+    assert len(set(_salted_files(stack, salt)) & unsalted_warm) >= full
+
+    chat = long_chat(turns=6, words_per_turn=150, seed=131)
+    had = len(_salted_files(stack, salt))
+    salted = _tenant_chat(stack, chat, salt)
+    full = salted.prompt_tokens // 256
+    assert wait_until(lambda: len(_salted_files(stack, salt)) >= had + full, 60)
+    before = set(_salted_files(stack, ""))
+    u0, (ext0, loc0) = _lookups(stack, ""), _counters(stack)
+    plain = _tenant_chat(stack, chat, None)
+    assert plain.output == salted.output
+    assert _looked_up(stack, "", u0) == (full * 256, 0)  # the salted chunks are not its own
+    assert _counters(stack) == (ext0, loc0)
+    assert wait_until(lambda: len(set(_salted_files(stack, "")) - before) >= full, 60)
+    assert (set(_salted_files(stack, "")) - before) <= set(_salted_files(stack, salt))
+    u0 = _lookups(stack, "")
+    again = _tenant_chat(stack, chat, None)
+    assert again.output == salted.output
+    assert _looked_up(stack, "", u0) == (full * 256, full * 256)
+    print(f"\nTTFT s: salted cold {salted.ttft_s:.3f}, unsalted first {plain.ttft_s:.3f}, "
+          f"unsalted again {again.ttft_s:.3f}")
