@@ -7,7 +7,8 @@ ForgetPlan` (their files already parse-checked as the namespace's chunks). It wo
 - each directory (the root, or its ``ab/cd`` shard) is opened relative to the root's
   descriptor one component at a time, never through a symlink (``O_NOFOLLOW``);
 - each file is ``lstat``ed relative to its directory's descriptor: what is not a regular file
-  (a symlink, a FIFO, a directory under a chunk's name) is counted and never touched;
+  (a symlink, a FIFO, a directory under a chunk's name), and a file below a symlink where its
+  shard directory should be, is counted (``not_regular``) and never touched;
 - the dry run stops there; ``apply`` takes the root's prune lock, then ``lstat``s each file
   again just before ``unlink(name, dir_fd=...)`` and deletes it only if it is still a regular
   file with the inode, size and change time measured (a file LMCache wrote again meanwhile is
@@ -21,6 +22,7 @@ after the write removes what it published).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
 import stat as stat_mod
@@ -73,6 +75,9 @@ class _Found:
     st: os.stat_result
 
 
+_NOT_A_DIR = -2
+
+
 class _Dirs:
     """The chunk directories opened so far (relative to the root, never through a link)."""
 
@@ -81,16 +86,25 @@ class _Dirs:
         self.fds: dict[str, int | None] = {}
 
     def get(self, rel: str) -> int | None:
+        """The directory's descriptor; None when there is no such directory; raises
+        NotADirectoryError when something else (a symlink, a file) has its name."""
         if rel not in self.fds:
             try:
                 self.fds[rel] = open_rel(self.root.fd, rel)
-            except (FileNotFoundError, NotADirectoryError):
-                self.fds[rel] = None  # no such shard directory (or not one): nothing in it
-        return self.fds[rel]
+            except FileNotFoundError:
+                self.fds[rel] = None  # no such shard directory: nothing in it
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise
+                self.fds[rel] = _NOT_A_DIR
+        fd = self.fds[rel]
+        if fd == _NOT_A_DIR:
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory (a link?)")
+        return fd
 
     def close(self) -> None:
         for fd in self.fds.values():
-            if fd is not None:
+            if fd is not None and fd >= 0:
                 os.close(fd)
 
 
@@ -172,6 +186,11 @@ def _stat(dirs: _Dirs, k: ChunkKey, out: FilesOutcome, error: Any,
     rel = posixpath.dirname(k.relpath)
     try:
         dfd = dirs.get(rel)
+    except NotADirectoryError:
+        # a link (or a file) where its shard directory should be: never followed
+        if counting:
+            out.not_regular += 1
+        return None
     except OSError as exc:
         error(rel, exc)
         return None

@@ -186,6 +186,18 @@ def test_forget_one_conversation_on_every_tier(world: World) -> None:
         assert w.redis.scan_keys(f"{ns}@*") == keys_before
         assert lookup(d, ids["a2"]) == len(prefix_keys(ids["a2"]))  # still whole in L1
 
+        # another cache salt names other chunks: a salted forget finds and deletes nothing
+        tid = stack.tmp / "a2.tokens.json"
+        tid.write_text(json.dumps(ids["a2"]))
+        salted = forget(w, "--token-ids", str(tid), "--cache-salt", "tenant-7", "--apply")
+        assert salted["cache_salt"] == "tenant-7" and salted["exit_code"] == 0
+        assert salted["plan"]["pinned_keys"] == 0  # the warm set's chunks are unsalted
+        assert salted["tiers"]["nvme"]["deleted"]["files"] == 0
+        assert salted["tiers"]["nvme"]["absent"] == len(prefix_keys(ids["a2"]))
+        assert salted["tiers"]["shared"]["deleted"]["keys"] == 0
+        assert salted["tiers"]["memory"]["deleted_keys"] == 0
+        assert {p.name for p in stack.chunk_files(ns + "_")} == files_before
+
         # --apply: the conversation's chunks leave the NVMe, the shared tier and L1
         t0 = time.monotonic()
         done = forget(w, "--messages", str(w.a_file), "--apply")
@@ -217,8 +229,6 @@ def test_forget_one_conversation_on_every_tier(world: World) -> None:
             assert b_hits == len(b_keys)
 
         # again, by the last request's token ids: nothing more to delete
-        tid = stack.tmp / "a2.tokens.json"
-        tid.write_text(json.dumps(ids["a2"]))
         again = forget(w, "--token-ids", str(tid), "--apply")
         a2_targets = set(prefix_keys(ids["a2"])) - warm_keys
         assert again["tiers"]["nvme"]["deleted"]["files"] == 0

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from kvpersist.actions.forget import ForgetResult, MemoryOutcome, SharedOutcome
 from kvpersist.config.warmset import WarmEntry
 from kvpersist.errors import ConfigError
-from kvpersist.l2.forget import forget_files
+from kvpersist.l2.forget import FilesOutcome, forget_files
 from kvpersist.l2.forget_plan import ChunkKey, plan_forget
 from kvpersist.l2.tree import open_root
 from kvpersist.stack.forget_input import conversation_requests, parse_input
@@ -180,6 +181,7 @@ def test_forget_files_in_shard_directories_never_through_a_link(tmp_path: Path) 
     with open_root(root) as handle:
         res = forget_files(handle, [k1, k2], apply=True)
     assert res.deleted_files == 1 and not (root / k2.relpath).exists()
+    assert (res.not_regular, res.errors) == (1, [])
     assert (outside / k1.name).read_bytes() == b"victim"
 
 
@@ -190,3 +192,37 @@ def test_forget_help_imports_neither_lmcache_nor_torch() -> None:
     code, modules = loaded_modules("forget", "--help")
     assert code == 0
     assert matching(modules, HEAVY) == []
+
+
+# --------------------------------------------------------------------------- result and output
+
+
+def result(**memory: object) -> ForgetResult:
+    plan = plan_forget(NS, [key(1), key(2)], request_tokens=[600], pinned=[key(1).relpath])
+    nvme = FilesOutcome("/cache", False, "deleted", found_files=1, found_bytes=10,
+                        deleted_files=1, deleted_bytes=10, kept_pinned_files=1)
+    mem = MemoryOutcome("http://127.0.0.1:8080", "deleted", True, 1, 1)
+    for k, v in memory.items():
+        setattr(mem, k, v)
+    return ForgetResult(NS, False, "messages", "conv.json", 1, 256, plan, nvme, mem,
+                        SharedOutcome(False))
+
+
+def test_result_document_exit_code_and_text(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpersist.commands.forget import _print
+
+    ok = result()
+    doc = ok.to_dict()
+    assert doc["schema"] == "kvpersist.forget/1" and doc["exit_code"] == 0
+    assert doc["plan"]["target_keys"] == 1 and doc["plan"]["kept_pinned_keys"] == 1
+    assert doc["tiers"]["shared"] == {"configured": False, "state": "none", "error": ""}
+    assert doc["cache_salt"] is None and doc["problems"] == []
+    _print(doc)
+    out = capsys.readouterr().out
+    assert "1 key(s) shared with the warm set (kept)" in out
+    assert "removed 1 file(s), 10 bytes on the NVMe; 1 key(s) dropped from L1" in out
+    assert "none (no KVP_SHARED_TIER)" in out
+    locked = result(skipped_locked=2)
+    assert locked.exit_code == 1 and "in use by a request in flight" in locked.problems[0]
+    failed = result(state="failed", error="DELETE /cache/objects (l1) answered 500: x")
+    assert failed.exit_code == 1 and "answered 500" in failed.problems[0]
