@@ -33,8 +33,7 @@ def forget(config: str, messages: str | None, prompt_file: str | None, token_ids
 
     Tokenizes the input as the deployment's vLLM does, computes its chunk keys with
     LMCache's own key code (every request of the conversation, every TP rank) and removes
-    those chunks only, from the NVMe, the shared tier and the cache server's memory: the
-    files under the cache root, the keys on the shared tier, the
+    those chunks only: the files under the cache root, the keys on the shared tier and the
     copies in the cache server's L1 (DELETE /cache/objects). Chunks the conversation shares
     with the warm set are kept unless --include-pinned. Exit 0 done (or a dry run), 1 when a
     tier could not be completed (run it again), 2 for a usage or configuration error.
