@@ -76,6 +76,8 @@ COMMANDS: dict[str, Entry] = {
     "forget": Entry("kvpersist.commands.forget:forget",
                     "Remove one conversation's KV chunks from every tier: dry run unless "
                     "--apply."),
+    "shred": Entry("kvpersist.commands.shred:shred",
+                   "Destroy a namespace's L2 key, then its data: dry run unless --apply."),
     "demo": Entry("kvpersist.commands.demo:demo",
                   "Launch the cache server and vLLM (CPU build) on a generated model, send a "
                   "long chat, restart both, send it again: cold vs after-restart time to first "
