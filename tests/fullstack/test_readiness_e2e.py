@@ -13,9 +13,14 @@ prompt), in file order:
    (component ``warmup``), vLLM answers;
 3. the units' step again: while its warm-up is held up (the cache server SIGSTOPped under it,
    a real slow server), health says ``warming`` (exit 3) and the step has not returned; once
-   the server resumes, every chunk is found and health says ``healthy``.
+   the server resumes, every chunk is found and health says ``healthy``;
+4. tenants, on the same running deployment: the same long chat sent with different
+   ``cache_salt`` values finds nothing of another tenant's in vLLM's prefix cache, LMCache's
+   L1 or the NVMe (each salt's chunk files are its own, ``...@<salt>.bin``), while the same
+   tenant hits; a request without a salt and one with a salt share nothing either
+   (docs/tenants.md, with the times to first token measured here).
 
-One vLLM start for the three (the suite's time).
+One vLLM start for the four (the suite's time).
 """
 
 from __future__ import annotations
