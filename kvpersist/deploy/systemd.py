@@ -48,12 +48,15 @@ UNIT_TEMPLATES: dict[str, str] = {
     "kvp-vllm@.service.j2": "kvp-vllm@.service",
     "kvp-health@.service.j2": "kvp-health@.service",
     "kvp-health@.timer.j2": "kvp-health@.timer",
+    "kvp-scrub@.service.j2": "kvp-scrub@.service",
+    "kvp-scrub@.timer.j2": "kvp-scrub@.timer",
 }
 
 #: Drop-in templates rendered once per deployment: template file -> unit it extends.
 INSTANCE_DROPIN_TEMPLATES: dict[str, str] = {
     "kvp-lmcache-instance.conf.j2": "kvp-lmcache@{name}.service",
     "kvp-health-instance.conf.j2": "kvp-health@{name}.service",
+    "kvp-scrub-instance.conf.j2": "kvp-scrub@{name}.service",
 }
 #: File name of each drop-in inside ``<unit>.d/``.
 INSTANCE_DROPIN_NAME = "10-kvpersist.conf"
@@ -89,6 +92,8 @@ class UnitSettings:
     vllm_start_timeout_sec: int = 1800
     vllm_stop_timeout_sec: int = 120
     health_interval: str = "5min"
+    #: period of the padding scrub timer (docs/padding-scrub.md)
+    scrub_interval: str = "1h"
     #: node_exporter's textfile-collector directory, where the health timer's unit writes
     #: ``kvp-admin metrics`` (Debian's default); empty: no metrics
     metrics_textfile_dir: str = "/var/lib/prometheus/node-exporter"

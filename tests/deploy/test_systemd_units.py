@@ -32,7 +32,7 @@ REMOTE_INSTANCE = InstanceSettings(name="remote-bind", cache_root="/mnt/nvme1/kv
                                    bind_addresses=("10.1.2.3",))
 INSTANCES = [i.name for i in EXAMPLE_INSTANCES] + [REMOTE_INSTANCE.name]
 UNIT_NAMES = ["kvp-lmcache@{}.service", "kvp-vllm@{}.service", "kvp-health@{}.service",
-              "kvp-health@{}.timer"]
+              "kvp-health@{}.timer", "kvp-scrub@{}.service", "kvp-scrub@{}.timer"]
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +67,10 @@ def test_rendered_units_verify_clean(rendered_dir, unit, instance):
 
 
 @pytest.mark.parametrize("instance", INSTANCES)
-@pytest.mark.parametrize("unit", ["kvp-lmcache", "kvp-health"])
+@pytest.mark.parametrize("unit", ["kvp-lmcache", "kvp-health", "kvp-scrub"])
 def test_unit_exposure_at_most_3(rendered_dir, unit, instance, record_property):
-    """The cache server, and the health unit (which writes the metrics textfiles)."""
+    """The cache server, the health unit (which writes the metrics textfiles) and the
+    padding scrub (which writes into the cache root)."""
     level, report = exposure(f"{unit}@{instance}.service", rendered_dir)
     record_property(f"exposure_{unit}_{instance}", level)
     print(f"{unit}@{instance}.service exposure {level}")

@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.deploy
 
 UNITS = ("kvp-lmcache@.service", "kvp-vllm@.service", "kvp-health@.service",
-         "kvp-health@.timer")
+         "kvp-health@.timer", "kvp-scrub@.service", "kvp-scrub@.timer")
 
 
 def _env_file(text: str) -> dict[str, str]:
@@ -116,7 +116,11 @@ def test_units_installed(host, kvp_layout):
         text = host.file(f"{kvp_layout.systemd_dir}/{unit}").content_string
         for line in text.splitlines():
             if line.startswith("Exec"):
-                assert "prune" not in line and "--apply" not in line, line
+                # nothing deletes by itself; the one --apply is the padding scrub, which
+                # only zeroes the bytes after authenticated frames (docs/padding-scrub.md)
+                assert "prune" not in line, line
+                assert "--apply" not in line or (
+                    unit == "kvp-scrub@.service" and " scrub " in line), line
 
 
 def test_dropins_name_only_the_cache_root(host, kvp_layout):
