@@ -58,6 +58,15 @@ INSTANCE_DROPIN_TEMPLATES: dict[str, str] = {
     "kvp-health-instance.conf.j2": "kvp-health@{name}.service",
     "kvp-scrub-instance.conf.j2": "kvp-scrub@{name}.service",
 }
+#: Opt-in units (``render_units(opt_in=True)``; the role installs them only when asked):
+#: the daily maximum-age prune (docs/max-age.md), and its per-deployment drop-in.
+OPT_IN_UNIT_TEMPLATES: dict[str, str] = {
+    "kvp-prune-max-age@.service.j2": "kvp-prune-max-age@.service",
+    "kvp-prune-max-age@.timer.j2": "kvp-prune-max-age@.timer",
+}
+OPT_IN_DROPIN_TEMPLATES: dict[str, str] = {
+    "kvp-prune-max-age-instance.conf.j2": "kvp-prune-max-age@{name}.service",
+}
 #: File name of each drop-in inside ``<unit>.d/``.
 INSTANCE_DROPIN_NAME = "10-kvpersist.conf"
 
@@ -275,11 +284,13 @@ def render_units(
     *,
     stamp: str = GENERATED_STAMP,
     template_dir: Path = DEFAULT_TEMPLATE_DIR,
+    opt_in: bool = False,
 ) -> dict[str, str]:
     """Render the host-wide units.
 
     Given the install-wide ``settings``, returns ``{unit file name: text}`` for
-    every entry of :data:`UNIT_TEMPLATES`. Raises :class:`UnitRenderError` listing
+    every entry of :data:`UNIT_TEMPLATES` (and, with ``opt_in``, of
+    :data:`OPT_IN_UNIT_TEMPLATES`). Raises :class:`UnitRenderError` listing
     all invalid settings, or when a template is missing or uses an unknown value.
     """
     errors = validate_unit_settings(settings)
@@ -288,7 +299,8 @@ def render_units(
     env = _environment(template_dir)
     context = {"kvp_unit": asdict(settings), "ansible_managed": stamp}
     rendered: dict[str, str] = {}
-    for template_name, unit_name in UNIT_TEMPLATES.items():
+    for template_name, unit_name in {**UNIT_TEMPLATES,
+                                     **(OPT_IN_UNIT_TEMPLATES if opt_in else {})}.items():
         rendered[unit_name] = _render(env, template_name, context)
     return rendered
 
@@ -298,8 +310,9 @@ def render_instance_dropins(
     *,
     stamp: str = GENERATED_STAMP,
     template_dir: Path = DEFAULT_TEMPLATE_DIR,
+    opt_in: bool = False,
 ) -> dict[str, str]:
-    """Render one deployment's drop-ins.
+    """Render one deployment's drop-ins (with ``opt_in``, those of the opt-in units too).
 
     Returns ``{relative path: text}`` with the paths
     ``kvp-lmcache@<name>.service.d/10-kvpersist.conf`` (cache root, devices, peers) and
@@ -319,7 +332,8 @@ def render_instance_dropins(
         "ansible_managed": stamp,
     }
     rendered: dict[str, str] = {}
-    for template_name, unit in INSTANCE_DROPIN_TEMPLATES.items():
+    for template_name, unit in {**INSTANCE_DROPIN_TEMPLATES,
+                                **(OPT_IN_DROPIN_TEMPLATES if opt_in else {})}.items():
         path = f"{unit.format(name=instance.name)}.d/{INSTANCE_DROPIN_NAME}"
         rendered[path] = _render(env, template_name, context)
     return rendered

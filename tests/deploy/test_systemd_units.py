@@ -33,6 +33,8 @@ REMOTE_INSTANCE = InstanceSettings(name="remote-bind", cache_root="/mnt/nvme1/kv
 INSTANCES = [i.name for i in EXAMPLE_INSTANCES] + [REMOTE_INSTANCE.name]
 UNIT_NAMES = ["kvp-lmcache@{}.service", "kvp-vllm@{}.service", "kvp-health@{}.service",
               "kvp-health@{}.timer", "kvp-scrub@{}.service", "kvp-scrub@{}.timer"]
+#: the opt-in units (render_units(opt_in=True)); the role installs them only when asked
+OPT_IN_UNIT_NAMES = ["kvp-prune-max-age@{}.service", "kvp-prune-max-age@{}.timer"]
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +50,9 @@ def rendered_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     settings = UnitSettings(kvp_admin=str(bin_dir / "kvp-admin"), docker=str(bin_dir / "docker"),
                             scripts_dir=str(bin_dir))
     unit_dir = base / "system"
-    files = dict(render_units(settings))
+    files = dict(render_units(settings, opt_in=True))
     for instance in (*EXAMPLE_INSTANCES, REMOTE_INSTANCE):
-        files.update(render_instance_dropins(instance))
+        files.update(render_instance_dropins(instance, opt_in=True))
     for rel, text in files.items():
         path = unit_dir / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,7 +61,7 @@ def rendered_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("instance", INSTANCES)
-@pytest.mark.parametrize("unit", UNIT_NAMES)
+@pytest.mark.parametrize("unit", UNIT_NAMES + OPT_IN_UNIT_NAMES)
 def test_rendered_units_verify_clean(rendered_dir, unit, instance):
     proc = verify(unit.format(instance), rendered_dir)
     assert proc.returncode == 0, proc.stderr
@@ -67,7 +69,8 @@ def test_rendered_units_verify_clean(rendered_dir, unit, instance):
 
 
 @pytest.mark.parametrize("instance", INSTANCES)
-@pytest.mark.parametrize("unit", ["kvp-lmcache", "kvp-health", "kvp-scrub"])
+@pytest.mark.parametrize("unit", ["kvp-lmcache", "kvp-health", "kvp-scrub",
+                                  "kvp-prune-max-age"])
 def test_unit_exposure_at_most_3(rendered_dir, unit, instance, record_property):
     """The cache server, the health unit (which writes the metrics textfiles) and the
     padding scrub (which writes into the cache root)."""

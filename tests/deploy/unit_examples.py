@@ -29,9 +29,9 @@ EXAMPLE_INSTANCES = (
 
 def example_files(settings: UnitSettings | None = None) -> dict[str, str]:
     """{path relative to systemd/: text} of every example file."""
-    files = dict(render_units(settings or UnitSettings()))
+    files = dict(render_units(settings or UnitSettings(), opt_in=True))
     for instance in EXAMPLE_INSTANCES:
-        files.update(render_instance_dropins(instance))
+        files.update(render_instance_dropins(instance, opt_in=True))
     return files
 
 
