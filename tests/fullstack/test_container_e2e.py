@@ -204,8 +204,14 @@ def _inspect(container: str, engine: str = ENGINE) -> dict[str, Any]:
     return doc
 
 
+def _key(s: Stack) -> Path:
+    """The deployment's L2 key: its namespace's own (docs/keys-and-shred.md)."""
+    [key] = s.state_dir.glob("keys/kvp-*/l2-master.key")
+    return key
+
+
 def _private(s: Stack) -> list[str]:
-    return [str(s.root), str(s.state_dir), str(s.state_dir / "keys" / "l2-master.key")]
+    return [str(s.root), str(s.state_dir), str(_key(s))]
 
 
 def _assert_sees_nothing_private(s: Stack, container: str, allowed: set[tuple[str, str]],
@@ -224,7 +230,7 @@ def _assert_sees_nothing_private(s: Stack, container: str, allowed: set[tuple[st
         assert not [e for e in env if path in e], env
         r = _ctr(engine, "exec", container, "ls", "-d", path)
         assert r.returncode != 0 and "No such file" in r.stderr, (path, r.stdout, r.stderr)
-    key = (s.state_dir / "keys" / "l2-master.key").read_bytes()
+    key = _key(s).read_bytes()
     assert key and key.hex() not in json.dumps(doc)
 
 

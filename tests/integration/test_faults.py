@@ -88,7 +88,7 @@ def _assert_all_authenticate(stack: Stack, ns: str) -> None:
     from kvpersist.l2 import keys
     from tests.l2_roots import verify_at
 
-    key = keys.read_key(stack.state_dir / "keys" / "l2-master.key")
+    key = keys.read_key(stack.state_dir / "keys" / ns / "l2-master.key")
     res = verify_at(stack.root, ns, key=key, rate_mb_s=None)
     assert not res.findings, res.findings
     assert res.authenticated == res.files == len(stack.chunk_files(ns))

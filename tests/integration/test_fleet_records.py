@@ -100,7 +100,7 @@ def test_records_compare_keys_guard_prune_and_go_at_stop(tmp_path: Path, store: 
         assert doc["namespace"] == ns and doc["deployment"] == a.config
         ttl = int(store.nodes[0].cli("ttl", records[0]))
         assert RECORD_TTL_S - 60 < ttl <= RECORD_TTL_S
-        key_a = (a.state_dir / "keys" / "l2-master.key").read_bytes()
+        key_a = (a.state_dir / "keys" / ns / "l2-master.key").read_bytes()
         assert {json.loads(store.nodes[0].cli("get", k))["serde_key_fingerprint"]
                 for k in records} == {serde_fingerprint(key_a)}
         assert key_a.hex() not in store.nodes[0].cli("get", records[0])

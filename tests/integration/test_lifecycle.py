@@ -355,7 +355,7 @@ def test_lmcache_clean_stop_never_reaches_kvpersist_state(stack: Stack) -> None:
     after = sorted(p.relative_to(stack.state_dir) for p in stack.state_dir.rglob("*"))
     assert [p for p in state if "pids" not in p.parts] == [p for p in after
                                                            if "pids" not in p.parts]
-    assert Path("keys/l2-master.key") in after and Path(f"manifests/{ns}.json") in after
+    assert Path(f"keys/{ns}/l2-master.key") in after and Path(f"manifests/{ns}.json") in after
 
     # LMCache's own leftover temp files alone (normal after a kill -9) never block a launch
     stale_temp.write_bytes(b"\0" * 4096)
@@ -374,6 +374,8 @@ def test_a_0_1_state_dir_inside_the_cache_root_is_kept(stack: Stack) -> None:
     key.write_bytes(os.urandom(32))
     key.chmod(0o600)
     rendered = stack.render()
-    assert rendered["l2_adapter"]["serde"]["master_key_path"] == str(key)
+    # the namespace's own key under the legacy state dir (launch adopts the root key there)
+    assert rendered["l2_adapter"]["serde"]["master_key_path"] == str(
+        legacy / "keys" / rendered["namespace"] / "l2-master.key")
     check = stack.kvp("launch", stack.config, "--check", "--no-vllm")
     assert check.returncode == 0 and "where kvpersist 0.1 kept it" in check.stderr

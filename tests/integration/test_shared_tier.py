@@ -29,9 +29,11 @@ def host(tmp: Path, name: str, redis: Redis) -> Stack:
 
 
 def share_key(a: Stack, b: Stack) -> None:
-    src = a.state_dir / "keys" / "l2-master.key"
-    dst = b.state_dir / "keys" / "l2-master.key"
-    dst.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """A's key of its namespace becomes B's (the role's serde_keys does this on a fleet)."""
+    [src] = a.state_dir.glob("keys/kvp-*/l2-master.key")
+    dst = b.state_dir / "keys" / src.parent.name / "l2-master.key"
+    dst.parent.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    dst.parent.mkdir(exist_ok=True, mode=0o700)
     b.state_dir.chmod(0o700)
     b.state_dir.parent.chmod(0o700)
     dst.write_bytes(src.read_bytes())
