@@ -43,6 +43,7 @@ def test_first_run_converges(converged):
     # the vaulted shared-tier password and serde key never reach the play's output
     assert kvp_converge.CI_SHARED_PASSWORD not in run.output
     assert kvp_converge.CI_SERDE_KEY_B64 not in run.output
+    assert kvp_converge.CI_NAMESPACE_KEY_B64 not in run.output
 
 
 def test_second_run_changes_nothing(converged):

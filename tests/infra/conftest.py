@@ -54,6 +54,8 @@ class Deployment:
     #: the shared tier's vaulted password ("" : no shared tier)
     shared_password: str = ""
     serde_key_b64: str = ""
+    #: (namespace, base64 key) of serde_keys
+    serde_keys: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,8 @@ def layout_from_vars(given: dict[str, Any], *, local_converge: bool) -> Layout:
             vllm=bool(d.get("vllm", False)),
             shared_password=str(shared.get("password", "")),
             serde_key_b64=str(d.get("serde_key_b64", "")),
+            serde_keys=tuple((str(k["namespace"]), str(k["key_b64"]))
+                             for k in d.get("serde_keys", [])),
         ))
     return Layout(
         user=v["kvp_user"], group=v["kvp_group"], venv=venv,

@@ -59,6 +59,9 @@ def free_port() -> int:
 #: stand-ins for vaulted secrets: the tests check they land only in owner-only files
 CI_SHARED_PASSWORD = "ci-shared-pw-7f3a9c"
 CI_SERDE_KEY_B64 = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+#: one per-namespace key (serde_keys): installed under keys/<namespace>/
+CI_NAMESPACE = "kvp-" + "e" * 32
+CI_NAMESPACE_KEY_B64 = "bmFtZXNwYWNlLWtleS1mb3ItY2ktMDEyMzQ1Njc4OWE="
 
 
 def ci_vars(base: Path, stand_in_bin: Path) -> dict[str, Any]:
@@ -88,6 +91,8 @@ def ci_vars(base: Path, stand_in_bin: Path) -> dict[str, Any]:
     deployments[1]["shared_tier"] = {"url": "valkey://127.0.0.1:6390", "username": "kvp-fleet",
                                      "password": CI_SHARED_PASSWORD}
     deployments[1]["serde_key_b64"] = CI_SERDE_KEY_B64
+    deployments[1]["serde_keys"] = [{"namespace": CI_NAMESPACE,
+                                     "key_b64": CI_NAMESPACE_KEY_B64}]
     deployments[1]["vllm"] = True
     deployments[1]["extra_settings"] = ["Nice=5"]
     return {
