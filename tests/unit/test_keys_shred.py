@@ -203,3 +203,50 @@ def test_destroy_refuses_a_symlink(tmp_path: Path) -> None:
     with pytest.raises(keys.KeyError_):
         keys.destroy_key(str(link))
     assert target.read_bytes() == b"t" * 32 and link.is_symlink()
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def chunk(root: Path, ns: str, i: int) -> Path:
+    p = root / f"{ns}_01000100_0_{i:064x}.bin"
+    p.write_bytes(b"\xaa" * 4096)
+    return p
+
+
+def test_shred_command_on_a_real_tree(tmp_path: Path) -> None:
+    """``kvp-admin shred`` on files and keys laid out as a launch leaves them (no server):
+    a bad name is a usage error; the dry run deletes nothing; --apply destroys A's key and
+    its files, leaves B's; a second shred finds nothing more to destroy."""
+    import json
+
+    from tests.cli import kvp_in_process
+
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    state = tmp_path / ".kvpersist" / "cache"
+    for ns in (NS_A, NS_B):
+        keys.ensure_key(namespace_key_path(str(state), ns))
+    files_a = [chunk(root, NS_A, i) for i in range(3)]
+    files_b = [chunk(root, NS_B, i) for i in range(2)]
+
+    bad = kvp_in_process("shred", "--root", str(root), "--namespace", "../x", "--json")
+    assert bad.returncode == 2 and json.loads(bad.stdout)["schema"] == "kvpersist.error/1"
+
+    dry = kvp_in_process("shred", "--root", str(root), "--namespace", NS_A, "--json")
+    assert dry.returncode == 0, dry.stderr
+    doc = json.loads(dry.stdout)
+    assert doc["dry_run"] and doc["keys_to_destroy"] == [namespace_key_path(str(state), NS_A)]
+    assert doc["data"]["deleted"] == {"files": 3, "bytes": 3 * 4096} and doc["steps"] == []
+    assert all(p.exists() for p in files_a) and os.path.exists(doc["keys_to_destroy"][0])
+
+    run = kvp_in_process("shred", "--root", str(root), "--namespace", NS_A, "--apply")
+    assert run.returncode == 0, run.stderr
+    assert "1. destroyed key" in run.stdout and "3. then the data" in run.stdout
+    assert not any(p.exists() for p in files_a) and all(p.exists() for p in files_b)
+    assert not os.path.lexists(namespace_key_path(str(state), NS_A))
+    assert os.path.exists(namespace_key_path(str(state), NS_B))
+    assert keys.read_tombstone(str(state), NS_A) is not None
+
+    again = kvp_in_process("shred", "--root", str(root), "--namespace", NS_A, "--json")
+    assert json.loads(again.stdout)["keys_to_destroy"] == []
