@@ -27,6 +27,7 @@ from kvpersist.config.key_paths import (
     namespace_key_path,
     root_key_path,
 )
+from kvpersist.config.loader import LEGACY_STATE_ENTRIES
 from kvpersist.errors import EXIT_OK, UsageError
 from kvpersist.l2 import keys
 from kvpersist.l2.inventory import Inventory, open_existing, resolve_inventory, scan
@@ -72,13 +73,20 @@ class ShredOutcome:
 
 
 def state_dirs(inv: Inventory) -> list[str]:
-    """The state dirs whose keys belong to the root: each configured deployment's, and the
-    default ones of the root (beside it, and kvpersist 0.1's inside it) that exist."""
+    """The state dirs whose keys belong to the root: each configured deployment's, the
+    default one beside the root if it exists, and kvpersist 0.1's inside the root only when
+    it holds 0.1's state (``keys``, ``manifests`` or ``models``). The root's own metadata
+    directory (``<root>/.kvpersist``: pins, the prune lock, runs) is not a state dir: a
+    tombstone written there would make the loader take it for 0.1's state and move every
+    deployment of the root onto it."""
     root = PurePosixPath(inv.root)
     dirs = {d.settings.state_dir for d in inv.deployments}
-    for d in (root.parent / ".kvpersist" / root.name, root / ".kvpersist"):
-        if os.path.isdir(d):
-            dirs.add(str(d))
+    beside = root.parent / ".kvpersist" / root.name
+    if os.path.isdir(beside):
+        dirs.add(str(beside))
+    inside = root / ".kvpersist"
+    if any(os.path.lexists(inside / e) for e in LEGACY_STATE_ENTRIES):
+        dirs.add(str(inside))
     return sorted(dirs)
 
 

@@ -128,7 +128,7 @@ def load_deployment(config: str, environ: Mapping[str, str] | None = None,
 
 
 #: what kvpersist 0.1 kept in ``<cache root>/.kvpersist`` when KVP_STATE_DIR was not set
-_LEGACY_STATE_ENTRIES = ("keys", "manifests", "models")
+LEGACY_STATE_ENTRIES = ("keys", "manifests", "models")
 
 
 def _legacy_state_dir(values: Mapping[str, str], env: Mapping[str, str]) -> bool:
@@ -143,7 +143,7 @@ def _legacy_state_dir(values: Mapping[str, str], env: Mapping[str, str]) -> bool
     try:
         if not stat.S_ISDIR(os.lstat(meta).st_mode):
             return False
-        return any(os.path.lexists(os.path.join(meta, e)) for e in _LEGACY_STATE_ENTRIES)
+        return any(os.path.lexists(os.path.join(meta, e)) for e in LEGACY_STATE_ENTRIES)
     except (OSError, ValueError):
         return False
 
