@@ -8,7 +8,8 @@ processes started by ``kvp-admin launch`` (aesgcm serde), driven by LMCache's ow
   verify names those copies; the other namespace still hits;
 * migration: a root prepared as before per-namespace keys (one root key, files written with
   it) still hits after a launch with per-namespace keys, which adopts the root key; shred's
-  dry run names the root key as destroyed with it (no other namespace uses it).
+  dry run names the root key as destroyed with it (no other namespace uses it);
+* with a shared tier (a real redis-server), shred removes the namespace's keys there too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from kvpersist.l2 import keys
 
 from ..conftest import REPO
 from ..fullstack._stack import Stack
+from ._redis import Redis
+from .test_shared_tier import host
 
 pytestmark = pytest.mark.integration
 
@@ -152,5 +155,32 @@ def test_a_root_with_the_old_single_key_keeps_its_chunks(tmp_path: Path) -> None
         [plan] = [p for p in dry["keys"] if p["state_dir"] == state]
         assert plan["migrated"] is True and plan["root_key_users"] == []
         assert os.path.exists(root_key) and os.path.exists(own)  # a dry run
+    finally:
+        s.cleanup()
+
+
+def test_shred_with_a_shared_tier_removes_its_keys_there_too(tmp_path: Path,
+                                                             redis: Redis) -> None:
+    """Through the CLI: ``shred --config CONFIG --apply --force`` on a deployment with a
+    shared tier destroys the key, then the files and the namespace's keys on the store."""
+    s = host(tmp_path, "a", redis)
+    try:
+        ns = s.render()["namespace"]
+        s.launch("--no-vllm")
+        store(s, ns, 1)
+        s.stop()
+        assert len(redis.scan_keys(f"{ns}@*")) == 4 and len(s.chunk_files(ns + "_")) == 4
+        key = namespace_key_path(str(s.state_dir), ns)
+        dry = s.kvp_json("shred", "--config", s.config, "--namespace", ns, "--force")
+        assert dry["tier"] == "all" and dry["data"]["shared"]["deleted_keys"] == 4
+        assert len(redis.scan_keys(f"{ns}@*")) == 4 and os.path.exists(key)  # a dry run
+        out = s.kvp_json("shred", "--config", s.config, "--namespace", ns, "--force",
+                         "--apply")
+        assert [st["step"] for st in out["steps"]] == ["keys", "tombstone", "data"]
+        assert out["destroyed"][0]["path"] == key and not os.path.lexists(key)
+        assert redis.scan_keys(f"{ns}@*") == [] and s.chunk_files(ns + "_") == []
+        s.launch("--no-vllm")  # a new key: nothing of the old namespace's data is readable
+        hits, _ = fetch(s, ns, 1)
+        assert hits == 0
     finally:
         s.cleanup()
