@@ -19,8 +19,13 @@ prompt), in file order:
    L1 or the NVMe (each salt's chunk files are its own, ``...@<salt>.bin``), while the same
    tenant hits; a request without a salt and one with a salt share nothing either
    (docs/tenants.md, with the times to first token measured here).
+5. ``shred`` of the namespace (refused while it is configured, unless ``--force``; the dry
+   run destroys nothing): with the cache server stopped and vLLM serving on, the key goes
+   first, then the namespace's files; the launch that follows starts only the server, with a
+   new key, and a chat served from the cache before the shred now misses on every tier and
+   gets the same tokens (docs/keys-and-shred.md).
 
-One vLLM start for the four (the suite's time).
+One vLLM start for all five (the suite's time).
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterato
     warm = tmp / "warm.jsonl"
     warm.write_text(json.dumps({"messages": WARM}) + "\n"
                     + json.dumps({"prompt": DOCUMENT}) + "\n")
-    s = Stack(tmp, model=demo_model, KVP_WARMUP_FILE=str(warm), KVP_WARMUP_WAIT="120")
+    s = Stack(tmp, model=demo_model, KVP_WARMUP_FILE=str(warm), KVP_WARMUP_WAIT="120",
+              VLLM_SERVER_DEV_MODE="1")  # /reset_prefix_cache (the shred test)
     try:
         yield s
     finally:
@@ -364,3 +370,40 @@ def test_a_request_without_cache_salt_and_one_with_a_salt_share_nothing(stack: S
     assert _looked_up(stack, "", u0) == (full * 256, full * 256)
     print(f"\nTTFT s: salted cold {salted.ttft_s:.3f}, unsalted first {plain.ttft_s:.3f}, "
           f"unsalted again {again.ttft_s:.3f}")
+
+
+def test_shred_destroys_the_key_first_then_every_chunk_misses_with_the_same_output(
+        stack: Stack) -> None:
+    ns = STATE["ns"]
+    chat = long_chat(turns=6, words_per_turn=150, seed=151)
+    cold = _tenant_chat(stack, chat, None)
+    full = cold.prompt_tokens // 256
+    assert wait_until(lambda: len(_salted_files(stack, "")) >= full, 60)
+    assert requests.post(f"{stack.vllm_url}/reset_prefix_cache", timeout=30).ok
+    u0 = _lookups(stack, "")
+    hit = _tenant_chat(stack, chat, None)
+    assert hit.output == cold.output and _looked_up(stack, "", u0) == (full * 256, full * 256)
+    [key] = stack.state_dir.glob(f"keys/{ns}/l2-master.key")
+    old_key, files = key.read_bytes(), stack.chunk_files(ns + "_")
+    shred = ("shred", "--namespace", ns, "--config", stack.config)
+    refused = stack.kvp(*shred, "--apply", "--json")  # the deployment is configured here
+    assert refused.returncode == 2 and key.exists(), (refused.stdout, refused.stderr)
+    dry = stack.kvp_json(*shred, "--force")
+    assert dry["exit_code"] == 0 and key.read_bytes() == old_key, dry
+    assert stack.chunk_files(ns + "_") == files
+    stack.kvp_json("stop", stack.config, "--only", "server")
+    done = stack.kvp_json(*shred, "--force", "--apply")
+    assert done["exit_code"] == 0, done
+    steps = done["steps"]
+    assert [x["step"] for x in steps] == ["keys", "tombstone", "data"], steps
+    assert steps[0]["at_ns"] <= steps[1]["at_ns"] <= steps[2]["at_ns"], steps
+    assert not key.exists() and stack.chunk_files(ns + "_") == []
+    info = stack.launch()  # vLLM served on: only the server starts, with a new key
+    assert info["started"] == ["server"], info
+    assert key.exists() and key.read_bytes() != old_key
+    assert info["warmup"].get("found_chunks", 0) == 0, info["warmup"]
+    assert requests.post(f"{stack.vllm_url}/reset_prefix_cache", timeout=30).ok
+    u0 = _lookups(stack, "")
+    again = _tenant_chat(stack, chat, None)
+    assert again.output == cold.output
+    assert _looked_up(stack, "", u0) == (full * 256, 0)  # nothing of it on any tier
