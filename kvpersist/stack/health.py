@@ -322,7 +322,8 @@ def fleet_check(fleet: dict[str, Any]) -> Check:
         return Check("shared_tier.serde_key", "degraded",
                      f"{what} differs from host {names}: chunks stored by {names} miss here "
                      "and vice versa; give every host of the tier the same key "
-                     "(serde_key_b64 in the Ansible role)")
+                     "of the namespace (serde_keys in the Ansible role; "
+                     "docs/keys-and-shred.md)")
     others = fleet.get("others") or []
     if not others:
         return Check("shared_tier.serde_key", "ok",
