@@ -80,7 +80,8 @@ def state_dirs(inv: Inventory) -> list[str]:
     tombstone written there would make the loader take it for 0.1's state and move every
     deployment of the root onto it."""
     root = PurePosixPath(inv.root)
-    dirs = {d.settings.state_dir for d in inv.deployments}
+    # a deployment never launched has no state dir: nothing to destroy, none to create
+    dirs = {d.settings.state_dir for d in inv.deployments if os.path.isdir(d.settings.state_dir)}
     beside = root.parent / ".kvpersist" / root.name
     if os.path.isdir(beside):
         dirs.add(str(beside))
