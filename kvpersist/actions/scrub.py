@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpersist.actions.verify import namespace_keys
 from kvpersist.config.loader import load_deployment
 from kvpersist.errors import UsageError
 from kvpersist.l2.inventory import open_root
+from kvpersist.l2.keys import namespace_keys
 from kvpersist.l2.scrub import ScrubResult, scrub_root
 from kvpersist.system.files import service_uids
 

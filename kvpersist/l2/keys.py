@@ -38,6 +38,7 @@ from kvpersist.config.key_paths import (
     FINGERPRINT_NAME,
     KEY_NAME,
     TOMBSTONE_NAME,
+    is_namespace_key,
     keys_dir,
     namespace_dir_problem,
     namespace_key_dir,
@@ -359,3 +360,24 @@ def read_tombstone(state_dir: str, namespace: str) -> dict[str, Any] | None:
     except (OSError, UnreadableFile, ValueError):
         return None
     return doc if isinstance(doc, dict) and doc.get("schema") == TOMBSTONE_SCHEMA else None
+
+
+def namespace_keys(state_dir: str, namespace: str, key_file: str, also: tuple[int, ...],
+                   ) -> tuple[bytes, Callable[[str], bytes | None]]:
+    """(``namespace``'s master key, the key of every namespace): its key file; for a
+    namespace not launched since per-namespace keys (no key file of its own, no tombstone),
+    the root key it will adopt (docs/keys-and-shred.md); other namespaces' own keys (or the
+    root key) for ``--all-namespaces``. Raises KeyError_ when ``namespace`` has no key."""
+    lookup = key_lookup(state_dir, also)
+    root = root_key_path(state_dir)
+    if not is_namespace_key(state_dir, namespace, key_file) or os.path.lexists(key_file) \
+            or os.path.lexists(tombstone_path(state_dir, namespace)) \
+            or not os.path.lexists(root):
+        own = read_key(key_file, also)
+    else:  # not launched since per-namespace keys: the root key it will adopt
+        own = read_key(root, also)
+
+    def key_for(prefix: str) -> bytes | None:
+        return own if prefix == namespace else lookup(prefix)
+
+    return own, key_for
