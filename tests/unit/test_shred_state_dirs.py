@@ -27,7 +27,16 @@ def test_the_roots_metadata_dir_is_not_a_state_dir(tmp_path: Path) -> None:
     (root / ".kvpersist" / "pins").mkdir(parents=True)
     (root / ".kvpersist" / "prune.lock").write_text("")
     state = tmp_path / "state"
+    state.mkdir()
     assert state_dirs(_inv(root, state)) == [str(state)]
+
+
+def test_a_deployment_never_launched_has_no_state_dir_to_tombstone(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    root.mkdir()
+    never = tmp_path / "never-launched"
+    assert state_dirs(_inv(root, never)) == []
+    assert not never.exists()
 
 
 def test_the_default_beside_the_root_and_a_legacy_state_inside_it_are(tmp_path: Path) -> None:
