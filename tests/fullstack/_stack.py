@@ -103,6 +103,18 @@ class Stack:
     def server_log(self) -> Path:
         return self.state_dir / "logs" / "lmcache-server.log"
 
+    @property
+    def vllm_log(self) -> Path:
+        return self.state_dir / "logs" / "vllm.log"
+
+    def connector_degraded(self) -> bool:
+        """Whether vLLM's LMCache connector is in its degraded mode now (serving without the
+        cache: no lookups, no stores): each of its heartbeats (the scheduler's and the
+        worker's) logs its entry into the mode and its recovery, so more entries than
+        recoveries in vLLM's log means one is still degraded."""
+        text = self.vllm_log.read_text(errors="replace") if self.vllm_log.exists() else ""
+        return text.count("entering degraded mode") > text.count("resuming normal operation")
+
     def render(self) -> Any:
         return self.kvp_json("render", self.config)
 

@@ -87,13 +87,21 @@ def _server_pid(s: Stack) -> int:
 
 
 @contextmanager
-def _stopped(pid: int) -> Iterator[None]:
-    """The cache server frozen (SIGSTOP) and always resumed."""
-    os.kill(pid, signal.SIGSTOP)
+def _stopped(s: Stack) -> Iterator[None]:
+    """The cache server frozen (SIGSTOP) and always resumed, then vLLM's connector out of its
+    degraded mode: a heartbeat that timed out while the server was frozen put it there (no
+    lookups, no stores: a request served then would count nothing on the server), the next
+    one brings it back. A ping still pending at the resume ends within one interval, so the
+    wait starts after two."""
+    from kvpersist.stack.render import HEARTBEAT_INTERVAL_S
+
+    os.kill(_server_pid(s), signal.SIGSTOP)
     try:
         yield
     finally:
-        os.kill(pid, signal.SIGCONT)
+        os.kill(_server_pid(s), signal.SIGCONT)
+        time.sleep(2 * HEARTBEAT_INTERVAL_S + 0.5)
+        assert wait_until(lambda: not s.connector_degraded(), 60, 0.2), s.vllm_log
 
 
 def test_first_launch_warms_an_empty_l2_finds_nothing_and_is_healthy(stack: Stack) -> None:
@@ -129,7 +137,7 @@ def test_a_warmup_that_times_out_is_degraded_and_vllm_keeps_serving(stack: Stack
         {f.rsplit("/", 1)[-1] for f in pins["files"]}
     env = dict(stack.env, KVP_WARMUP_WAIT="3")
     t0 = time.monotonic()
-    with _stopped(_server_pid(stack)):
+    with _stopped(stack):
         r = subprocess.run([*KVP_ADMIN, "launch", stack.config, "--warmup-only",
                             "--deadline", "300", "--json"], capture_output=True, text=True,
                            env=env, cwd=REPO, timeout=400)
@@ -165,7 +173,7 @@ def test_health_says_warming_while_the_warmup_runs_and_healthy_after(stack: Stac
 
         assert wait_until(warmup_started, 120, 0.05), step.poll()
         seen: list[tuple[int, dict[str, Any]]] = []
-        with _stopped(_server_pid(stack)):
+        with _stopped(stack):
             assert wait_until(lambda: seen.append(_health(stack)) or
                               seen[-1][1]["status"] == "warming", 90, 0.5), \
                 [d["checks"] for _, d in seen[-2:]]
