@@ -78,6 +78,9 @@ COMMANDS: dict[str, Entry] = {
                     "--apply."),
     "shred": Entry("kvpersist.commands.shred:shred",
                    "Destroy a namespace's L2 key, then its data: dry run unless --apply."),
+    "upgrade": Entry("kvpersist.commands.upgrade:upgrade",
+                     "Plan a vLLM, LMCache or model upgrade: what changes and the steps, "
+                     "read-only."),
     "demo": Entry("kvpersist.commands.demo:demo",
                   "Launch the cache server and vLLM (CPU build) on a generated model, send a "
                   "long chat, restart both, send it again: cold vs after-restart time to first "
