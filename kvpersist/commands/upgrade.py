@@ -70,7 +70,7 @@ def format_plan(doc: dict[str, Any]) -> str:
         out.append(f"{s['step']:>2}. {s['what']}" + (f"\n      {s['command']}"
                                                      if s["command"] else ""))
         if s["note"]:
-            out.append(f"      ({s['note']})")
+            out.append(f"      # {s['note']}")
     out += [f"problem: {p}" for p in doc["problems"]]
     out += [f"note: {n}" for n in doc["notes"]]
     return "\n".join(out)
