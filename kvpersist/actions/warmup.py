@@ -13,7 +13,8 @@ from kvpersist.stack.warmup import DEFAULT_WAIT_S, Progress, WarmupResult, warm
 
 
 def warmup(config: str, *, wait_s: float = DEFAULT_WAIT_S,
-           progress: Progress | None = None) -> WarmupResult:
+           progress: Progress | None = None,
+           compute_missing: bool | None = None) -> WarmupResult:
     """Load CONFIG (an incomplete identity is accepted: the engine refuses a warm set for
     an unpinned namespace itself) and warm its warm set.
 
@@ -21,7 +22,8 @@ def warmup(config: str, *, wait_s: float = DEFAULT_WAIT_S,
     when every prefetch completed, ``failed`` otherwise). Raises ConfigError for a config or
     warm set that is wrong (exit 2; nothing written when the warm file does not parse)."""
     dep = load_deployment(config, allow_unpinned=True)
-    return warm(dep, locate(dep), wait_s=wait_s, progress=progress)
+    return warm(dep, locate(dep), wait_s=wait_s, progress=progress,
+                compute_missing=compute_missing)
 
 
 __all__ = ["WarmupResult", "warmup"]

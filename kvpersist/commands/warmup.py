@@ -13,8 +13,12 @@ from kvpersist.commands.common import config_argument, echo_json, exit_with, jso
               show_default=True, metavar="SECONDS",
               help="Give up after SECONDS (covers the cache server's 503 until vLLM has "
                    "registered its KV layout).")
+@click.option("--compute-missing", "compute", flag_value=True, default=None,
+              help="Compute the chunks found on no tier by sending the warm set's token ids "
+                   "to CONFIG's own vLLM (one token each), within --wait; default: "
+                   "KVP_WARMUP_COMPUTE.")
 @json_option
-def warmup(config: str, wait_s: float, as_json: bool) -> None:
+def warmup(config: str, wait_s: float, compute: bool | None, as_json: bool) -> None:
     """Prefetch CONFIG's warm set (KVP_WARMUP_FILE) from disk into the cache server's memory.
 
     Tokenizes the warm set as the deployment's vLLM does, pins its chunk files against
@@ -29,7 +33,7 @@ def warmup(config: str, wait_s: float, as_json: bool) -> None:
         if not as_json:
             click.echo(f"  {line}", err=True)
 
-    res = warmup_action(config, wait_s=wait_s, progress=progress)
+    res = warmup_action(config, wait_s=wait_s, progress=progress, compute_missing=compute)
     if as_json:
         echo_json(res.to_dict())
     elif res.state == "none":
@@ -47,6 +51,11 @@ def warmup(config: str, wait_s: float, as_json: bool) -> None:
         click.echo(f"{res.state}: {res.found_chunks}/{res.requested_chunks} chunks found{why}, "
                    f"{res.bytes:,} bytes of pinned files on disk, {res.seconds:.1f} s; "
                    f"{res.pinned_files} file(s) pinned")
+        if res.compute:
+            left = (f"; still missing on line(s) {', '.join(map(str, res.not_computed))}"
+                    if res.not_computed else "")
+            click.echo(f"computed by vLLM: {res.computed_chunks} chunk(s) in "
+                       f"{res.compute_seconds:.1f} s{left}")
         if res.error:
             click.echo(f"error: {res.error}", err=True)
     for w in res.warnings:

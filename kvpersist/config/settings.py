@@ -88,6 +88,10 @@ class DeploymentSettings:
     #: seconds the launch's warm-up may take (its ``--wait``) before the deployment is
     #: reported ready anyway (cold, degraded in health); kvpersist.stack.readiness
     warmup_wait: float = 120.0
+    #: the warm-up computes the warm set's chunks missing from every tier by sending its
+    #: token ids to the deployment's own vLLM (one token each) before ready
+    #: (``warmup --compute-missing``; docs/warm-restart.md)
+    warmup_compute: bool = False
     #: launch even though files that are not LMCache's have ``.tmp.`` in their names under
     #: the cache root, which LMCache's clean-up deletes at a clean stop (default: refuse)
     allow_lmcache_tmp_cleanup: bool = False
@@ -143,6 +147,7 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_SHARED_TIER_SECRET_FILE": ("shared_tier_secret_file", "abspath?", ""),
     "KVP_WARMUP_FILE": ("warmup_file", "abspath?", ""),
     "KVP_WARMUP_WAIT": ("warmup_wait", "duration", "120"),
+    "KVP_WARMUP_COMPUTE": ("warmup_compute", "bool", "false"),
     "KVP_ALLOW_LMCACHE_TMP_CLEANUP": ("allow_lmcache_tmp_cleanup", "bool", "false"),
     "KVP_L2_MAX_AGE": ("l2_max_age_s", "maxage", ""),
 }
@@ -345,6 +350,8 @@ DEPLOY_FIX = {
     "venv with vLLM), separated by spaces; never the cache root, the state dir, a key or a "
     "secret",
     "KVP_WARMUP_WAIT": "seconds (or 90s, 5m) the launch's warm-up may take, e.g. 120",
+    "KVP_WARMUP_COMPUTE": "true or false: the launch's warm-up computes the warm set's chunks "
+    "found on no tier with the deployment's vLLM before ready (docs/warm-restart.md)",
     "KVP_L2_MAX_AGE": "empty (no maximum) or how long a chunk file may stay after it was "
     "written, with a unit: 30d, 12h, 90m (docs/max-age.md)",
 }

@@ -48,7 +48,7 @@ from kvpersist.errors import ConfigError, KvpError, Problem
 from kvpersist.l2.pin_store import measure_pins, pins_path, read_pin_document, write_pins
 from kvpersist.l2.pins import parse_pin_document, pin_document
 from kvpersist.l2.tree import RootDir, open_dir, open_root
-from kvpersist.stack import prefetch
+from kvpersist.stack import prefetch, warm_compute
 from kvpersist.stack.locate import Location, locate
 from kvpersist.stack.render import TEMPLATE_NAMES, render
 from kvpersist.stack.warm_keys import chunk_files, key_scheme
@@ -76,10 +76,17 @@ class EntryOutcome:
     chunks: int = 0
     found_keys: int = 0
     total_keys: int = 0
+    #: chunks missing before, found after vLLM computed the entry (--compute-missing)
+    computed_chunks: int = 0
+
+    @property
+    def found_chunks(self) -> int:
+        return self.found_keys * self.chunks // self.total_keys if self.total_keys else 0
 
     def to_dict(self) -> dict[str, int]:
         return {"line": self.line, "tokens": self.tokens, "chunks": self.chunks,
-                "found_keys": self.found_keys, "total_keys": self.total_keys}
+                "found_keys": self.found_keys, "total_keys": self.total_keys,
+                "computed_chunks": self.computed_chunks}
 
 
 @dataclass
@@ -107,6 +114,14 @@ class WarmupResult:
     pinned_files: int = 0
     entries: list[EntryOutcome] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    #: missing chunks were computed by the deployment's vLLM (--compute-missing)
+    compute: bool = False
+    #: chunks found only after vLLM computed them, and the seconds the computing took
+    computed_chunks: int = 0
+    compute_seconds: float = 0.0
+    #: warm-set lines with chunks still missing after the computing: not sent (the budget
+    #: ran out) or not stored (vLLM refused or failed: see warnings)
+    not_computed: list[int] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -118,7 +133,10 @@ class WarmupResult:
                 "finished": self.finished, "requested_chunks": self.requested_chunks,
                 "found_chunks": self.found_chunks, "bytes": self.bytes,
                 "seconds": round(self.seconds, 3), "error": self.error,
-                "warm_set": self.state != "none", "warm_file_sha256": self.warm_file_sha256}
+                "warm_set": self.state != "none", "warm_file_sha256": self.warm_file_sha256,
+                "compute": self.compute, "computed_chunks": self.computed_chunks,
+                "compute_seconds": round(self.compute_seconds, 3),
+                "not_computed": self.not_computed}
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.state_document(), "state": self.state, "warm_file": self.warm_file,
@@ -163,9 +181,11 @@ def world_size(dep: Deployment) -> int:
 
 
 def warm(dep: Deployment, loc: Location, *, wait_s: float = DEFAULT_WAIT_S,
-         progress: Progress | None = None) -> WarmupResult:
+         progress: Progress | None = None, compute_missing: bool | None = None) -> WarmupResult:
     """Warm the warm set of ``dep`` (located at ``loc``, see the module docstring), giving up
-    ``wait_s`` seconds after the first request to the cache server.
+    ``wait_s`` seconds after the first request to the cache server. With ``compute_missing``
+    (None: KVP_WARMUP_COMPUTE) the chunks found on no tier are computed by the deployment's
+    vLLM within the same time (:mod:`kvpersist.stack.warm_compute`).
 
     Returns the result (``state`` ``none`` when no warm file is configured, ``done`` when
     every prefetch completed, ``failed`` otherwise); the state file says the same. Raises
@@ -174,6 +194,7 @@ def warm(dep: Deployment, loc: Location, *, wait_s: float = DEFAULT_WAIT_S,
     written at the start."""
     say = progress or (lambda _: None)
     res = WarmupResult(loc.namespace, "warming", _now(), world_size=world_size(dep))
+    res.compute = dep.settings.warmup_compute if compute_missing is None else compute_missing
     if not dep.settings.warmup_file:
         res.state, res.finished = "none", res.started
         _write_state(loc, res)
@@ -255,9 +276,60 @@ def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s:
             entry.chunks = sub.chunks
     finally:
         res.prefetch_seconds = time.monotonic() - t0
+    if res.compute:
+        _compute_missing(dep, loc, res, token_ids, deadline, say)
     res.requested_chunks = sum(e.chunks for e in res.entries)
-    res.found_chunks = sum(e.found_keys * e.chunks // e.total_keys
-                           for e in res.entries if e.total_keys)
+    res.found_chunks = sum(e.found_chunks for e in res.entries)
+
+
+def _compute_missing(dep: Deployment, loc: Location, res: WarmupResult,
+                     token_ids: list[list[int]], deadline: float, say: Progress) -> None:
+    """Each entry with chunks found on no tier: sent to vLLM (its token ids), then
+    prefetched again to count what it stored; what does not fit before ``deadline``, or
+    that vLLM did not store, is listed in ``res.not_computed``."""
+    t0 = time.monotonic()
+    try:
+        for entry, ids in zip(res.entries, token_ids, strict=True):
+            if not entry.chunks or entry.found_chunks >= entry.chunks:
+                continue
+            before = entry.found_chunks
+            say(f"line {entry.line}: {entry.chunks - before} chunk(s) on no tier: computing "
+                "them with vLLM")
+            run = warm_compute.compute(loc.vllm_url, loc.served_model_name, ids,
+                                       deadline=deadline)
+            if not run.ok:
+                res.not_computed.append(entry.line)
+                res.warnings.append(f"line {entry.line}: not computed: {run.detail}")
+                continue
+            try:
+                _recount(dep, loc, res, entry, ids, deadline, say)
+            except prefetch.PrefetchFailed as exc:
+                res.warnings.append(f"line {entry.line}: computed, not counted again: {exc}")
+            entry.computed_chunks = max(0, entry.found_chunks - before)
+            if entry.found_chunks < entry.chunks:
+                res.not_computed.append(entry.line)
+    finally:
+        res.compute_seconds = time.monotonic() - t0
+        res.computed_chunks = sum(e.computed_chunks for e in res.entries)
+
+
+def _recount(dep: Deployment, loc: Location, res: WarmupResult, entry: EntryOutcome,
+             ids: list[int], deadline: float, say: Progress) -> None:
+    """Prefetch a computed entry again until every chunk is found (LMCache stores them a
+    moment after vLLM answers) or the tries or the time run out."""
+    base = loc.server_http_url
+    for _ in range(warm_compute.RECOUNT_TRIES):
+        sub = prefetch.submit(base, dep.lmcache_model_name, res.world_size, ids,
+                              deadline=deadline, on_wait=say)
+        if sub.request_id is None:
+            return
+        done = prefetch.wait_completed(base, sub.request_id, deadline=deadline)
+        entry.found_keys, entry.total_keys = done.found_keys, done.total_keys
+        entry.chunks = sub.chunks
+        if entry.found_chunks >= entry.chunks or \
+                time.monotonic() + warm_compute.RECOUNT_PAUSE_S > deadline:
+            return
+        time.sleep(warm_compute.RECOUNT_PAUSE_S)
 
 
 def _token_ids(dep: Deployment, loc: Location, ws: WarmSet, vllm_argv: list[str],
@@ -425,6 +497,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         metavar="SECONDS", help="give up after SECONDS (default %(default)g)")
     parser.add_argument("--json", dest="as_json", action="store_true",
                         help="print the result as JSON")
+    parser.add_argument("--compute-missing", dest="compute", action="store_true",
+                        default=None, help="compute the chunks found on no tier with the "
+                        "deployment's vLLM (default: KVP_WARMUP_COMPUTE)")
     args = parser.parse_args(argv)
 
     def progress(line: str) -> None:
@@ -433,7 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         dep = load_deployment(args.config, allow_unpinned=True)
-        res = warm(dep, locate(dep), wait_s=args.wait_s, progress=progress)
+        res = warm(dep, locate(dep), wait_s=args.wait_s, progress=progress,
+                   compute_missing=args.compute)
     except KvpError as exc:
         print(f"kvp-admin: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -24,8 +24,12 @@ prompt), in file order:
    first, then the namespace's files; the launch that follows starts only the server, with a
    new key, and a chat served from the cache before the shred now misses on every tier and
    gets the same tokens (docs/keys-and-shred.md).
+6. ``warmup --compute-missing`` on the shredded namespace (its warm set on no tier): the
+   deployment's vLLM computes every chunk of the warm set, LMCache stores exactly the pinned
+   files, a second run computes nothing and finds all, and the warm set's chat is then served
+   from the cache with the tokens of its cold answer (docs/warm-restart.md).
 
-One vLLM start for all five (the suite's time).
+One vLLM start for all six (the suite's time).
 """
 
 from __future__ import annotations
@@ -126,6 +130,7 @@ def test_a_warmup_that_times_out_is_degraded_and_vllm_keeps_serving(stack: Stack
     # compute the warm set: vLLM stores its chunks through the cache server onto the NVMe
     cold = chat_completion(stack.vllm_url, "cpu-demo", WARM, max_tokens=24)
     assert cold.completion_tokens and cold.prompt_tokens and cold.prompt_tokens > 256, cold
+    STATE["warm_cold"] = cold
     doc = requests.post(f"{stack.vllm_url}/v1/completions", timeout=300, json={
         "model": "cpu-demo", "prompt": DOCUMENT, "max_tokens": 1, "temperature": 0.0})
     doc.raise_for_status()
@@ -415,3 +420,35 @@ def test_shred_destroys_the_key_first_then_every_chunk_misses_with_the_same_outp
     again = _tenant_chat(stack, chat, None)
     assert again.output == cold.output
     assert _looked_up(stack, "", u0) == (full * 256, 0)  # nothing of it on any tier
+
+
+def test_warmup_compute_missing_computes_the_warm_set_with_vllm_before_serving(
+        stack: Stack) -> None:
+    ns = STATE["ns"]
+    plain = stack.kvp_json("warmup", stack.config)  # after the shred: nothing on any tier
+    assert plain["state"] == "done" and not plain["compute"], plain
+    assert plain["found_chunks"] == 0 and plain["requested_chunks"] == STATE["requested"]
+    served0 = vllm_metric(stack.vllm_url, SERVED)
+    doc = stack.kvp_json("warmup", stack.config, "--compute-missing")
+    assert doc["state"] == "done" and doc["compute"] and doc["not_computed"] == [], doc
+    assert doc["computed_chunks"] == doc["found_chunks"] == STATE["requested"], doc
+    entries = [e for e in doc["entries"] if e["chunks"]]
+    assert all(e["computed_chunks"] == e["chunks"] for e in entries), entries
+    # one request per entry with chunks, each answered
+    assert wait_until(lambda: vllm_metric(stack.vllm_url, SERVED) >= served0 + len(entries),
+                      30, 0.2)
+    assert vllm_metric(stack.vllm_url, SERVED) == served0 + len(entries)
+    pins = json.loads((stack.root / ".kvpersist" / "pins" / f"{ns}.json").read_text())
+    pinned = {f.rsplit("/", 1)[-1] for f in pins["files"]}
+    assert wait_until(lambda: pinned <= {p.name for p in stack.chunk_files(ns + "_")}, 60), \
+        sorted(pinned - {p.name for p in stack.chunk_files(ns + "_")})
+    again = stack.kvp_json("warmup", stack.config, "--compute-missing")
+    assert again["computed_chunks"] == 0 and again["found_chunks"] == STATE["requested"], again
+    # the warm set's chat, not in vLLM's own prefix cache: every full chunk from the cache
+    assert requests.post(f"{stack.vllm_url}/reset_prefix_cache", timeout=30).ok
+    cold = STATE["warm_cold"]
+    u0 = _lookups(stack, "")
+    served = chat_completion(stack.vllm_url, "cpu-demo", WARM, max_tokens=24)
+    full = cold.prompt_tokens // 256
+    assert served.text == cold.text and served.completion_tokens == cold.completion_tokens
+    assert _looked_up(stack, "", u0) == (full * 256, full * 256)

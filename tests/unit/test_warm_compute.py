@@ -1,0 +1,94 @@
+"""The warm-up's compute requests (kvpersist.stack.warm_compute): the body vLLM is sent, the
+budget that keeps a request from being sent, and every way an answer fails, against a real
+HTTP server on loopback (the success path with real vLLM: tests/fullstack/test_readiness_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from kvpersist.config.settings import DEPLOY_FIX, DEPLOYMENT_KEYS
+from kvpersist.stack import warm_compute
+from kvpersist.stack.warm_compute import COMPUTE_USER, compute, compute_body
+
+
+def test_the_body_is_the_token_ids_one_greedy_token_marked_as_the_warmups() -> None:
+    body = compute_body("served", (1, 2, 3))
+    assert body == {"model": "served", "prompt": [1, 2, 3], "max_tokens": 1,
+                    "temperature": 0.0, "user": COMPUTE_USER}
+    assert json.loads(json.dumps(body)) == body
+
+
+def test_the_setting_is_a_boolean_off_by_default_and_documented() -> None:
+    assert DEPLOYMENT_KEYS["KVP_WARMUP_COMPUTE"] == ("warmup_compute", "bool", "false")
+    assert "KVP_WARMUP_COMPUTE" in DEPLOY_FIX
+
+
+class _Handler(BaseHTTPRequestHandler):
+    status = 200
+    seen: list[dict[str, Any]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        n = int(self.headers.get("Content-Length", "0"))
+        type(self).seen.append({"path": self.path, "body": json.loads(self.rfile.read(n))})
+        payload = b'{"choices": [{"text": "x"}]}' if self.status == 200 else b"too long"
+        self.send_response(self.status)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, type[_Handler]]]:
+    handler = type("H", (_Handler,), {"seen": [], "status": 200})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", handler
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_an_answered_request_is_ok(server: tuple[str, type[_Handler]]) -> None:
+    url, handler = server
+    run = compute(url, "m", [5, 6], deadline=time.monotonic() + 10)
+    assert run.ok and run.detail == "" and run.seconds >= 0
+    assert handler.seen == [{"path": "/v1/completions", "body": compute_body("m", [5, 6])}]
+
+
+def test_a_refused_request_is_not_ok_and_says_why(server: tuple[str, type[_Handler]]) -> None:
+    url, handler = server
+    handler.status = 400
+    run = compute(url, "m", [5], deadline=time.monotonic() + 10)
+    assert not run.ok and run.detail.startswith("vLLM answered 400") and "too long" in run.detail
+
+
+def test_no_time_left_sends_nothing(server: tuple[str, type[_Handler]]) -> None:
+    url, handler = server
+    run = compute(url, "m", [5], deadline=time.monotonic() - 1)
+    assert not run.ok and "budget" in run.detail and handler.seen == []
+
+
+def test_no_vllm_is_not_ok_and_never_raises() -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = compute(f"http://127.0.0.1:{port}", "m", [5], deadline=time.monotonic() + 5)
+    assert not run.ok and "did not answer" in run.detail
+
+
+def test_recount_pauses_are_bounded() -> None:
+    assert warm_compute.RECOUNT_TRIES * warm_compute.RECOUNT_PAUSE_S <= 5
