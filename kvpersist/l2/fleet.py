@@ -6,16 +6,18 @@ Every host that runs a deployment with a shared tier keeps one small record per
 
     kvpersist-fleet:<namespace>:<host id>  ->  {"schema": "kvpersist.fleet-record/1",
         "namespace", "host", "host_id", "deployment", "version", "serde",
-        "serde_key_fingerprint", "updated_at", "ttl_s"}
+        "serde_key_fingerprint", "updated_at", "ttl_s"[, "since", "health", "nvme"]}
 
-with a TTL of :data:`RECORD_TTL_S`, and the namespace's index, the set
-``kvpersist-fleet:<namespace>`` of the host ids that wrote one (its TTL restarts at every
-write), so that ``health`` and ``prune`` read one namespace's records without scanning the
-store's keyspace (millions of chunk keys); a member whose record lapsed is skipped by
-readers and removed by the next writer. ``launch`` writes it, the periodic ``health`` run
-refreshes it while the cache server answers, a clean ``stop`` deletes it; a host that
-vanishes drops out when its TTL runs out. ``health`` compares the fingerprints of the
-records of one namespace (:func:`key_conflicts`), ``prune`` treats a namespace with any
+(the last three optional: since when this host serves the namespace, the status its last
+health run recorded, its NVMe use for the namespace as the launch measured it; a record of
+an older kvpersist has none of them) with a TTL of :data:`RECORD_TTL_S`, and the namespace's
+index, the set ``kvpersist-fleet:<namespace>`` of the host ids that wrote one (its TTL
+restarts at every write), so that ``health`` and ``prune`` read one namespace's records
+without scanning the store's keyspace (millions of chunk keys); a member whose record lapsed
+is skipped by readers and removed by the next writer. ``launch`` writes it, the periodic
+``health`` run refreshes it while the cache server answers, a clean ``stop`` deletes it; a
+host that vanishes drops out when its TTL runs out. ``health`` compares the fingerprints of
+the records of one namespace (:func:`key_conflicts`), ``prune`` treats a namespace with any
 record as active.
 
 The fingerprint is ``HMAC-SHA256(serde key, FINGERPRINT_LABEL)``, truncated to 16 hex: equal
@@ -138,6 +140,33 @@ def is_record_key(key: str) -> bool:
     return parse_record_key(key) is not None
 
 
+#: the statuses a health run records (``kvp-admin health``'s verdicts)
+HEALTH_STATES = ("healthy", "degraded", "warming", "down")
+#: the latest time an optional field may name (unix seconds, the year 5138): a larger number
+#: is not a time a host wrote
+MAX_TIME_S = 100_000_000_000
+#: the largest count of files or bytes an ``nvme`` field may hold (a signed 64-bit integer)
+MAX_COUNT = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class HealthStamp:
+    """The status the last ``health`` run on the host found, and when (unix seconds)."""
+
+    status: str  # one of HEALTH_STATES
+    at: float
+
+
+@dataclass(frozen=True)
+class NvmeUse:
+    """The namespace's chunk files and bytes on the host's cache root, and when they were
+    measured (unix seconds): the launch's scan (the one it sizes the budget with)."""
+
+    files: int
+    bytes: int
+    at: float
+
+
 @dataclass(frozen=True)
 class FleetRecord:
     """One host's record of one namespace."""
@@ -151,13 +180,30 @@ class FleetRecord:
     serde_key_fingerprint: str  # "" without a key (serde none)
     updated_at: float  # unix seconds
     ttl_s: int = RECORD_TTL_S
+    #: when this host started serving the namespace (the launch's time, kept by the refreshes)
+    since: float | None = None
+    #: the status the last health run recorded
+    health: HealthStamp | None = None
+    #: this host's files and bytes of the namespace, as the launch measured them
+    nvme: NvmeUse | None = None
 
     @property
     def key(self) -> str:
         return record_key(self.namespace, self.host_id)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, **asdict(self)}
+        """The record as stored; an optional field that is None is left out (a record
+        without them is the one an older kvpersist writes and reads)."""
+        return {"schema": SCHEMA, **{k: v for k, v in asdict(self).items() if v is not None}}
+
+    def expires_at(self) -> float:
+        """When the record lapses by its own fields (``updated_at + ttl_s``)."""
+        return self.updated_at + self.ttl_s
+
+    def lapsed(self, now: float) -> bool:
+        """Past its TTL by its own fields (the store may still return it: another clock, a
+        TTL the store did not apply)."""
+        return self.expires_at() < now
 
     def encode(self) -> str:
         """The stored JSON (sorted keys, compact)."""
@@ -228,7 +274,51 @@ def _field_problem(doc: dict[str, Any]) -> str:
         return "updated_at is not a number of seconds >= 0"
     if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
         return "ttl_s is not a whole number of seconds >= 1"
+    return _optional_problem(doc)
+
+
+def _is_time(value: Any) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, int | float)
+            and 0 <= value <= MAX_TIME_S)
+
+
+def _is_count(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= MAX_COUNT
+
+
+_TIME = f"a number of seconds from 0 to {MAX_TIME_S:,}"
+
+
+def _optional_problem(doc: dict[str, Any]) -> str:
+    """Why an optional field of a parsed record is not this schema's, or '' (pure). A field
+    that is absent (or ``null``) is None; one that is present must be whole: ``since`` a time
+    (:data:`MAX_TIME_S`), ``health`` an object with ``status`` one of :data:`HEALTH_STATES`
+    and ``at`` a time, ``nvme`` an object with ``files`` and ``bytes`` whole numbers from 0 to
+    :data:`MAX_COUNT` and ``at`` a time (keys these objects do not know are ignored)."""
+    since, health, nvme = doc.get("since"), doc.get("health"), doc.get("nvme")
+    if since is not None and not _is_time(since):
+        return f"since is not {_TIME}"
+    if health is not None and not (isinstance(health, dict)
+                                   and isinstance(health.get("status"), str)
+                                   and health["status"] in HEALTH_STATES
+                                   and _is_time(health.get("at"))):
+        return (f"health is not an object of a status ({', '.join(HEALTH_STATES)}) and its "
+                f"time ({_TIME})")
+    if nvme is not None and not (isinstance(nvme, dict) and _is_count(nvme.get("files"))
+                                 and _is_count(nvme.get("bytes")) and _is_time(nvme.get("at"))):
+        return (f"nvme is not an object of files and bytes (whole numbers from 0 to "
+                f"{MAX_COUNT:,}) and their time ({_TIME})")
     return ""
+
+
+def _optional_fields(doc: dict[str, Any]) -> dict[str, Any]:
+    """The optional fields of a record that passed :func:`_field_problem` (pure)."""
+    since, health, nvme = doc.get("since"), doc.get("health"), doc.get("nvme")
+    return {"since": None if since is None else float(since),
+            "health": None if health is None else HealthStamp(health["status"],
+                                                              float(health["at"])),
+            "nvme": None if nvme is None else NvmeUse(nvme["files"], nvme["bytes"],
+                                                      float(nvme["at"]))}
 
 
 def _json_type(value: Any) -> str:
@@ -269,7 +359,8 @@ def decode_record(key: str, raw: Stored) -> tuple[FleetRecord | None, str]:
     rec = FleetRecord(namespace=doc["namespace"], host=doc["host"], host_id=doc["host_id"],
                       deployment=doc["deployment"], version=doc["version"],
                       serde=doc["serde"], serde_key_fingerprint=doc["serde_key_fingerprint"],
-                      updated_at=float(doc["updated_at"]), ttl_s=doc["ttl_s"])
+                      updated_at=float(doc["updated_at"]), ttl_s=doc["ttl_s"],
+                      **_optional_fields(doc))
     if not is_namespace(rec.namespace) or not _HOST_ID.match(rec.host_id):
         return None, f"{shown}: bad namespace or host id (foreign): skipped"
     if rec.key != key:

@@ -1,8 +1,11 @@
 """A deployment's fleet record on its shared tier (I/O; the rules are in
 :mod:`kvpersist.l2.fleet`).
 
-``launch`` (and ``launch --foreground``, systemd) writes the record, ``health`` refreshes it
-while the cache server answers, ``stop`` deletes it. None of these ever fails because of the
+``launch`` (and ``launch --foreground``, systemd) writes the record, with the launch's time
+(``since``) and the namespace's files and bytes on the cache root from the scan the launch
+sizes its budget with (``nvme``); ``health`` refreshes it while the cache server answers,
+with the status it found (``health``), keeping ``since`` and ``nvme`` of the record it
+replaces (health never scans the root); ``stop`` deletes it. None of these ever fails because of the
 record: an unreachable store, refused credentials or an unreadable key give a
 :class:`RecordOutcome` that says so (a warning), and the deployment serves as before.
 """
@@ -10,11 +13,12 @@ record: an unreachable store, refused credentials or an unreadable key give a
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from kvpersist import __version__
 from kvpersist.config.deployment import Deployment, shared_tier_of
@@ -23,6 +27,8 @@ from kvpersist.l2 import keys
 from kvpersist.l2.fleet import (
     RECORD_TTL_S,
     FleetRecord,
+    HealthStamp,
+    NvmeUse,
     Stored,
     decode_record,
     host_id,
@@ -44,6 +50,9 @@ from kvpersist.l2.shared_store import READ_BATCH, connect, read_values, store_er
 from kvpersist.stack.lmcache_exec import read_secret_file
 from kvpersist.system.files import service_uids
 from kvpersist.system.untrusted import MAX_RECORD_BYTES, UnreadableFile, read_bytes
+
+if TYPE_CHECKING:
+    from kvpersist.l2.inventory import Sizing
 
 #: short: a launch, stop or health run never waits long for a store that does not answer
 TIMEOUT_S = 2.0
@@ -114,8 +123,45 @@ def _connect(dep: Deployment, timeout: float) -> Any:
     return connect(tier, secret, timeout)
 
 
-def write(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
-    """Write (or refresh) this host's record of ``dep`` with its TTL. Never raises."""
+def nvme_use(sizing: Sizing | None, namespace: str) -> NvmeUse | None:
+    """The namespace's chunk files and bytes from a launch's measurement of its cache root
+    (no scan of its own); an absent root holds none. None when nothing was measured."""
+    m = sizing.measurement if sizing is not None else None
+    if m is None:
+        return None
+    if m.scan is None:  # the root does not exist yet
+        return NvmeUse(0, 0, time.time())
+    u = m.scan.prefixes.get(namespace)
+    at = m.scan.started_ns / 1e9 if m.scan.started_ns else time.time()
+    return NvmeUse(u.files, u.bytes, at) if u is not None else NvmeUse(0, 0, at)
+
+
+def started_at(path: str) -> float | None:
+    """When the file at ``path`` was last written (the cache server's pid file: when it
+    started), or None."""
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None
+
+
+def previous(store: Any, rec: FleetRecord) -> FleetRecord | None:
+    """This host's record as the store holds it now (read bounded and decoded as any other
+    host's: a foreign value is None). Raises what the store raises."""
+    [(key, raw)] = read_values(store, [rec.key])
+    return decode_record(key, raw)[0]
+
+
+def write(dep: Deployment, *, timeout: float = TIMEOUT_S, launched: bool = False,
+          nvme: NvmeUse | None = None, health: str = "",
+          started: float | None = None) -> RecordOutcome:
+    """Write (or refresh) this host's record of ``dep`` with its TTL. Never raises.
+
+    ``launched`` (a launch): ``since`` is now and ``nvme`` the launch's measurement. Else (a
+    health refresh) ``since`` and ``nvme`` are kept from the record this one replaces (read
+    back first); without one (it lapsed, or an older kvpersist wrote it) ``since`` is
+    ``started`` (when the cache server started) and ``nvme`` unknown. ``health``: the status
+    this run found, stamped now."""
 
     if not dep.settings.shared_tier:
         return RecordOutcome("skipped")
@@ -128,6 +174,15 @@ def write(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
         return RecordOutcome("failed", key, f"{exc}; the deployment serves without it, "
                              "`kvp-admin health` writes it once the store answers")
     try:
+        stamp = HealthStamp(health, rec.updated_at) if health else None
+        if launched:
+            rec = replace(rec, since=rec.updated_at, nvme=nvme, health=stamp)
+        else:
+            prev = previous(store, rec)
+            if prev is not None and nvme is None:
+                nvme = prev.nvme
+            since = prev.since if prev is not None and prev.since is not None else started
+            rec = replace(rec, since=since, health=stamp, nvme=nvme)
         write_record(store, rec.namespace, rec.host_id, rec.encode(), rec.ttl_s)
         return RecordOutcome("written", key, f"TTL {rec.ttl_s} s")
     except KvpError as exc:  # the index's key is someone else's

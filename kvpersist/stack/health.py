@@ -554,7 +554,8 @@ def health_report(dep: Deployment, loc: Location, *, timeout: float = 3.0,
     waited for) and return the verdict.
 
     ``refresh_record``: with a shared tier, when this deployment's cache server answers,
-    write this host's fleet record again (its TTL restarts; :mod:`kvpersist.stack.fleet`);
+    write this host's fleet record again, with ``status`` (its TTL restarts;
+    :mod:`kvpersist.stack.fleet`);
     a failure adds a *degraded* ``shared_tier.fleet_record`` check, never more."""
     deadline = time.monotonic() + max(0.0, wait)
     while True:
@@ -567,7 +568,8 @@ def health_report(dep: Deployment, loc: Location, *, timeout: float = 3.0,
     serving = any(c.name == "lmcache.healthcheck" and c.status == "ok" for c in checks)
     if refresh_record and dep.settings.shared_tier and serving:
 
-        outcome = fleet.write(dep, timeout=min(timeout, fleet.TIMEOUT_S))
+        outcome = fleet.write(dep, timeout=min(timeout, fleet.TIMEOUT_S), health=status,
+                              started=fleet.started_at(loc.server_pid_file))
         record = outcome.to_dict()
         checks.append(Check("shared_tier.fleet_record", "ok" if outcome.ok else "degraded",
                             outcome.note().removeprefix("WARNING: ")))

@@ -134,7 +134,8 @@ def launch_foreground(dep: Deployment, rendered: Rendered, plan: LaunchPlan, siz
         progress(n)
     check_crash_window(plan, srv, how="foreground", progress=progress)
     if dep.settings.shared_tier:
-        progress(fleet.write(dep).note())
+        progress(fleet.write(dep, launched=True,
+                             nvme=fleet.nvme_use(sizing, dep.namespace)).note())
     begin_preread(plan, progress)
     progress(f"exec lmcache server for {plan.namespace} (pid file {plan.server_pid_file})")
     procs.write_pid_file(plan.server_pid_file, os.getpid())
@@ -286,7 +287,7 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
         raise
     if with_server and dep.settings.shared_tier:
         # never fails the launch: a store that does not answer is a warning
-        record = fleet.write(dep)
+        record = fleet.write(dep, launched=True, nvme=fleet.nvme_use(sizing, dep.namespace))
         progress(record.note())
         notes.append(record.note())
     vllm: Started | None = None
