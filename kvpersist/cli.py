@@ -56,6 +56,8 @@ COMMANDS: dict[str, Entry] = {
                     "trusted)."),
     "health": Entry("kvpersist.commands.health:health",
                     "Check CONFIG's cache server, cache root, vLLM and its warm-up."),
+    "fleet": Entry("kvpersist.commands.fleet:fleet",
+                   "The hosts sharing the shared tier, from their fleet records."),
     "metrics": Entry("kvpersist.commands.metrics:metrics",
                      "Prometheus metrics of cache roots, shared-tier stores and deployments: "
                      "bytes per namespace, budget, free space, temp and quarantined files, "
