@@ -62,7 +62,7 @@ def format_status(doc: dict[str, Any]) -> str:
                  _health(h["health"]), _nvme(h["nvme"]), _key(h), h["state"]]
                 for h in ns["hosts"]]
         if rows:
-            out.append(table(rows, ["HOST", "DEPLOYMENT", "SINCE", "LAST HEALTH", "NVME",
+            out.append(table(rows, ["HOST", "DEPLOYMENT", "SINCE", "LAST HEALTH", "NVME AT LAUNCH",
                                     "KEY", "STATE"]))
         if ns["agreement"] == "disagree":
             groups = "; ".join(f"{g['serde_key_fingerprint'] or '(serde ' + g['serde'] + ')'}"
