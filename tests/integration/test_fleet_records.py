@@ -98,6 +98,9 @@ def test_records_compare_keys_guard_prune_and_go_at_stop(tmp_path: Path, store: 
         assert store.scan_keys(f"{ns}@*") == []  # never a chunk key
         doc = json.loads(store.nodes[0].cli("get", records[0]))
         assert doc["namespace"] == ns and doc["deployment"] == a.config
+        rec_a = json.loads(store.nodes[0].cli("get", f"kvpersist-fleet:{ns}:{id_a}"))
+        assert rec_a["since"] == rec_a["updated_at"] and "health" not in rec_a  # the launch's
+        assert (rec_a["nvme"]["files"], rec_a["nvme"]["bytes"]) == (0, 0)  # a fresh root
         ttl = int(store.nodes[0].cli("ttl", records[0]))
         assert RECORD_TTL_S - 60 < ttl <= RECORD_TTL_S
         key_a = (a.state_dir / "keys" / ns / "l2-master.key").read_bytes()
@@ -115,6 +118,9 @@ def test_records_compare_keys_guard_prune_and_go_at_stop(tmp_path: Path, store: 
         assert doc["fleet_record"]["action"] == "written"
         assert int(store.nodes[0].cli("ttl", f"kvpersist-fleet:{ns}:{id_b}")) > 60
         assert members(store, ns) == sorted([id_a, id_b])  # the writer dropped the lapsed one
+        rec_b = json.loads(store.nodes[0].cli("get", f"kvpersist-fleet:{ns}:{id_b}"))
+        assert rec_b["health"]["status"] == "healthy" and rec_b["nvme"]["files"] == 0
+        assert rec_b["since"] < rec_b["updated_at"]  # the launch's time, kept by the refresh
 
         # host c has its own key and runs as under systemd (launch --foreground execs the
         # server): degraded on c and on a, naming the other host(s)
