@@ -56,6 +56,10 @@ def warmup(config: str, wait_s: float, compute: bool | None, as_json: bool) -> N
                     if res.not_computed else "")
             click.echo(f"computed by vLLM: {res.computed_chunks} chunk(s) in "
                        f"{res.compute_seconds:.1f} s{left}")
+        for ld in res.loads:
+            how = "" if ld.ok else f" (failed: {ld.detail})"
+            click.echo(f"loaded into vLLM before ready: line {ld.line}, {ld.chunks} chunk(s) "
+                       f"in {ld.seconds:.2f} s{how}")
         if res.error:
             click.echo(f"error: {res.error}", err=True)
     for w in res.warnings:

@@ -48,7 +48,7 @@ from kvpersist.errors import ConfigError, KvpError, Problem
 from kvpersist.l2.pin_store import measure_pins, pins_path, read_pin_document, write_pins
 from kvpersist.l2.pins import parse_pin_document, pin_document
 from kvpersist.l2.tree import RootDir, open_dir, open_root
-from kvpersist.stack import prefetch, warm_compute
+from kvpersist.stack import prefetch, warm_compute, warm_load
 from kvpersist.stack.locate import Location, locate
 from kvpersist.stack.render import TEMPLATE_NAMES, render
 from kvpersist.stack.warm_keys import chunk_files, key_scheme
@@ -122,6 +122,9 @@ class WarmupResult:
     #: warm-set lines with chunks still missing after the computing: not sent (the budget
     #: ran out) or not stored (vLLM refused or failed: see warnings)
     not_computed: list[int] = field(default_factory=list)
+    #: the loads of entries from the server into vLLM before ready (none: nothing found to
+    #: load; :mod:`kvpersist.stack.warm_load`)
+    loads: list[warm_load.Loaded] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -136,7 +139,8 @@ class WarmupResult:
                 "warm_set": self.state != "none", "warm_file_sha256": self.warm_file_sha256,
                 "compute": self.compute, "computed_chunks": self.computed_chunks,
                 "compute_seconds": round(self.compute_seconds, 3),
-                "not_computed": self.not_computed}
+                "not_computed": self.not_computed,
+                "loads": [x.to_dict() for x in self.loads]}
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.state_document(), "state": self.state, "warm_file": self.warm_file,
@@ -280,6 +284,16 @@ def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s:
         _compute_missing(dep, loc, res, token_ids, deadline, say)
     res.requested_chunks = sum(e.chunks for e in res.entries)
     res.found_chunks = sum(e.found_chunks for e in res.entries)
+    for plan in warm_load.plan_loads([(e.line, e.found_chunks) for e in res.entries],
+                                     token_ids, chunk_size):
+        say(f"line {plan.line}: loading its {plan.chunks} chunk(s) into vLLM (the first loads "
+            "after a start are the slow ones)")
+        loaded = warm_load.load(loc.vllm_url, loc.served_model_name, plan, deadline=deadline)
+        res.loads.append(loaded)
+        if not loaded.ok:
+            res.warnings.append(f"line {plan.line}: the load into vLLM failed: "
+                                f"{loaded.detail}")
+            break
 
 
 def _compute_missing(dep: Deployment, loc: Location, res: WarmupResult,
