@@ -4,10 +4,13 @@
     python bench/restart_downtime.py [--rounds 3] [--size demo] [--out FILE]
 
 Real vLLM (CPU build) and a real ``lmcache server`` on a generated demo model, with a warm set
-holding a returning user's chat (every message but the last question). Once, before the
-rounds: ``kvp-admin launch``, the user's chat (cold: it is computed and stored), ``kvp-admin
-stop``. Then paired rounds, the order of the two variants alternating between rounds, each
-from everything stopped to the returning user's first streamed token:
+holding ``--others`` other users' openings first, then a returning user's chat (every message
+but the last question): the warm-up's loads into vLLM (at most three entries) take the other
+users', so the returning user's request goes through LMCache's path as any user's would, not
+through vLLM's own prefix cache. Once, before the rounds: ``kvp-admin launch``, the user's
+chat (cold: it is computed and stored) and the others', ``kvp-admin stop``. Then paired
+rounds, the order of the two variants alternating between rounds, each from everything
+stopped to the returning user's first streamed token:
 
 - ``kvpersist``: ``kvp-admin launch CONFIG`` (whole process: preflight, the crash-window
   check, the cache server, vLLM, the priming request, the warm-up), then the chat. "serving"
@@ -148,6 +151,10 @@ def run_kvpersist(env: dict[str, str], config: str, plan: LaunchPlan, served: st
     info = json.loads(launched.stdout)
     rec["prime"] = info.get("prime")
     rec["warmup"] = info.get("warmup")
+    try:
+        rec["warmup_loads"] = json.loads(Path(plan.warmup_state_file).read_text()).get("loads")
+    except (OSError, ValueError):
+        rec["warmup_loads"] = None
     since = log_size(plan.server_log)
     rec["steady_ttft_s"] = steady(plan, served, chat)
     rec["steady_l1_l2_chunks"] = served_from(plan.server_log, since)
@@ -221,6 +228,7 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--out", default="")
     ap.add_argument("--workdir", default="")
+    ap.add_argument("--others", type=int, default=3)
     args = ap.parse_args()
 
     wd = Path(args.workdir or tempfile.mkdtemp(prefix="kvp-downtime-"))
@@ -229,7 +237,10 @@ def main() -> int:
     config = _identity_file(wd, args.size)
     chat = long_chat(turns=args.turns, words_per_turn=150, seed=4242)
     warm_file = wd / "warm.jsonl"
-    warm_file.write_text(json.dumps({"messages": chat[:-1]}) + "\n")
+    others = [long_chat(turns=args.turns, words_per_turn=150, seed=5000 + k)
+              for k in range(args.others)]
+    warm_file.write_text("".join(json.dumps({"messages": c[:-1]}) + "\n"
+                                 for c in [*others, chat]))
     env = bench_env(wd / "cache", model, warm_file)
     (wd / "cache").mkdir(mode=0o700, exist_ok=True)
     prepared = prepare_launch(config, environ=env)
@@ -240,6 +251,8 @@ def main() -> int:
     # once: the cold chat, computed and stored on disk
     kvp(env, "launch", config)
     cold = chat_completion(plan.vllm_url, served, chat, max_tokens=24)
+    for c in others:
+        chat_completion(plan.vllm_url, served, c, max_tokens=2)
     time.sleep(2)
     kvp(env, "stop", config)
     print(f"cold: TTFT {cold.ttft_s:.3f} s, {cold.prompt_tokens} prompt tokens", flush=True)
@@ -269,6 +282,7 @@ def main() -> int:
     texts = {r[v]["text"] for r in rounds for v in ("kvpersist", "bare")} | {cold.text}
     summary = {
         "schema": "kvpersist.bench.restart-downtime/1", "size": args.size,
+        "others": args.others,
         "rounds": args.rounds, "prompt_tokens": cold.prompt_tokens,
         "cold_ttft_s": round(cold.ttft_s, 4),
         "kvpersist": {k: med(col("kvpersist", k)) for k in
