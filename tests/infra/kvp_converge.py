@@ -58,10 +58,12 @@ def free_port() -> int:
 
 #: stand-ins for vaulted secrets: the tests check they land only in owner-only files
 CI_SHARED_PASSWORD = "ci-shared-pw-7f3a9c"
-CI_SERDE_KEY_B64 = "MDEyMzQ1Njc4OWFiY2RlZjAxMjM0NTY3ODlhYmNkZWY="
+#: the keys hold bytes that are not UTF-8 and sequences that are (é, €, Ж, 🔑): random keys
+#: (head -c 32 /dev/urandom | base64) do; each must install byte for byte
+CI_SERDE_KEY_B64 = "0Jbwn5SRoKGio6SlpqeoqaqrrK2ur7CxsrO0tba3uLk="
 #: one per-namespace key (serde_keys): installed under keys/<namespace>/
 CI_NAMESPACE = "kvp-" + "e" * 32
-CI_NAMESPACE_KEY_B64 = "bmFtZXNwYWNlLWtleS1mb3ItY2ktMDEyMzQ1Njc4OWE="
+CI_NAMESPACE_KEY_B64 = "w6nigqwA//6AgYKDhIWGh4iJiouMjY6PkJGSk5SVlpc="
 
 
 def ci_vars(base: Path, stand_in_bin: Path) -> dict[str, Any]:
