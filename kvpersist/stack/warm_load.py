@@ -11,6 +11,9 @@ chunks' token ids and one more token, one greedy token back): vLLM looks it up, 
 chunk through LMCache's connector, and the path is warm for the first user. Up to
 :data:`LOADS` entries are loaded, most chunks first: each later load is faster still.
 
+An entry the warm-up has just computed (``--compute-missing``) is not loaded: vLLM computed
+it, so its prefix is in vLLM's own prefix cache and a load would move nothing.
+
 Nothing is stored: every full chunk of the prompt is on the server already, the extra token
 is less than a chunk, and one generated token needs no decode step. The entries' prefixes stay
 in vLLM's own prefix cache until vLLM evicts it. The request carries the warm-up's ``user``

@@ -284,8 +284,9 @@ def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s:
         _compute_missing(dep, loc, res, token_ids, deadline, say)
     res.requested_chunks = sum(e.chunks for e in res.entries)
     res.found_chunks = sum(e.found_chunks for e in res.entries)
-    for plan in warm_load.plan_loads([(e.line, e.found_chunks) for e in res.entries],
-                                     token_ids, chunk_size):
+    # an entry the warm-up just computed is in vLLM's own prefix cache: a load would load none
+    loadable = [(e.line, 0 if e.computed_chunks else e.found_chunks) for e in res.entries]
+    for plan in warm_load.plan_loads(loadable, token_ids, chunk_size):
         say(f"line {plan.line}: loading its {plan.chunks} chunk(s) into vLLM (the first loads "
             "after a start are the slow ones)")
         loaded = warm_load.load(loc.vllm_url, loc.served_model_name, plan, deadline=deadline)
