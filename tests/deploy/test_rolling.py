@@ -20,7 +20,8 @@ converge tests (tests/infra).
    2 finds it in the store on a fresh NVMe, then fails the gate; the roll stops there; host
    3 was never touched and keeps serving v1. The first request on hosts 1 and 2 comes from
    the cache with the answer of a quiet cold run of v2.
-4. Host 2 fixed, the roll again: host 1 is skipped (rolled to these variables and healthy),
+4. Host 2 fixed, the roll again, resumed (``kvp_roll_skip_ready``): host 1 is skipped (rolled
+   to these variables and healthy),
    hosts 2 and 3 roll (host 3 finds the warm set in the store) and end ready; after the last
    host the old namespace is reported stale on host 1, and nothing is pruned.
 5. ``--check --diff`` of another change shows it and stops nothing.
@@ -320,7 +321,7 @@ def test_upgrade_plan_names_the_flag_and_the_old_namespaces_data(fleet: Fleet) -
 def test_the_roll_stops_at_a_host_that_does_not_become_ready(fleet: Fleet) -> None:
     h1, h2, h3 = (fleet.hosts[n] for n in HOSTS)
     fleet.inventory({"h1": "v2", "h2": "v2", "h3": "v2"}, h2={"KVP_L2_RESERVE": "100T"})
-    run = fleet.playbook(ROLLING, "-e", "kvp_roll_ready_wait_seconds=15")
+    run = fleet.playbook(ROLLING, "-e", "kvp_roll_ready_wait_seconds=5")
     counts = recap(run)
     assert run.returncode != 0, run.output[-4000:]
     assert counts["h1"]["failed"] == 0 and counts["h2"]["failed"] == 1, counts
@@ -359,7 +360,7 @@ def test_the_roll_resumes_rolls_the_rest_and_reports_the_old_namespace(fleet: Fl
     assert h3.chunk_files(fleet.ns["v2"]) == []
     fleet.inventory({"h1": "v2", "h2": "v2", "h3": "v2"})
     t0 = time.monotonic()
-    run = fleet.playbook(ROLLING)
+    run = fleet.playbook(ROLLING, "-e", "kvp_roll_skip_ready=true")
     took = time.monotonic() - t0
     assert run.returncode == 0, run.output[-6000:]
     counts = recap(run)
