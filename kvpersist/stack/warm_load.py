@@ -31,7 +31,8 @@ from kvpersist.stack import warm_compute
 
 #: entries loaded at most: the second and third loads after a start are still slower than
 #: later ones (0.036-0.043 s and 0.024-0.027 s against 0.015 s for 8 chunks); a load of an
-#: entry already in vLLM's own prefix cache would load nothing, so each is another entry
+#: entry already in vLLM's own prefix cache would load nothing, so each is another entry;
+#: five were measured too and did not shorten the first user's request further
 LOADS = 3
 
 @dataclass(frozen=True)

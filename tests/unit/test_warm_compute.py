@@ -5,17 +5,16 @@ HTTP server on loopback (the success path with real vLLM: tests/fullstack/test_r
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import pytest
 
 from kvpersist.config.settings import DEPLOY_FIX, DEPLOYMENT_KEYS
 from kvpersist.stack import warm_compute
 from kvpersist.stack.warm_compute import COMPUTE_USER, compute, compute_body
+
+from ..completions_stub import Stub, completions_stub
 
 
 def test_the_body_is_the_token_ids_one_greedy_token_marked_as_the_warmups() -> None:
@@ -30,51 +29,27 @@ def test_the_setting_is_a_boolean_off_by_default_and_documented() -> None:
     assert "KVP_WARMUP_COMPUTE" in DEPLOY_FIX
 
 
-class _Handler(BaseHTTPRequestHandler):
-    status = 200
-    seen: list[dict[str, Any]] = []
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        n = int(self.headers.get("Content-Length", "0"))
-        type(self).seen.append({"path": self.path, "body": json.loads(self.rfile.read(n))})
-        payload = b'{"choices": [{"text": "x"}]}' if self.status == 200 else b"too long"
-        self.send_response(self.status)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
-def server() -> Iterator[tuple[str, type[_Handler]]]:
-    handler = type("H", (_Handler,), {"seen": [], "status": 200})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", handler
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+def server() -> Iterator[Stub]:
+    with completions_stub() as stub:
+        yield stub
 
 
-def test_an_answered_request_is_ok(server: tuple[str, type[_Handler]]) -> None:
+def test_an_answered_request_is_ok(server: Stub) -> None:
     url, handler = server
     run = compute(url, "m", [5, 6], deadline=time.monotonic() + 10)
     assert run.ok and run.detail == "" and run.seconds >= 0
     assert handler.seen == [{"path": "/v1/completions", "body": compute_body("m", [5, 6])}]
 
 
-def test_a_refused_request_is_not_ok_and_says_why(server: tuple[str, type[_Handler]]) -> None:
+def test_a_refused_request_is_not_ok_and_says_why(server: Stub) -> None:
     url, handler = server
     handler.status = 400
     run = compute(url, "m", [5], deadline=time.monotonic() + 10)
     assert not run.ok and run.detail.startswith("vLLM answered 400") and "too long" in run.detail
 
 
-def test_no_time_left_sends_nothing(server: tuple[str, type[_Handler]]) -> None:
+def test_no_time_left_sends_nothing(server: Stub) -> None:
     url, handler = server
     run = compute(url, "m", [5], deadline=time.monotonic() - 1)
     assert not run.ok and "budget" in run.detail and handler.seen == []

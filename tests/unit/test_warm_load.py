@@ -4,17 +4,15 @@ real cache server: tests/fullstack/test_persistence_e2e.py)."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import pytest
 
 from kvpersist.stack.warm_compute import COMPUTE_USER
 from kvpersist.stack.warm_load import LOADS, LoadPlan, load, plan_loads
+
+from ..completions_stub import Stub, completions_stub
 
 CHUNK = 4
 
@@ -64,38 +62,14 @@ def test_nothing_found_nothing_loaded(entries: list[tuple[int, int]],
     assert plan_loads([(1, 2)], [ids(9)], CHUNK, most=0) == []
 
 
-class _Handler(BaseHTTPRequestHandler):
-    status = 200
-    seen: list[dict[str, Any]] = []
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        n = int(self.headers.get("Content-Length", "0"))
-        type(self).seen.append({"path": self.path, "body": json.loads(self.rfile.read(n))})
-        payload = b'{"choices": [{"text": "x"}]}' if self.status == 200 else b"no"
-        self.send_response(self.status)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
-def vllm() -> Iterator[tuple[str, type[_Handler]]]:
-    handler = type("H", (_Handler,), {"seen": [], "status": 200})
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", handler
-    finally:
-        srv.shutdown()
-        srv.server_close()
+def vllm() -> Iterator[Stub]:
+    with completions_stub() as stub:
+        yield stub
 
 
 def test_the_load_is_one_greedy_token_of_the_prompt_marked_as_the_warmups(
-        vllm: tuple[str, type[_Handler]]) -> None:
+        vllm: Stub) -> None:
     url, handler = vllm
     plan = LoadPlan(3, 2, ids(9))
     done = load(url, "served", plan, deadline=time.monotonic() + 30)
@@ -108,7 +82,7 @@ def test_the_load_is_one_greedy_token_of_the_prompt_marked_as_the_warmups(
 
 
 def test_a_refused_or_late_load_is_reported_never_raised(
-        vllm: tuple[str, type[_Handler]]) -> None:
+        vllm: Stub) -> None:
     url, handler = vllm
     handler.status = 400
     refused = load(url, "served", LoadPlan(1, 1, ids(5)), deadline=time.monotonic() + 30)
