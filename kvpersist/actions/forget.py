@@ -33,7 +33,6 @@ from kvpersist.l2.forget import FilesOutcome, forget_files
 from kvpersist.l2.forget_plan import SCHEMA, ForgetPlan, plan_forget
 from kvpersist.l2.forget_shared import KeysOutcome, forget_keys
 from kvpersist.l2.inventory import open_existing
-from kvpersist.l2.layout import display_name
 from kvpersist.l2.pin_store import read_pins
 from kvpersist.l2.shared_store import connect, describe, store_errors
 from kvpersist.l2.tree import RootDir
@@ -126,7 +125,7 @@ class ForgetResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "namespace": self.namespace, "dry_run": self.dry_run,
-                "cache_salt": display_name(self.plan.salt) if self.plan.salt else None,
+                "cache_salt": self.plan.salt or None,
                 "include_pinned": self.plan.include_pinned,
                 "input": {"kind": self.input_kind, "file": self.input_file},
                 "world_size": self.world_size, "chunk_size": self.chunk_size,

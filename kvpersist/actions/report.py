@@ -16,7 +16,7 @@ from kvpersist.l2.inventory import (
     resolve_inventory,
     snapshot,
 )
-from kvpersist.l2.layout import KvRank, display_name, is_namespace
+from kvpersist.l2.layout import KvRank, is_namespace
 from kvpersist.l2.manifests import Manifest
 from kvpersist.l2.pins import PinnedUsage, PinSet
 from kvpersist.l2.retention import category
@@ -149,9 +149,9 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
     with_files = {r["prefix"] for r in rows if r["files"]}
     return {
         "schema": REPORT_SCHEMA,
-        # the path as the OS gave it may hold bytes that are not UTF-8 or control characters:
-        # shown escaped (an encoder, a JSON parser and a terminal all take it)
-        "root": display_name(res.root),
+        # names as the OS gave them (lossless: docs/inventory.md, "Names in --json"); the
+        # table escapes them
+        "root": res.root,
         "scanned_at": iso(res.started_ns),
         "duration_s": round(res.duration_s, 3),
         "filesystem": {

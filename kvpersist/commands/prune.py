@@ -21,6 +21,7 @@ from kvpersist.commands.common import (
 from kvpersist.commands.common import progress_printer as _printer
 from kvpersist.config.values import format_size, parse_duration, parse_max_age
 from kvpersist.errors import UsageError
+from kvpersist.l2.layout import display_name
 from kvpersist.l2.shared_keys import skipped_lines
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 def format_result(res: PruneResult, plan: RetentionPlan) -> str:
     verb = "would delete" if res.dry_run else "deleted"
-    lines = list(res.deleted_paths or [])
+    lines = [display_name(p) for p in res.deleted_paths or []]
     for s in res.per_selection:
         what = s["prefix"] or "temp files"
         cut = ""

@@ -17,6 +17,7 @@ from kvpersist.commands.common import (
     table,
 )
 from kvpersist.config.values import format_size
+from kvpersist.l2.layout import display_name
 from kvpersist.l2.shared_keys import skipped_lines
 
 
@@ -74,7 +75,8 @@ def salt_lines(doc: dict[str, Any]) -> list[str]:
     for r in doc["namespaces"]:
         if not r.get("salted_files"):
             continue
-        parts = [f"{'(unsalted)' if x['salt'] is None else x['salt']} {x['files']:,} "
+        parts = [f"{'(unsalted)' if x['salt'] is None else display_name(x['salt'])} "
+                 f"{x['files']:,} "
                  f"({format_size(x['bytes'])})" for x in r.get("salt_usage") or []]
         out.append(f"  {r['namespace'] or r['prefix']}: " + ", ".join(parts))
     return ["files per cache_salt:", *out] if out else []
@@ -105,7 +107,7 @@ def format_report(doc: dict[str, Any]) -> str:
             _oldest(r, doc.get("scanned_at")),
             *([_past(r)] if max_age else []),
         ])
-    out = [f"L2 cache root {doc['root']}"]
+    out = [f"L2 cache root {display_name(doc['root'])}"]
     if rows:
         out.append(table(rows, ["NAMESPACE", "STATUS", "MODEL", "TP", "DTYPE", "FILES",
                                 "SIZE", "WARM PINS", "BUDGET", "LAST USE", "OLDEST",
@@ -124,7 +126,8 @@ def format_report(doc: dict[str, Any]) -> str:
     doomed = doc["lmcache_deletes_at_stop"]
     if doomed["files"]:
         out.append(f"warning: {doomed['files']:,} file(s) that are not LMCache's have '.tmp.' in "
-                   "their names (" + ", ".join(doomed["samples"][:3]) + "): LMCache deletes "
+                   "their names (" + ", ".join(display_name(p) for p in doomed["samples"][:3])
+                   + "): LMCache deletes "
                    "every such file under its cache root when it stops cleanly; move them out")
     fs = doc["filesystem"]
     out.append(f"total     {format_size(doc['total_bytes'])} under the root "

@@ -7,6 +7,7 @@ import sys
 import click
 
 from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option, table
+from kvpersist.l2.layout import display_name
 
 
 @click.command("verify")
@@ -50,18 +51,19 @@ def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
             doc["scrub"] = scrubbed.to_dict()
         echo_json(doc)
     else:
-        click.echo(f"{res.root}: {res.files} chunk files, {res.authenticated} authenticated, "
+        click.echo(f"{display_name(res.root)}: {res.files} chunk files, "
+                   f"{res.authenticated} authenticated, "
                    f"{len(res.findings)} finding(s) in {res.seconds:.1f} s")
         if res.pinned:
             click.echo(f"warm-set pinned files checked first: {res.pinned}, "
                        f"{res.pinned_findings} finding(s)")
         if res.findings:
-            rows = [[f.kind, f.size, f.path.rsplit('/', 1)[-1][:72], f.detail]
+            rows = [[f.kind, f.size, display_name(f.path.rsplit('/', 1)[-1])[:72], f.detail]
                     for f in res.findings]
             click.echo(table(rows, ["kind", "bytes", "file", "detail"]))
         if apply:
             click.echo(f"quarantined {len(res.quarantined)} file(s) into "
-                       f"{res.root}/.kvpersist/quarantine")
+                       f"{display_name(res.root)}/.kvpersist/quarantine")
             for line in res.skipped:
                 click.echo(f"  skipped {line}")
         elif res.findings:

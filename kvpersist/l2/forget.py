@@ -59,7 +59,7 @@ class FilesOutcome:
         return not self.errors and not self.changed
 
     def to_dict(self) -> dict[str, Any]:
-        return {"root": display_name(self.root), "state": self.state,
+        return {"root": self.root, "state": self.state,
                 "found": {"files": self.found_files, "bytes": self.found_bytes},
                 "deleted": {"files": self.deleted_files, "bytes": self.deleted_bytes},
                 "kept_pinned": {"files": self.kept_pinned_files,

@@ -87,7 +87,7 @@ class PruneResult:
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "schema": "kvpersist.prune/1",
-            "root": display_name(self.root),
+            "root": self.root,
             "dry_run": self.dry_run,
             "planned": {"files": self.planned_files, "bytes": self.planned_bytes},
             "deleted": {"files": self.deleted_files, "bytes": self.deleted_bytes},
@@ -325,8 +325,8 @@ def _stream_part(root: RootDir, selections: Sequence[Selection], part: int, part
             done[hit][1] += st.st_size
             if pinned:
                 out.deleted_pinned += 1
-            if paths is not None:  # escaped: a salt may hold a newline or a non-UTF-8 byte
-                paths.append(display_name(f"{rel}/{name}" if rel else name))
+            if paths is not None:  # as the name is (a salt may hold a newline): the table
+                paths.append(f"{rel}/{name}" if rel else name)  # escapes it, --json does not
             count += 1
             if progress is not None and not count % PROGRESS_EVERY:
                 progress(count)

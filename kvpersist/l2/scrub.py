@@ -82,7 +82,6 @@ class ScrubResult:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["schema"] = SCHEMA
-        d["root"] = display_name(self.root)
         return d
 
 

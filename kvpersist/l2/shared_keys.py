@@ -57,7 +57,8 @@ NOT_A_CHUNK = "matches the namespace's pattern but is not a chunk key"
 @dataclass
 class Skipped:
     """Keys skipped as foreign, per kind: how many, and the first :data:`SKIPPED_SHOWN`
-    (escaped with :func:`~kvpersist.l2.layout.display_name`)."""
+    (as the store holds them, bytes that are not UTF-8 kept by ``surrogateescape``;
+    :func:`skipped_lines` escapes them with :func:`~kvpersist.l2.layout.display_name`)."""
 
     kinds: dict[str, list[Any]] = field(default_factory=dict)  # kind -> [count, [names]]
 
@@ -65,7 +66,7 @@ class Skipped:
         entry = self.kinds.setdefault(kind, [0, []])
         entry[0] += 1
         if len(entry[1]) < SKIPPED_SHOWN:
-            entry[1].append(display_name(key))
+            entry[1].append(key)
 
     @property
     def count(self) -> int:
@@ -86,7 +87,7 @@ def skipped_lines(doc: dict[str, Any]) -> list[str]:
         n, names = int(entry["count"]), list(entry["first"])
         more = f" and {n - len(names):,} more" if n > len(names) else ""
         out.append(f"{n:,} keys skipped as foreign ({kind}; never touched): "
-                   f"{', '.join(names)}{more}")
+                   f"{', '.join(display_name(str(k)) for k in names)}{more}")
     return out
 
 

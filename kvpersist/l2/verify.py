@@ -120,7 +120,6 @@ class VerifyResult:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["schema"] = SCHEMA
-        d["root"] = display_name(self.root)
         d["findings"] = [asdict(f) for f in self.findings]
         return d
 
@@ -268,7 +267,9 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
             res.skipped.append(f"{shown(rel)}: {exc.strerror}")
 
     def finding(seen: _Seen, kind: str, detail: str) -> None:
-        res.findings.append(Finding(shown(seen.rel, seen.name), kind, detail, seen.size))
+        # the path as it is (lossless in --json); the table and the messages escape it
+        res.findings.append(Finding(os.path.join(res.root, seen.rel, seen.name), kind, detail,
+                                    seen.size))
         targets.append(seen)
         if seen.name in first:
             res.pinned_findings += 1
@@ -490,7 +491,7 @@ def _quarantine(r: RootDir, res: VerifyResult, targets: list[_Seen]) -> None:
     dirs_open = _DirCache(r.fd)
     try:
         for f, seen in zip(res.findings, targets, strict=True):
-            src = f.path
+            src = display_name(f.path)
             try:
                 dfd = dirs_open.get(seen.rel)
                 st = os.lstat(seen.name, dir_fd=dfd)

@@ -372,7 +372,7 @@ def tmp_cleanup_verdict(f: PreflightFacts) -> tuple[list[Problem], list[str]]:
     not counted. Returns (problems, notes)."""
     if not f.tmp_files:
         return [], []
-    shown = ", ".join(f.tmp_samples[:TMP_SHOWN])
+    shown = ", ".join(display_name(s) for s in f.tmp_samples[:TMP_SHOWN])
     more = f.tmp_files - min(len(f.tmp_samples), TMP_SHOWN)
     what = (f"{f.tmp_files} file(s) under the cache root {display_name(f.root.path)} that "
             f"are not LMCache's have '.tmp.' in their names ({shown}"

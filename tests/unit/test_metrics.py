@@ -69,7 +69,7 @@ def root(tmp_path: Path) -> Path:
     for i in range(3):
         chunk_file(r, NS, i, 1000, age_s=7200 * (i + 1))
     chunk_file(r, OTHER, 9, 500)
-    tmp = r / temp_name(ChunkName(NS, 0x01000100, 0, "f" * 64), "0123abcd")
+    tmp = r / temp_name(ChunkName(NS, 0x01000100, 0, "f" * 64), "0123abcd" * 4)
     tmp.write_bytes(b"t" * 10)
     old = time.time() - 5000
     os.utime(tmp, (old, old))
