@@ -18,13 +18,21 @@ sent); for each assistant message, the conversation up to it without one (the pr
 answer as the next request renders it). LMCache's chunk hashes chain over the prefix, so a
 request's full chunks are the keys of exactly its prefix; the union over the requests is what
 LMCache can hold of the conversation.
+
+The requests are built in time and memory linear in the conversation (each is a view: a
+prefix length and whether it ends with the generation prompt; its messages are sliced only
+when it is tokenized), and a conversation of more than :data:`MAX_MESSAGES` messages is
+refused (exit 2): each request is rendered and tokenized whole, so the work grows with the
+square of the turns (issue 40: 8,000 turns took 52 s and 1.5 GB, 40,000 ended in
+``MemoryError``).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from kvpersist.config.warmset import WarmEntry, parse_warm_set
 from kvpersist.errors import ConfigError, Problem
@@ -34,6 +42,9 @@ from kvpersist.system.untrusted import UnreadableFile, parse_json
 MAX_BYTES = 16 << 20
 #: LMCache refuses longer token sequences (``key_resolver.MAX_TOKEN_IDS``)
 MAX_TOKEN_IDS = 1_000_000
+#: the most messages a conversation may hold: each user, tool and assistant message is a
+#: request rendered and tokenized whole, so the work grows with the square of this
+MAX_MESSAGES = 2048
 KINDS = ("messages", "prompt", "token_ids")
 _ENDS_A_REQUEST = ("user", "tool")
 
@@ -45,7 +56,7 @@ class ForgetInput:
 
     kind: str
     source: str
-    entries: tuple[WarmEntry, ...] = ()
+    entries: Sequence[WarmEntry] = ()
     token_ids: tuple[int, ...] = ()
 
 
@@ -75,7 +86,8 @@ def parse_input(kind: str, data: bytes, source: str) -> ForgetInput:
         raise ConfigError(Problem(source, exc.why), source) from None
     if kind == "token_ids":
         return ForgetInput(kind, source, token_ids=_token_ids(doc, source))
-    return ForgetInput(kind, source, conversation_requests(_conversation(doc, source)))
+    return ForgetInput(kind, source, conversation_requests(
+        _conversation(_bounded_conversation(doc, source), source)))
 
 
 def _token_ids(doc: Any, source: str) -> tuple[int, ...]:
@@ -115,32 +127,71 @@ def _conversation(doc: Any, source: str) -> WarmEntry:
     return entry
 
 
-def conversation_requests(entry: WarmEntry) -> tuple[WarmEntry, ...]:
+def _bounded_conversation(doc: Any, source: str) -> Any:
+    """``doc`` if its conversation has at most :data:`MAX_MESSAGES` messages (checked before
+    anything is built from it); raises ConfigError (exit 2) naming the file otherwise."""
+    messages = doc.get("messages") if isinstance(doc, dict) else doc
+    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+        raise ConfigError(Problem(source, f"holds {len(messages):,} messages, more than the "
+                                          f"{MAX_MESSAGES:,} a conversation may have here "
+                                          "(each of its turns is a request tokenized whole)",
+                                  "see docs/forget.md, 'Limits': prune --namespace, shred "
+                                  "or KVP_L2_MAX_AGE remove what no single forget can"),
+                          source)
+    return doc
+
+
+class Requests(Sequence[WarmEntry]):
+    """The requests of one conversation, each made on access from ``(prefix length, with the
+    generation prompt)``: memory linear in the conversation, however many turns it has."""
+
+    def __init__(self, messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any],
+                 views: Sequence[tuple[int, bool]]) -> None:
+        self._messages, self._extra, self._views = messages, dict(extra), tuple(views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    @overload
+    def __getitem__(self, i: int) -> WarmEntry: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[WarmEntry]: ...
+
+    def __getitem__(self, i: int | slice) -> WarmEntry | Sequence[WarmEntry]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        k, prompt = self._views[i]
+        line = range(len(self))[i] + 1
+        return WarmEntry(line, "messages", {"messages": list(self._messages[:k]), **self._extra,
+                                            "add_generation_prompt": prompt})
+
+    def __iter__(self) -> Iterator[WarmEntry]:
+        return (self[i] for i in range(len(self)))
+
+    def views(self) -> tuple[tuple[int, bool], ...]:
+        """(messages, with the generation prompt) of each request, in order."""
+        return self._views
+
+
+def conversation_requests(entry: WarmEntry) -> Requests:
     """The requests a conversation was sent as (see the module docstring), in order, each a
     ``messages`` entry numbered from 1; identical ones once. The whole conversation as the
     file gives it is always the last (``add_generation_prompt`` as the file says, default
-    true)."""
+    true). Linear in the conversation: no request is built before it is used."""
     messages = list(entry.body["messages"])
     extra = {k: v for k, v in entry.body.items() if k == "tools"}
-    bodies: list[dict[str, Any]] = []
+    views: list[tuple[int, bool]] = []
     for k, m in enumerate(messages[:-1], start=1):
         role = m.get("role")
         if role in _ENDS_A_REQUEST:
-            bodies.append({"messages": messages[:k], **extra, "add_generation_prompt": True})
+            views.append((k, True))
         elif role == "assistant":
-            bodies.append({"messages": messages[:k], **extra, "add_generation_prompt": False})
+            views.append((k, False))
     last = messages[-1].get("role")
-    whole = {"messages": messages, **extra,
-             "add_generation_prompt": bool(entry.body.get("add_generation_prompt",
-                                                          last != "assistant"))}
     if last == "assistant":
-        bodies.append({"messages": messages, **extra, "add_generation_prompt": False})
-    bodies.append(whole)
-    out: list[WarmEntry] = []
-    seen: set[str] = set()
-    for b in bodies:
-        key = json.dumps(b, sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            out.append(WarmEntry(len(out) + 1, "messages", b))
-    return tuple(out)
+        views.append((len(messages), False))
+    views.append((len(messages), bool(entry.body.get("add_generation_prompt",
+                                                       last != "assistant"))))
+    # two requests are the same body exactly when they have the same prefix and prompt
+    return Requests(messages, extra, list(dict.fromkeys(views)))
