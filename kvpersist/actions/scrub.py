@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from kvpersist.config.loader import load_deployment
 from kvpersist.errors import UsageError
+from kvpersist.l2.frames import max_chunk_file_bytes
 from kvpersist.l2.inventory import open_root
 from kvpersist.l2.keys import namespace_keys
 from kvpersist.l2.scrub import ScrubResult, scrub_root
@@ -30,4 +31,6 @@ def scrub(config: str, *, apply: bool = False, since_ns: int | None = None,
                             service_uids(s.service_user))
     with open_root(s.cache_root, purpose="scrub") as root:
         return scrub_root(root, dep.namespace, key, apply=apply, since_ns=since_ns,
-                          progress=progress)
+                          progress=progress,
+                          max_bytes=max_chunk_file_bytes(dep.identity_values,
+                                                         dep.generic.chunk_size))

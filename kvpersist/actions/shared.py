@@ -8,6 +8,7 @@ a dry run unless ``apply``, an active namespace (here or on any host) only with 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,10 +17,17 @@ from typing import Any
 from kvpersist.config.deployment import Deployment, shared_tier_of
 from kvpersist.config.loader import list_config_names, load_deployment
 from kvpersist.config.shared_tier import SharedTier
-from kvpersist.errors import UsageError
+from kvpersist.errors import KvpError, UsageError
 from kvpersist.l2.fleet import FleetRecord, by_namespace, describe_hosts, host_rows
 from kvpersist.l2.shared_keys import namespace_problem
-from kvpersist.l2.shared_store import SharedStore, connect, prune_namespace, usage
+from kvpersist.l2.shared_store import (
+    SharedStore,
+    connect,
+    describe,
+    prune_namespace,
+    store_errors,
+    usage,
+)
 from kvpersist.stack import fleet
 from kvpersist.stack.lmcache_exec import read_secret_file
 from kvpersist.system.files import service_uids
@@ -81,8 +89,10 @@ def report_shared(configs: Sequence[str]) -> dict[str, Any]:
         budget = store.budget()
         found = usage(store)
         records, problems = fleet.read_keys(store, found.record_keys)  # no second scan
+    except store_errors() as exc:  # failed, or answered what a store does not, mid-way
+        raise KvpError(f"shared tier {ctx.tier.endpoint}: {describe(exc)}") from exc
     finally:
-        store.close()
+        _close(store)
     now = time.time()
     hosts = by_namespace(records)
     sizes = {ns: found.namespaces.get(ns, [0, 0]) for ns in {*found.namespaces, *hosts}}
@@ -139,9 +149,18 @@ def prune_shared(configs: Sequence[str], namespaces: Sequence[str], *, apply: bo
                                  "the shared tier anyway")
         results = [prune_namespace(store, ns, apply=apply, progress=progress)
                    for ns in wanted]
+    except store_errors() as exc:  # failed, or answered what a store does not, mid-way
+        raise KvpError(f"shared tier {ctx.tier.endpoint}: {describe(exc)}; run it again "
+                       "once the store answers (what was deleted stays deleted)") from exc
     finally:
-        store.close()
+        _close(store)
     return {"schema": PRUNE_SCHEMA, "tier": ctx.tier.to_dict(), "dry_run": not apply,
             "namespaces": [r.to_dict() for r in results],
             "deleted_keys": sum(r.keys for r in results),
             "deleted_bytes": sum(r.bytes for r in results)}
+
+
+def _close(store: SharedStore) -> None:
+    """Close ``store``; a store that fails even that is already reported."""
+    with contextlib.suppress(*store_errors()):
+        store.close()

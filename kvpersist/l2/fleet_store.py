@@ -28,11 +28,13 @@ from kvpersist.l2.shared_store import (
     READ_BATCH,
     ForeignKey,
     SharedStore,
+    array,
     decode_key,
     is_wrong_type,
     raw_key,
     read_values,
     replies,
+    unexpected,
 )
 
 #: read a set of at most ARGV[1] members, each at most ARGV[2] bytes: {0, longer, members...}
@@ -132,16 +134,20 @@ def read_index(store: SharedStore, ns: str, *, with_values: bool = True) -> Inde
     the value None). No scan. Raises what the store raises."""
     reply = store.client.eval(_SET_BOUNDED, 1, raw_key(index_key(ns)), MAX_INDEX_MEMBERS,
                               MAX_HOST_ID_BYTES)
-    status = int(reply[0])
+    status = array(reply, "a script", ints=1)[0]
     if status == -1:
         return IndexRead(None, "holds another type than a set")
+    reply = array(reply, "a script", ints=2)
     if status == -2:
-        return IndexRead(None, f"is a set of {int(reply[1]):,} members, more than the "
+        return IndexRead(None, f"is a set of {reply[1]:,} members, more than the "
                          f"{MAX_INDEX_MEMBERS:,} hosts an index may name")
+    if status != 0 or len(reply) > 2 + MAX_INDEX_MEMBERS or not all(
+            isinstance(m, bytes) for m in reply[2:]):
+        raise unexpected("a script", reply)
     read = sorted(decode_key(m) for m in reply[2:])
     members = [m for m in read if parse_record_key(record_key(ns, m)) is not None]
     strangers = tuple(m for m in read if parse_record_key(record_key(ns, m)) is None)
-    left_out = int(reply[1]) + len(strangers)
+    left_out = reply[1] + len(strangers)
     problem = (f"has {left_out:,} member(s) that are not host ids (skipped as foreign; the "
                "next write of a record removes those no longer than a host id)"
                if left_out else "")

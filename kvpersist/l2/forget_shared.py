@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpersist.l2.shared_keys import NOT_A_CHUNK, NOT_A_STRING, Skipped, namespace_of
-from kvpersist.l2.shared_store import READ_BATCH, SharedStore, is_wrong_type, raw_key, replies
+from kvpersist.l2.shared_store import (
+    READ_BATCH,
+    SharedStore,
+    array,
+    integer,
+    is_wrong_type,
+    raw_key,
+    replies,
+)
 
 #: delete a key only if it is a string (a chunk): {size, deleted}, {-1, 0} for another type
 _UNLINK_STRING = ("local n = redis.pcall('strlen', KEYS[1]) "
@@ -54,7 +62,7 @@ def _sizes(store: SharedStore, keys: list[str]) -> list[int | None]:
         pipe = store.client.pipeline(transaction=False)
         for k in keys[i:i + READ_BATCH]:
             pipe.strlen(raw_key(k))
-        out += [None if is_wrong_type(v) else int(v or 0) for v in replies(pipe)]
+        out += [None if is_wrong_type(v) else integer(v, "STRLEN") for v in replies(pipe)]
     return out
 
 
@@ -92,14 +100,15 @@ def forget_keys(store: SharedStore, namespace: str, keys: Sequence[str], *, appl
             # execute_command: redis-py's cluster pipeline has no eval(), but routes an EVAL
             # by its key like any command
             pipe.execute_command("EVAL", _UNLINK_STRING, 1, raw_key(k))
-        for k, (size, gone) in zip(batch, replies(pipe), strict=True):
-            if int(size) < 0:
+        for k, r in zip(batch, replies(pipe), strict=True):
+            size, gone = array(r, "a script", ints=2)[:2]
+            if size < 0:
                 out.skipped.add(NOT_A_STRING, k)
-            elif int(gone):
+            elif gone:
                 out.found_keys += 1
-                out.found_bytes += int(size)
+                out.found_bytes += size
                 out.deleted_keys += 1
-                out.deleted_bytes += int(size)
+                out.deleted_bytes += size
             else:
                 out.absent += 1
     return out

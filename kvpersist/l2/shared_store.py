@@ -54,6 +54,7 @@ from kvpersist.l2.shared_keys import (
     namespace_of,
     plan_store_budget,
 )
+from kvpersist.system.untrusted import bounded_resp_parser
 
 SCAN_COUNT = 500
 
@@ -80,6 +81,8 @@ def describe(exc: BaseException) -> str:
     """A store error as the user should read it: a TLS certificate the CA does not vouch for
     is named as such (redis-py reports it as a connection error)."""
     text = str(exc)
+    if len(text) > 1000:  # the store's own words, bounded
+        text = f"{text[:1000]}... ({len(text) - 1000:,} more characters)"
     if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
         return (f"{TLS_UNTRUSTED} ({text}); tls_ca= must name the CA that signed "
                 "the store's certificate")
@@ -100,11 +103,40 @@ def is_wrong_type(reply: Any) -> bool:
 def replies(pipe: Any) -> list[Any]:
     """Run ``pipe``: its replies, a ``WRONGTYPE`` one left in its place (a foreign key);
     any other error raised."""
-    answers = list(pipe.execute(raise_on_error=False))
+    answers = pipe.execute(raise_on_error=False)
+    if not isinstance(answers, list):
+        raise unexpected("a pipeline", answers)
     for r in answers:
         if isinstance(r, Exception) and not is_wrong_type(r):
             raise r
     return answers
+
+
+def unexpected(what: str, reply: Any) -> Exception:
+    """The error for a reply that is not what ``what`` returns (a store, or something
+    answering on its port, that is not Redis/Valkey): a store error (``redis``'s
+    ``InvalidResponse``), which every caller reports as it reports an unreachable store."""
+    from redis.exceptions import InvalidResponse
+
+    shown = display_name(repr(reply)[:80])
+    return InvalidResponse(f"the store answered {what} with {shown}, which is not what it "
+                           "returns: is this a Redis or Valkey server?")
+
+
+def integer(reply: Any, what: str) -> int:
+    """``reply`` as an integer reply of ``what``; else :func:`unexpected`."""
+    if isinstance(reply, int) and not isinstance(reply, bool):
+        return reply
+    raise unexpected(what, reply)
+
+
+def array(reply: Any, what: str, *, ints: int = 0, at_least: int = 0) -> list[Any]:
+    """``reply`` as an array reply of ``what`` whose first ``ints`` items are integers and
+    that has at least ``max(ints, at_least)`` items; else :func:`unexpected`."""
+    if (isinstance(reply, list) and len(reply) >= max(ints, at_least)
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in reply[:ints])):
+        return reply
+    raise unexpected(what, reply)
 
 
 def decode_key(key: Any) -> str:
@@ -161,20 +193,30 @@ class SharedStore:
         from redis.retry import Retry
 
         self.tier = tier
+        # RESP2 (AUTH, no HELLO: a reply that is not a map cannot break the handshake) and
+        # every reply through the bounded parser (system/untrusted.py)
+        parser = bounded_resp_parser()
         common: dict[str, Any] = {"username": secret.username, "password": secret.password,
                                   "socket_timeout": timeout, "socket_connect_timeout": timeout,
                                   "retry": Retry(NoBackoff(), COMMAND_RETRIES),
-                                  "ssl": tier.tls}
+                                  "ssl": tier.tls, "protocol": 2}
         if tier.tls_ca:
             common["ssl_ca_certs"] = tier.tls_ca
         self.client: Any
         if tier.cluster:
+            base = redis.SSLConnection if tier.tls else redis.Connection
+
+            class Bounded(base):  # type: ignore[valid-type,misc]
+                def __init__(self, *args: Any, **kw: Any) -> None:
+                    super().__init__(*args, **{**kw, "parser_class": parser})
+
             self.client = RedisCluster(
                 startup_nodes=[ClusterNode(h, p)  # type: ignore[no-untyped-call]
-                               for h, p in tier.nodes], **common)
+                               for h, p in tier.nodes], connection_class=Bounded, **common)
         else:
             host, port = tier.nodes[0]
             self.client = redis.Redis(host=host, port=port, db=tier.db, **common)
+            self.client.connection_pool.connection_kwargs["parser_class"] = parser
 
     def nodes(self) -> list[Any]:
         return [client for _, client in self.named_nodes()]
@@ -196,7 +238,12 @@ class SharedStore:
         for node in self.nodes():
             cursor = 0
             while True:
-                cursor, page = node.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
+                reply = node.scan(cursor=cursor, match=pattern, count=SCAN_COUNT)
+                if (not isinstance(reply, tuple | list) or len(reply) != 2
+                        or not isinstance(reply[1], list)
+                        or not all(isinstance(k, bytes | str) for k in reply[1])):
+                    raise unexpected("SCAN", reply)
+                cursor, page = integer(reply[0], "SCAN"), reply[1]
                 keys = [decode_key(k) for k in page]
                 if keys:
                     yield node, keys
@@ -208,6 +255,8 @@ class SharedStore:
         out = []
         for name, node in self.named_nodes():
             mem, stats = node.info("memory"), node.info("stats")
+            if not isinstance(mem, dict) or not isinstance(stats, dict):
+                raise unexpected("INFO", mem if not isinstance(mem, dict) else stats)
             out.append(NodeMemory(name, int(mem.get("used_memory", 0)),
                                   int(mem.get("maxmemory", 0)),
                                   str(mem.get("maxmemory_policy", "")),
@@ -313,7 +362,7 @@ def _probe_open(tier: SharedTier, secret: SharedSecret,
         found = StoreProbe(True, False, error=f"authentication failed: {exc}")
     except redis.ResponseError as exc:
         auth = any(w in str(exc) for w in ("WRONGPASS", "NOAUTH", "NOPERM"))
-        found = StoreProbe(True, not auth, error=str(exc))
+        found = StoreProbe(True, not auth, error=describe(exc))
     except _errors() as exc:
         found = StoreProbe(False, False, error=describe(exc))
     _close(store)
@@ -347,7 +396,7 @@ def measure(tier: SharedTier, secret: SharedSecret, timeout: float = 3.0) -> Sto
         counted = usage(store)
         return StoreMeasurement(found, counted, time.perf_counter() - t0)
     except _errors() as exc:
-        return StoreMeasurement(found, error=f"scan failed: {exc}")
+        return StoreMeasurement(found, error=f"scan failed: {describe(exc)}")
     finally:
         _close(store)
 
@@ -386,7 +435,7 @@ def _sizes(node: Any, keys: list[str]) -> list[int | None]:
     pipe = node.pipeline(transaction=False)
     for k in keys:
         pipe.strlen(raw_key(k))
-    return [None if is_wrong_type(v) else int(v or 0) for v in replies(pipe)]
+    return [None if is_wrong_type(v) else integer(v, "STRLEN") for v in replies(pipe)]
 
 
 def usage(store: SharedStore, pattern: str = "*") -> SharedUsage:
@@ -490,12 +539,13 @@ def prune_namespace(store: SharedStore, ns: str, *, apply: bool,
             pipe = node.pipeline(transaction=False)
             for k in mine:
                 pipe.eval(_UNLINK_STRING, 1, raw_key(k))
-            for k, (size, gone) in zip(mine, replies(pipe), strict=True):
-                if int(size) < 0:
+            for k, r in zip(mine, replies(pipe), strict=True):
+                size, gone = array(r, "a script", ints=2)[:2]
+                if size < 0:
                     res.skipped.add(NOT_A_STRING, k)
-                elif int(gone):
+                elif gone:
                     res.keys += 1
-                    res.bytes += int(size)
+                    res.bytes += size
             res.batches += 1
             if progress:
                 progress(res.keys)
@@ -528,12 +578,14 @@ def read_values(store: SharedStore, keys: list[str], *,
 
 def _stored(reply: Any) -> Stored:
     """A reply of :data:`_GET_BOUNDED` as a stored value."""
-    status = int(reply[0])
+    status = array(reply, "a script", ints=1)[0]
     if status == -1:
         return WRONG_TYPE
     if status == -2:
         return None
     if len(reply) == 1:
         return Oversized(status)
-    value: bytes = reply[1]
+    value = reply[1]
+    if not isinstance(value, bytes):
+        raise unexpected("a script", reply)
     return value

@@ -52,13 +52,18 @@ Crash-window checks (:func:`verify_root` with ``since_ns``) check only the files
 after that instant, and ``deadline_s`` bounds the time spent reading (the rest, and the failed
 files whose verdict waits for a frame length still to learn, are counted as ``unchecked``).
 
-I/O is bounded: ``rate_mb_s`` caps read bandwidth; ``progress`` is called as files go by.
+I/O is bounded: ``rate_mb_s`` caps read bandwidth (block by block); ``progress`` is called
+as files go by. Every file is read through :class:`~kvpersist.system.untrusted.ChunkFile`
+and authenticated streamed (:func:`kvpersist.l2.frames.authenticate_source`): memory is a
+block's, whatever a file's size, and ``deadline_s`` also stops a read in the middle of a
+file. A chunk file larger than its namespace's geometry allows (``max_bytes_for``,
+:func:`kvpersist.l2.frames.max_chunk_file_bytes`) is a ``size`` finding without being read
+(issue 40: a 50 GB sparse file named like a chunk ended ``launch`` with ``MemoryError``).
 Pure helpers: ``expected_sizes``, ``frame_candidates``; the rest reads files.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import stat as stat_mod
 import time
@@ -72,14 +77,17 @@ from kvpersist.l2.frames import (
     ALIGNED_SEARCHES,
     FRAME_OVERHEAD,
     HDR_LEN,
+    MAX_CHUNK_FILE_BYTES,
     TAG_LEN,
-    authenticate,
+    Deadline,
+    authenticate_source,
     derive_key,
 )
 from kvpersist.l2.layout import QUARANTINE_DIR, display_name
-from kvpersist.l2.tree import FILE_FLAGS, RootDir, chunk_dirs, meta_dir, open_rel
+from kvpersist.l2.tree import RootDir, chunk_dirs, meta_dir, open_rel
 from kvpersist.l2.verify_order import Group, ReadOrder, failed_verdict
 from kvpersist.l2.verify_rules import dup_detail, perm_verdict, shared_frames, type_verdict
+from kvpersist.system.untrusted import ChunkFile, UnreadableFile
 
 SCHEMA = "kvpersist.verify/1"
 
@@ -196,16 +204,12 @@ class _DirCache:
         self.fd, self.rel = -1, None
 
 
-def _read(dfd: int, name: str) -> tuple[bytes, os.stat_result]:
-    """The contents of regular file ``name`` of directory ``dfd`` (never through a symlink),
-    with its fstat. Raises OSError (ELOOP for a symlink, EISDIR/ENXIO style errors for
-    anything that is not a regular file)."""
-    fd = os.open(name, FILE_FLAGS, dir_fd=dfd)
-    with open(fd, "rb", closefd=True) as f:
-        st = os.fstat(fd)
-        if not stat_mod.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        return f.read(), st
+def _open(dir_fd: int, name: str, *, max_bytes: int, where: str,
+          on_read: Callable[[int], None]) -> ChunkFile:
+    """The chunk file ``name`` of ``dir_fd`` opened for reading (the one place verify opens
+    a file; :class:`~kvpersist.system.untrusted.ChunkFile` bounds it). Raises OSError or
+    UnreadableFile."""
+    return ChunkFile(dir_fd, name, max_bytes=max_bytes, where=where, on_read=on_read)
 
 
 def verify_root(root: RootDir, namespace: str, *, serde: str = "aesgcm",
@@ -215,7 +219,8 @@ def verify_root(root: RootDir, namespace: str, *, serde: str = "aesgcm",
                 deadline_s: float | None = None,
                 progress: Callable[[int, int], None] | None = None,
                 first: frozenset[str] = frozenset(),
-                key_for: Callable[[str], bytes | None] | None = None) -> VerifyResult:
+                key_for: Callable[[str], bytes | None] | None = None,
+                max_bytes_for: Callable[[str], int] | None = None) -> VerifyResult:
     """Check the chunk files under the open ``root``; quarantine findings when ``apply``.
 
     ``key`` is the master key (aesgcm); files of ``namespace`` (all prefixes when
@@ -232,13 +237,17 @@ def verify_root(root: RootDir, namespace: str, *, serde: str = "aesgcm",
 
     ``key_for`` (per-namespace keys, docs/keys-and-shred.md) replaces ``key``: the master key
     of each prefix, or None for a prefix whose key is not known (judged by size only).
+    ``max_bytes_for``: the largest chunk file of each prefix (default
+    :data:`~kvpersist.l2.frames.MAX_CHUNK_FILE_BYTES`); a larger one is a ``size`` finding,
+    never read.
     """
     t0 = time.monotonic()
     res = VerifyResult(root.given or root.path, namespace, serde, apply, since_ns=since_ns)
     targets = _check(root, res, key_for=key_for or (lambda _prefix: key), aes_bits=aes_bits,
                      temp_age=temp_age, rate_mb_s=rate_mb_s, all_namespaces=all_namespaces,
                      progress=progress,
-                     deadline=None if deadline_s is None else t0 + deadline_s, first=first)
+                     deadline=None if deadline_s is None else t0 + deadline_s, first=first,
+                     max_bytes_for=max_bytes_for or (lambda _prefix: MAX_CHUNK_FILE_BYTES))
     if apply:
         _quarantine(root, res, targets)
     res.seconds = time.monotonic() - t0
@@ -249,7 +258,9 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
            aes_bits: int,
            temp_age: float, rate_mb_s: float | None, all_namespaces: bool,
            progress: Callable[[int, int], None] | None,
-           deadline: float | None = None, first: frozenset[str] = frozenset()) -> list[_Seen]:
+           deadline: float | None = None, first: frozenset[str] = frozenset(),
+           max_bytes_for: Callable[[str], int] = lambda _prefix: MAX_CHUNK_FILE_BYTES
+           ) -> list[_Seen]:
     """Fill ``res.findings``; return, for each finding, the file it is about."""
     namespace, serde, since = res.namespace, res.serde, res.since_ns
     targets: list[_Seen] = []
@@ -303,6 +314,13 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
                         if since is None and age >= temp_age:
                             finding(seen, "temp", f"interrupted write, untouched {age:.0f} s")
                         continue
+                    limit = max_bytes_for(parsed.prefix)
+                    if st.st_size > limit:  # never read: no chunk of its namespace is this big
+                        if since is None or st.st_mtime_ns >= since:
+                            res.files += 1
+                            finding(seen, "size", f"{st.st_size:,} bytes, more than the "
+                                    f"{limit:,} a chunk file of this namespace can be")
+                        continue
                     sizes.setdefault((parsed.prefix, parsed.rank.world_size),
                                      []).append(st.st_size)
                     if since is not None and st.st_mtime_ns < since:
@@ -341,33 +359,46 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
 
     def read_auth(seen: _Seen, parsed: layout.ChunkName,
                   known: int | None) -> tuple[bool, int | None]:
-        """(read, plaintext length or None); read is False if the file could not be read."""
+        """(read, plaintext length or None); read is False if the file could not be read.
+        Raises Deadline when ``deadline`` passes in the middle of the file."""
         salt = parsed.salt or ""
         if (parsed.prefix, salt) not in keys:
             master = key_for(parsed.prefix)
             assert master is not None
             keys[parsed.prefix, salt] = derive_key(master, salt, aes_bits)
+        group = (parsed.prefix, parsed.rank.world_size)
+        aligned = known is None and searches[group] < ALIGNED_SEARCHES
         try:
-            blob, st = _read(dirs_open.get(seen.rel), seen.name)
+            with _open(dirs_open.get(seen.rel), seen.name,
+                       max_bytes=max_bytes_for(parsed.prefix),
+                       where=shown(seen.rel, seen.name), on_read=counted) as f:
+                if not seen.same(f.st):
+                    res.skipped.append(f"{shown(seen.rel, seen.name)}: changed while it was "
+                                       "being checked")
+                    return False, None
+                found = authenticate_source(f, keys[parsed.prefix, salt], known, aligned,
+                                            stop=out_of_time)
         except FileNotFoundError:
             return False, None
         except OSError as exc:
             note(os.path.join(seen.rel, seen.name), exc)
             return False, None
-        if not seen.same(st):
-            res.skipped.append(f"{shown(seen.rel, seen.name)}: changed while it was "
-                               "being checked")
+        except UnreadableFile as exc:  # no longer a regular file, or grown past the bound
+            res.skipped.append(str(exc))
             return False, None
-        throttle.account(len(blob))
-        res.bytes_read += len(blob)
-        group = (parsed.prefix, parsed.rank.world_size)
-        aligned = known is None and searches[group] < ALIGNED_SEARCHES
-        n = authenticate(blob, keys[parsed.prefix, salt], known, aligned)
-        if n is None and aligned:
-            searches[group] += 1
-        if n is not None:
-            frames.append((blob[1:HDR_LEN], seen))
-        return True, n
+        if found is None:
+            if aligned:
+                searches[group] += 1
+            return True, None
+        frames.append((found[1], seen))
+        return True, found[0]
+
+    def out_of_time() -> bool:
+        return deadline is not None and time.monotonic() >= deadline
+
+    def counted(nbytes: int) -> None:
+        res.bytes_read += nbytes
+        throttle.account(nbytes)
 
     def passed(seen: _Seen, group: Group, n: int, counted: bool = True) -> None:
         """``seen`` authenticated with plaintext length ``n``: never a finding."""
@@ -437,7 +468,14 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
                 break
             seen, parsed = item
             group = (parsed.prefix, parsed.rank.world_size)
-            (judge if authenticates(parsed) else judge_plain)(seen, parsed, group)
+            try:
+                (judge if authenticates(parsed) else judge_plain)(seen, parsed, group)
+            except Deadline:  # ran out in the middle of a file: it and the rest unchecked
+                waiting = sum(len(f) for f in pending.values())
+                here = any(p[0] is seen for p in pending.get(group, ()))
+                res.unchecked = (0 if here else 1) + len(order) + waiting
+                pending.clear()
+                break
         retries = [(g, seen, parsed) for g, failed in pending.items() for seen, parsed in failed]
         for j, (group, seen, parsed) in enumerate(retries):
             known = known_plain.get(group)
@@ -447,7 +485,11 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
             if deadline is not None and time.monotonic() >= deadline:
                 res.unchecked += len(retries) - j
                 break
-            ok, n = read_auth(seen, parsed, known)
+            try:
+                ok, n = read_auth(seen, parsed, known)
+            except Deadline:
+                res.unchecked += len(retries) - j
+                break
             if n is not None:
                 passed(seen, group, n)
             elif ok:

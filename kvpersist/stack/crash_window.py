@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpersist.errors import KvpError
 from kvpersist.l2 import keys
+from kvpersist.l2.frames import MAX_CHUNK_FILE_BYTES
 from kvpersist.l2.pin_store import read_pins
 from kvpersist.l2.scrub import scrub_root
 from kvpersist.l2.tree import open_root
@@ -184,12 +185,16 @@ def check(loc: Location, window: CrashWindow, *, rate_mb_s: float | None = DEFAU
     with open_root(loc.cache_root, purpose="verify") as root:
         pins = read_pins(root)
         # the warm set first: within the time bound, what every session needs is read first
+        limit = loc.chunk_max_bytes  # a chunk-named file past it: a finding, never read
         v = verify_root(root, loc.namespace, serde=loc.serde, key=key, apply=True,
                         rate_mb_s=rate_mb_s or None, since_ns=window.since_ns,
-                        deadline_s=deadline_s, first=pins.names)
+                        deadline_s=deadline_s, first=pins.names,
+                        max_bytes_for=lambda p: limit if p == loc.namespace
+                        else MAX_CHUNK_FILE_BYTES)
+        res.skipped.extend(v.skipped)
         if key is not None:  # the padding of what was written since: zeros (cheap, measured)
             sc = scrub_root(root, loc.namespace, key, apply=True, since_ns=window.since_ns,
-                            deadline_s=deadline_s)
+                            deadline_s=deadline_s, max_bytes=limit)
             res.scrubbed, res.scrub_seconds = sc.scrubbed, sc.seconds
             res.skipped.extend(sc.skipped)
     res.ran = True
@@ -198,7 +203,7 @@ def check(loc: Location, window: CrashWindow, *, rate_mb_s: float | None = DEFAU
     res.reference_reads, res.unchecked = v.reference_reads, v.unchecked
     res.failed = len(v.findings)
     res.findings = [asdict(f) for f in v.findings]
-    res.quarantined, res.skipped, res.seconds = v.quarantined, v.skipped, v.seconds
+    res.quarantined, res.seconds = v.quarantined, v.seconds
     return res
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.values import url_host
+from kvpersist.l2.frames import max_chunk_file_bytes
 from kvpersist.l2.layout import MANIFESTS_DIR, PID_FILE
 
 PIDS_DIR = "pids"
@@ -84,6 +85,8 @@ class Location:
     warmup_tokens_dir: str
     #: KVP_WARMUP_WAIT, seconds
     warmup_wait: float
+    #: the largest chunk file the namespace's geometry allows (a larger one is never read)
+    chunk_max_bytes: int
 
 
 def vllm_mode(dep: Deployment) -> str:
@@ -132,4 +135,5 @@ def locate(dep: Deployment) -> Location:
         warmup_log=os.path.join(s.log_dir, "warmup.log"),
         warmup_tokens_dir=os.path.join(state, WARMUP_TOKENS_DIR),
         warmup_wait=s.warmup_wait,
+        chunk_max_bytes=max_chunk_file_bytes(dep.identity_values, dep.generic.chunk_size),
     )
