@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from kvpersist.commands.common import echo_json, exit_with, json_option, table
+from kvpersist.commands.common import TIMEOUT, echo_json, exit_with, json_option, table
 from kvpersist.config.values import format_size
 
 
@@ -89,7 +89,7 @@ def fleet() -> None:
                    "Default: every config under configs/ with a shared tier.")
 @click.option("--namespace", "namespaces", multiple=True, metavar="NS",
               help="Also this namespace (repeatable): one no config here uses.")
-@click.option("--timeout", type=float, default=3.0, show_default=True,
+@click.option("--timeout", type=TIMEOUT, default=3.0, show_default=True,
               help="Timeout of each call to the store, seconds.")
 @json_option
 def status(configs: tuple[str, ...], namespaces: tuple[str, ...], timeout: float,

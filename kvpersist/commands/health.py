@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import click
 
-from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option, table
+from kvpersist.commands.common import (
+    TIMEOUT,
+    WAIT,
+    config_argument,
+    echo_json,
+    exit_with,
+    json_option,
+    table,
+)
 
 
 @click.command("health")
 @config_argument
 @json_option
-@click.option("--wait", type=float, default=0.0, metavar="SECONDS",
+@click.option("--wait", type=WAIT, default=0.0, metavar="SECONDS",
               help="Probe again until healthy or SECONDS pass.")
-@click.option("--timeout", type=float, default=3.0, show_default=True,
+@click.option("--timeout", type=TIMEOUT, default=3.0, show_default=True,
               help="Timeout of each probe, seconds.")
 @click.option("--no-vllm", is_flag=True, help="Check only the cache server and cache root.")
 def health(config: str, as_json: bool, wait: float, timeout: float, no_vllm: bool) -> None:

@@ -7,7 +7,16 @@ from typing import TYPE_CHECKING
 
 import click
 
-from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option, table
+from kvpersist.commands.common import (
+    RATE,
+    SECONDS,
+    WAIT,
+    config_argument,
+    echo_json,
+    exit_with,
+    json_option,
+    table,
+)
 
 if TYPE_CHECKING:
     from kvpersist.actions import lifecycle as lifecycle_types
@@ -18,15 +27,15 @@ def _progress(msg: str) -> None:
 
 
 #: options launch and restart share
-_server_timeout = click.option("--timeout", type=float, default=60.0, show_default=True,
+_server_timeout = click.option("--timeout", type=SECONDS, default=60.0, show_default=True,
                                help="Seconds to wait for the cache server to become healthy.")
-_vllm_timeout = click.option("--vllm-timeout", type=float, default=600.0, show_default=True,
+_vllm_timeout = click.option("--vllm-timeout", type=SECONDS, default=600.0, show_default=True,
                              help="Seconds to wait for vLLM to serve the namespace.")
 _no_warmup = click.option("--no-warmup", is_flag=True,
                           help="Report ready as soon as vLLM serves, without the priming "
                                "request and the warm-up.")
 _warmup_wait = click.option(
-    "--warmup-wait", type=float, default=None, metavar="SECONDS",
+    "--warmup-wait", type=WAIT, default=None, metavar="SECONDS",
     help="Bound of the warm-up (kvp-admin warmup --wait) [default: KVP_WARMUP_WAIT, 120 s]; a "
          "warm-up past it is a warning, never a failed launch.")
 
@@ -44,11 +53,11 @@ _warmup_wait = click.option(
               help="Launch although files that are not LMCache's have '.tmp.' in their "
                    "names under the cache root: LMCache deletes them at its next clean stop "
                    "(as KVP_ALLOW_LMCACHE_TMP_CLEANUP=true; default: refuse, naming them).")
-@click.option("--crash-check-rate", "crash_rate", type=float, default=200.0,
+@click.option("--crash-check-rate", "crash_rate", type=RATE, default=200.0,
               show_default=True,
               help="After an unclean stop: read the crash window at most this many MB/s "
                    "(0: unbounded).")
-@click.option("--crash-check-seconds", "crash_seconds", type=float, default=60.0,
+@click.option("--crash-check-seconds", "crash_seconds", type=WAIT, default=60.0,
               show_default=True,
               help="After an unclean stop: stop checking the crash window after this many "
                    "seconds (what is left is checked at the next launch).")
@@ -62,7 +71,7 @@ _warmup_wait = click.option(
                    "recipe) serves the namespace, then warm up, all within --deadline; for "
                    "the vLLM unit's ExecStartPost and the KV_PERSIST=1 hook. Exit 0 even "
                    "when the warm-up fails.")
-@click.option("--deadline", type=float, default=1800.0, show_default=True,
+@click.option("--deadline", type=SECONDS, default=1800.0, show_default=True,
               metavar="SECONDS",
               help="With --warmup-only: seconds for the wait and the warm-up together (the "
                    "warm-up gets KVP_WARMUP_WAIT or what is left).")
@@ -144,7 +153,7 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
 
 @click.command("stop")
 @config_argument
-@click.option("--timeout", type=float, default=30.0, show_default=True,
+@click.option("--timeout", type=SECONDS, default=30.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL.")
 @click.option("--no-vllm", is_flag=True, help="Stop only the cache server (--only server).")
 @click.option("--only", type=click.Choice(["vllm", "server"]), default=None,
@@ -206,7 +215,7 @@ def _echo_stopped(out: lifecycle_types.StopOutcome) -> None:
 @click.option("--only", type=click.Choice(["vllm", "server"]), default=None,
               help="Restart only vLLM (the cache server and its L1 stay) or only the cache "
                    "server (vLLM serves on, cold, and reconnects).")
-@click.option("--stop-timeout", type=float, default=30.0, show_default=True,
+@click.option("--stop-timeout", type=SECONDS, default=30.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL.")
 @_server_timeout
 @_vllm_timeout

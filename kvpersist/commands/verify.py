@@ -6,7 +6,15 @@ import sys
 
 import click
 
-from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option, table
+from kvpersist.commands.common import (
+    AGE_S,
+    RATE,
+    config_argument,
+    echo_json,
+    exit_with,
+    json_option,
+    table,
+)
 from kvpersist.l2.layout import display_name
 
 
@@ -17,9 +25,9 @@ from kvpersist.l2.layout import display_name
                    "Default: report only.")
 @click.option("--all-namespaces", is_flag=True,
               help="Authenticate every namespace's files with this deployment's key.")
-@click.option("--rate", "rate_mb_s", type=float, default=200.0, show_default=True,
+@click.option("--rate", "rate_mb_s", type=RATE, default=200.0, show_default=True,
               help="Read at most this many MB/s (0: unbounded).")
-@click.option("--temp-age", type=float, default=600.0, show_default=True,
+@click.option("--temp-age", type=AGE_S, default=600.0, show_default=True,
               help="Temp files (interrupted writes) older than this many seconds are stale.")
 @click.option("--no-scrub", "no_scrub", is_flag=True,
               help="With --apply, do not zero the padding after each frame of the "

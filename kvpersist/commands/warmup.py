@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import click
 
-from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option
+from kvpersist.commands.common import WAIT, config_argument, echo_json, exit_with, json_option
 
 
 @click.command("warmup")
 @config_argument
-@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=120.0,
+@click.option("--wait", "wait_s", type=WAIT, default=120.0,
               show_default=True, metavar="SECONDS",
               help="Give up after SECONDS (covers the cache server's 503 until vLLM has "
                    "registered its KV layout).")

@@ -145,6 +145,9 @@ HEALTH_STATES = ("healthy", "degraded", "warming", "down")
 #: the latest time an optional field may name (unix seconds, the year 5138): a larger number
 #: is not a time a host wrote
 MAX_TIME_S = 100_000_000_000
+#: the longest ``ttl_s`` a record may hold: a year (kvpersist writes 1,290 s; issue 40: one of
+#: 400 digits ended ``fleet status`` with ``OverflowError``)
+MAX_TTL_S = 365 * 86400
 #: the largest count of files or bytes an ``nvme`` field may hold (a signed 64-bit integer)
 MAX_COUNT = (1 << 63) - 1
 
@@ -259,10 +262,11 @@ _STR_FIELDS = ("namespace", "host", "host_id", "deployment", "version", "serde",
 
 def _field_problem(doc: dict[str, Any]) -> str:
     """Why the fields of a parsed record are not this schema's, or '' (pure): every text
-    field a printable string of at most :data:`MAX_FIELD_CHARS`, ``updated_at`` a number of
-    seconds >= 0, ``ttl_s`` a whole number >= 1. A missing field, or one of another type, is
-    never replaced by a default. Fields this version does not know are ignored (a newer
-    kvpersist may add some; refusing its records would make its namespaces look unused)."""
+    field a printable string of at most :data:`MAX_FIELD_CHARS`, ``updated_at`` a time from 0
+    to :data:`MAX_TIME_S`, ``ttl_s`` a whole number from 1 to :data:`MAX_TTL_S`. A missing
+    field, or one of another type, is never replaced by a default. Fields this version does
+    not know are ignored (a newer kvpersist may add some; refusing its records would make its
+    namespaces look unused)."""
     for name in _STR_FIELDS:
         value = doc.get(name)
         if not isinstance(value, str):
@@ -270,10 +274,10 @@ def _field_problem(doc: dict[str, Any]) -> str:
         if len(value) > MAX_FIELD_CHARS or not value.isprintable():
             return f"{name} is not printable text of at most {MAX_FIELD_CHARS} characters"
     updated, ttl = doc.get("updated_at"), doc.get("ttl_s")
-    if isinstance(updated, bool) or not isinstance(updated, int | float) or updated < 0:
-        return "updated_at is not a number of seconds >= 0"
-    if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
-        return "ttl_s is not a whole number of seconds >= 1"
+    if not _is_time(updated):
+        return f"updated_at is not {_TIME}"
+    if isinstance(ttl, bool) or not isinstance(ttl, int) or not 1 <= ttl <= MAX_TTL_S:
+        return f"ttl_s is not a whole number of seconds from 1 to {MAX_TTL_S:,}"
     return _optional_problem(doc)
 
 

@@ -18,6 +18,7 @@ from kvpersist.l2.fleet import (
     MAX_FIELD_CHARS,
     MAX_RECORD_BYTES,
     MAX_TIME_S,
+    MAX_TTL_S,
     RECORD_TTL_S,
     FleetRecord,
     HealthStamp,
@@ -122,6 +123,14 @@ HOSTILE: list[tuple[str, str]] = [
     (_with(nvme={"files": 1, "bytes": 2}), "nvme is not an object"),
     (_with(nvme={**GOOD_NVME, "at": -0.5}), "nvme is not an object"),
     (_with(nvme={**GOOD_NVME, "at": None}), "nvme is not an object"),
+    # issue 40: a ttl_s of 400 digits ended fleet status with OverflowError (updated_at + ttl_s)
+    (_with(ttl_s=10 ** 400), "ttl_s is not a whole number"),
+    (_with(ttl_s=MAX_TTL_S + 1), "ttl_s is not a whole number"),
+    (_with(ttl_s=0), "ttl_s is not a whole number"),
+    (_with(ttl_s=1290.0), "ttl_s is not a whole number"),
+    (_with(updated_at=10 ** 400), "updated_at is not a number"),
+    (_with(updated_at=MAX_TIME_S + 1), "updated_at is not a number"),
+    (_with(updated_at=-1), "updated_at is not a number"),
 ]
 for _const, _why in (("NaN", "not a number JSON allows"), ("Infinity", "not a number JSON "
                      "allows"), ("-Infinity", "not a number JSON allows"),
@@ -141,6 +150,9 @@ def test_a_hostile_new_field_makes_the_record_foreign(value: str, why: str) -> N
     got, reason = decode_record(FULL.key, value)
     assert got is None and why in reason and reason.endswith("skipped"), reason
     assert "foreign" in reason
+    # and the status of a namespace with such a record is built without an exception
+    st = namespace_status(NS, [(FULL.host_id, value)], NOW)
+    assert st.live == [] and st.problems and json.dumps(st.to_dict(NOW))
 
 
 @pytest.mark.parametrize("state", HEALTH_STATES)
@@ -155,7 +167,7 @@ def test_the_largest_record_this_version_writes_fits_the_bound() -> None:
     name = "h" * 63
     r = replace(FULL, host=big, host_id=host_id(name, "m", "/s"), deployment=big,
                 version=big, serde=big, serde_key_fingerprint=big, updated_at=MAX_TIME_S,
-                ttl_s=MAX_COUNT, since=float(MAX_TIME_S) - 0.123456789,
+                ttl_s=MAX_TTL_S, since=float(MAX_TIME_S) - 0.123456789,
                 health=HealthStamp("degraded", float(MAX_TIME_S) - 0.123456789),
                 nvme=NvmeUse(MAX_COUNT, MAX_COUNT, float(MAX_TIME_S) - 0.123456789))
     assert len(r.encode().encode()) <= MAX_RECORD_BYTES
