@@ -45,7 +45,8 @@ from kvpersist.l2.scan import ProgressFn, ScanResult
 from kvpersist.l2.shared_store import StoreMeasurement, measure
 from kvpersist.stack.health import COMPONENTS, EXIT, HealthReport, component_status
 from kvpersist.stack.lmcache_exec import read_secret_file
-from kvpersist.system.files import service_uids, write_textfile
+from kvpersist.system.files import open_textfile_dir, service_uids, write_textfile_at
+from kvpersist.system.untrusted import show_path
 
 PREFIX = "kvpersist_"
 _HEALTH_VALUE = {"ok": 0, "degraded": 1, "down": 2, "warming": 3}
@@ -453,11 +454,16 @@ def _deployment_info(dep: Deployment) -> dict[str, str]:
 
 def write_textfiles(outcome: MetricsOutcome, directory: str) -> list[str]:
     """Write each root's and each deployment's exposition into ``directory`` (atomically,
-    readable by node_exporter); the paths written. Raises KvpError if one cannot be written."""
-
+    readable by node_exporter, relative to the directory opened once: never through a
+    symbolic link); the paths written. Raises UsageError (exit 2) when ``directory`` is a
+    symbolic link or not a directory, KvpError if a file cannot be written."""
     written = []
-    for name, exp in outcome.files():
-        path = os.path.join(directory, name)
-        write_textfile(path, exp.registry())
-        written.append(path)
+    dfd = open_textfile_dir(directory)
+    try:
+        for name, exp in outcome.files():
+            path = os.path.join(directory, name)
+            write_textfile_at(dfd, name, exp.registry(), shown=show_path(path))
+            written.append(path)
+    finally:
+        os.close(dfd)
     return written

@@ -46,7 +46,7 @@ from kvpersist.config.key_paths import (
     root_key_path,
     tombstone_path,
 )
-from kvpersist.errors import KvpError
+from kvpersist.errors import EXIT_USAGE, KvpError
 from kvpersist.l2.keyplan import ADOPT, LaunchKeyFacts, LaunchKeyPlan, plan_launch_key
 from kvpersist.system.files import (
     atomic_write,
@@ -63,7 +63,10 @@ TOMBSTONE_SCHEMA = "kvpersist.key-tombstone/1"
 
 
 class KeyError_(KvpError):
-    """The key file is unusable (unreadable, too short, readable by others)."""
+    """The key file is unusable (unreadable, too short, readable by others): a configuration
+    error, exit 2 (issue 40: ``scrub`` exited 1, its code for dirty padding left)."""
+
+    exit_code = EXIT_USAGE
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from kvpersist.config.shared_tier import (
     parse_secret,
 )
 from kvpersist.errors import KvpError
-from kvpersist.system.files import read_checked, read_owner_only, trust_problems
+from kvpersist.system.files import UnusableSecret, read_checked, read_owner_only, trust_problems
 
 MODULE = "kvpersist.stack.lmcache_exec"
 SHARED_TYPES = ("resp", "valkey")
@@ -83,17 +83,17 @@ def check_ca_file(path: str, also: tuple[int, ...] = ()) -> None:
 def read_secret_file(path: str, also: tuple[int, ...] = ()) -> SharedSecret:
     """Read the shared tier's secret file: a regular file (no symlink) owned by this user (or
     one of ``also``: the service user, when root administers for it) and readable by nobody
-    else (:func:`kvpersist.system.files.read_owner_only`). Raises KvpError naming the problem
-    (never the content)."""
+    else (:func:`kvpersist.system.files.read_owner_only`). Raises UnusableSecret (exit 2)
+    naming the problem (never the content)."""
     raw = read_owner_only(path, what="shared tier secret file", max_bytes=SECRET_MAX_BYTES,
                           also=also, fix="check KVP_SHARED_TIER_SECRET_FILE")
     try:
         text = raw.decode("utf-8", errors="strict")
     except UnicodeDecodeError as exc:
-        raise KvpError(f"shared tier secret file {path} is not UTF-8 text") from exc
+        raise UnusableSecret(f"shared tier secret file {path} is not UTF-8 text") from exc
     secret, problem = parse_secret(text)
     if secret is None:
-        raise KvpError(f"shared tier secret file {path}: {problem}")
+        raise UnusableSecret(f"shared tier secret file {path}: {problem}")
     return secret
 
 

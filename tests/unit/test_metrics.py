@@ -196,10 +196,29 @@ def test_a_missing_root_still_exports_health_and_exits_1(tmp_path: Path) -> None
 
 
 def test_a_missing_textfile_directory_is_a_clean_error(tmp_path: Path, root: Path) -> None:
+    """A usage error naming the option (exit 2, issue 40: every usage error is 2)."""
     res = kvp("metrics", "--root", str(root), "--textfile", str(tmp_path / "nope"))
-    assert res.returncode == 1, res.stderr
-    assert "Traceback" not in res.stderr and "cannot write" in res.stderr
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and "--textfile" in res.stderr
     assert not (tmp_path / "nope").exists()
+
+
+def test_a_textfile_directory_that_is_a_symlink_is_refused(tmp_path: Path, root: Path) -> None:
+    """Decided (issue 40): kvpersist writes no file through a symbolic link, the textfile
+    directory included (before, ``--textfile LINK`` wrote into the link's target). The
+    directory itself, named by its real path, is written as before."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    link = tmp_path / "textfiles"
+    link.symlink_to(target)
+    res = kvp("metrics", "--root", str(root), "--textfile", str(link))
+    assert res.returncode == 2 and "symbolic link" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and list(target.iterdir()) == []
+    ok = kvp("metrics", "--root", str(root), "--textfile", str(target))
+    assert ok.returncode == 0, ok.stderr
+    files = list(target.iterdir())
+    assert len(files) == 1 and files[0].name.startswith("kvpersist-root-")
+    assert files[0].stat().st_mode & 0o777 == 0o644
 
 
 # --------------------------------------------------------------------------- runs
