@@ -25,7 +25,6 @@ shred, :func:`write_tombstone` its record (docs/keys-and-shred.md).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat
 import time
@@ -55,7 +54,7 @@ from kvpersist.system.files import (
     read_owner_only,
     trust_problems,
 )
-from kvpersist.system.untrusted import MAX_RECORD_BYTES, UnreadableFile, read_text
+from kvpersist.system.untrusted import MAX_RECORD_BYTES, UnreadableFile, read_json, read_text
 
 KEY_BYTES = 32
 FINGERPRINT_FILE = FINGERPRINT_NAME
@@ -358,9 +357,9 @@ def write_tombstone(state_dir: str, namespace: str, destroyed: list[DestroyedKey
 def read_tombstone(state_dir: str, namespace: str) -> dict[str, Any] | None:
     """The tombstone of ``namespace`` (None: none, or not a tombstone). Never raises."""
     try:
-        doc = json.loads(read_text(tombstone_path(state_dir, namespace), follow=False,
-                                   max_bytes=MAX_RECORD_BYTES))
-    except (OSError, UnreadableFile, ValueError):
+        doc = read_json(tombstone_path(state_dir, namespace), follow=False,
+                        max_bytes=MAX_RECORD_BYTES)
+    except (OSError, UnreadableFile):
         return None
     return doc if isinstance(doc, dict) and doc.get("schema") == TOMBSTONE_SCHEMA else None
 

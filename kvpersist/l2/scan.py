@@ -461,7 +461,7 @@ def _busy_cpus(samples: int = 8, interval_s: float = 0.0025) -> float:
             if i:
                 time.sleep(interval_s)
             with open("/proc/loadavg", "rb") as f:
-                running = int(f.read().split()[3].split(b"/")[0])
+                running = int(f.read(256).split()[3].split(b"/")[0])
             busy = max(busy, running - 1)  # this process is one of the runnable tasks
     except (OSError, ValueError, IndexError):
         return os.getloadavg()[0]

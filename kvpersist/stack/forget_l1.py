@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.errors import KvpError
+from kvpersist.system.untrusted import http
 
 #: LMCache's ``object_service.MAX_DELETE_BATCH``
 MAX_BATCH = 10_000
@@ -53,7 +54,7 @@ def answers(base_url: str, timeout: float = 5.0) -> bool:
     import requests
 
     try:
-        return requests.get(f"{base_url}/healthcheck", timeout=timeout).status_code == 200
+        return http("GET", f"{base_url}/healthcheck", timeout=timeout).status == 200
     except requests.RequestException:
         return False
 
@@ -72,19 +73,24 @@ def delete_objects(base_url: str, keys: Sequence[dict[str, Any]], *, tier: str,
         if adapter is not None:
             body["adapter"] = adapter
         try:
-            r = requests.delete(f"{base_url}/cache/objects", json=body, timeout=timeout)
+            r = http("DELETE", f"{base_url}/cache/objects", json_body=body, timeout=timeout)
         except requests.ConnectionError:
             raise ServerDown(f"no cache server answers at {base_url}") from None
         except requests.RequestException as exc:
             raise KvpError(f"DELETE /cache/objects ({tier}) at {base_url}: "
                            f"{type(exc).__name__}") from None
-        doc = _json(r)
-        if r.status_code != 200 or doc.get("ok") is not True:
-            detail = doc.get("detail") or doc.get("error") or r.text[:300]
-            raise KvpError(f"DELETE /cache/objects ({tier}) answered {r.status_code}: "
+        doc = r.object()
+        if r.status != 200 or doc.get("ok") is not True:
+            detail = doc.get("detail") or doc.get("error") or r.text()
+            raise KvpError(f"DELETE /cache/objects ({tier}) answered {r.status}: "
                            f"{str(detail)[:300]}")
-        deleted += int(doc.get("deleted") or 0)
-        skipped += int(doc.get("skipped") or 0)
+        counts = [doc.get("deleted", 0), doc.get("skipped", 0)]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= len(keys)
+                   for n in counts):
+            raise KvpError(f"DELETE /cache/objects ({tier}) answered counts that are not "
+                           f"whole numbers from 0 to {len(keys)}: {str(counts)[:200]}")
+        deleted += counts[0]
+        skipped += counts[1]
     return Deleted(deleted, skipped)
 
 
@@ -105,11 +111,3 @@ def delete_from_l1(base_url: str, keys: Sequence[dict[str, Any]], *, attempts: i
         if not res.skipped:
             break
     return Deleted(deleted, res.skipped)
-
-
-def _json(r: Any) -> dict[str, Any]:
-    try:
-        doc = r.json()
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}

@@ -39,7 +39,13 @@ from kvpersist.stack.readiness import WarmupFacts, gather, judge
 from kvpersist.stack.render import serde_warnings
 from kvpersist.system import procs
 from kvpersist.system.files import fs_info, service_uids
-from kvpersist.system.untrusted import MAX_STATE_BYTES, UnreadableFile, parse_json, read_json_object
+from kvpersist.system.untrusted import (
+    MAX_STATE_BYTES,
+    UnreadableFile,
+    http,
+    parse_json,
+    read_json_object,
+)
 
 SCHEMA = "kvpersist.health/1"
 EXIT = {"healthy": 0, "degraded": 1, "down": 2, "warming": 3}
@@ -100,16 +106,18 @@ class Facts:
 
 
 def _get(url: str, timeout: float, method: str = "GET") -> tuple[int | None, Any]:
+    """(status, the JSON body or the text of one that is not JSON), read with a bound
+    (:func:`kvpersist.system.untrusted.http`); (None, why) when nothing answers."""
     import requests
 
     try:
-        r = requests.request(method, url, timeout=timeout)
+        r = http(method, url, timeout=timeout)
     except requests.RequestException as exc:
-        return None, str(exc)
+        return None, " ".join(str(exc).split())[:300]
     try:
-        return r.status_code, r.json()
-    except ValueError:
-        return r.status_code, r.text
+        return r.status, r.json(url)
+    except UnreadableFile:
+        return r.status, r.text()
 
 
 def read_budget_record(path: str) -> tuple[dict[str, Any] | None, str]:

@@ -42,6 +42,7 @@ from kvpersist.config.shared_tier import (
 )
 from kvpersist.errors import KvpError
 from kvpersist.system.files import UnusableSecret, read_checked, read_owner_only, trust_problems
+from kvpersist.system.untrusted import MAX_STATE_BYTES, read_text
 
 MODULE = "kvpersist.stack.lmcache_exec"
 SHARED_TYPES = ("resp", "valkey")
@@ -143,8 +144,7 @@ def _installed_valkey_swaps() -> bool:
     spec = importlib.util.find_spec(_WORKER_POOL)
     if spec is None or not spec.origin:
         return False
-    with open(spec.origin, encoding="utf-8") as f:
-        return valkey_swaps_credentials(f.read())
+    return valkey_swaps_credentials(read_text(spec.origin, max_bytes=MAX_STATE_BYTES))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

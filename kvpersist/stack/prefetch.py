@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.errors import KvpError
+from kvpersist.system.untrusted import HttpReply, http
 
 #: seconds between retries of a 503 / refused connection, and between polls
 RETRY_S = 1.0
@@ -55,21 +56,22 @@ def submit(base_url: str, model_name: str, world_size: int, token_ids: Sequence[
     last = ""
     while True:
         try:
-            r = requests.post(f"{base_url}/cache/prefetches", json=body,
-                              timeout=max(1.0, min(30.0, deadline - clock())))
+            r = http("POST", f"{base_url}/cache/prefetches", json_body=body,
+                     timeout=max(1.0, min(30.0, deadline - clock())))
         except requests.RequestException as exc:
             last = f"the cache server at {base_url} does not answer ({type(exc).__name__})"
         else:
-            if r.status_code == 202:
-                doc = _json(r)
+            if r.status == 202:
+                doc = r.object()
                 if doc.get("status") == "noop":
                     return Submitted(None, 0)
                 rid, chunks = doc.get("request_id"), doc.get("chunks")
                 if isinstance(rid, str) and isinstance(chunks, int):
                     return Submitted(rid, chunks)
-                raise PrefetchFailed(f"unexpected answer to POST /cache/prefetches: {doc}")
-            if r.status_code != 503:
-                raise PrefetchFailed(f"POST /cache/prefetches answered {r.status_code}: "
+                raise PrefetchFailed("unexpected answer to POST /cache/prefetches: "
+                                     f"{str(doc)[:300]}")
+            if r.status != 503:
+                raise PrefetchFailed(f"POST /cache/prefetches answered {r.status}: "
                                      f"{_detail(r)}")
             last = f"the cache server answers 503: {_detail(r)}"
         if clock() + RETRY_S > deadline:
@@ -87,36 +89,34 @@ def wait_completed(base_url: str, request_id: str, *, deadline: float,
 
     while True:
         try:
-            r = requests.get(f"{base_url}/cache/prefetches/{request_id}",
-                             timeout=max(1.0, min(30.0, deadline - clock())))
+            r = http("GET", f"{base_url}/cache/prefetches/{request_id}",
+                     timeout=max(1.0, min(30.0, deadline - clock())))
         except requests.RequestException as exc:
             raise PrefetchFailed(f"polling prefetch {request_id}: the cache server at "
                                  f"{base_url} does not answer ({type(exc).__name__})") from None
-        if r.status_code != 200:
+        if r.status != 200:
             raise PrefetchFailed(f"GET /cache/prefetches/{request_id} answered "
-                                 f"{r.status_code}: {_detail(r)}")
-        doc = _json(r)
+                                 f"{r.status}: {_detail(r)}")
+        doc = r.object()
         if doc.get("status") == "completed":
             found, total = doc.get("found_keys"), doc.get("total_keys")
-            if isinstance(found, int) and isinstance(total, int):
+            if isinstance(found, int) and isinstance(total, int) and _count(found) \
+                    and _count(total):
                 return Completed(found, total)
-            raise PrefetchFailed(f"unexpected answer for prefetch {request_id}: {doc}")
+            raise PrefetchFailed(f"unexpected answer for prefetch {request_id}: "
+                                 f"{str(doc)[:300]}")
         if clock() + POLL_S > deadline:
             raise PrefetchFailed(f"prefetch {request_id} still {doc.get('status')} at the "
                                  "deadline (--wait)")
         time.sleep(POLL_S)
 
 
-def _json(r: Any) -> dict[str, Any]:
-    try:
-        doc = r.json()
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
+def _count(value: Any) -> bool:
+    """A count a reply may hold: a whole number from 0 to 2**63 - 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
 
 
-def _detail(r: Any) -> str:
-    doc = _json(r)
+def _detail(r: HttpReply) -> str:
+    doc = r.object()
     detail = doc.get("detail", doc.get("error"))
-    text = str(detail) if detail is not None else (r.text or "")
-    return text[:300]
+    return str(detail)[:300] if detail is not None else r.text()

@@ -15,12 +15,12 @@ start-up cost; the launch says so.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvpersist.stack.locate import Location
+from kvpersist.system.untrusted import UnreadableFile, http_lines, parse_json
 
 #: the prime's messages: a few tokens with the chat template, whatever the tokenizer
 PRIME_MESSAGES = ({"role": "user", "content": "Hello."},)
@@ -73,19 +73,19 @@ def prime_vllm(loc: Location, *, timeout: float = PRIME_TIMEOUT_S) -> PrimeRun:
                            timeout=timeout) as resp:
             if resp.status_code != 200:
                 return PrimeRun(False, time.monotonic() - t0, f"HTTP {resp.status_code}")
-            for raw in resp.iter_lines():
+            for raw in http_lines(resp):
                 if not raw.startswith(b"data: ") or raw == b"data: [DONE]":
                     continue
                 try:
-                    event = json.loads(raw[6:])
-                except ValueError:
+                    event = parse_json(raw[6:], "a streamed event")
+                except UnreadableFile:
                     return PrimeRun(False, time.monotonic() - t0, "a streamed event is not JSON")
                 if not isinstance(event, dict) or "error" in event:
                     return PrimeRun(False, time.monotonic() - t0,
                                     f"vLLM streamed an error: {str(event)[:200]}")
                 if isinstance(event.get("usage"), dict):
                     usage = event["usage"]
-    except requests.RequestException as exc:
+    except (requests.RequestException, UnreadableFile) as exc:
         return PrimeRun(False, time.monotonic() - t0,
                         f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
     tokens = usage.get("prompt_tokens")

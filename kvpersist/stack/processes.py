@@ -26,7 +26,7 @@ from kvpersist.stack.locate import Location
 from kvpersist.stack.plan import LaunchPlan
 from kvpersist.stack.preread import start_preread
 from kvpersist.system import procs
-from kvpersist.system.untrusted import UnreadableFile, read_tail
+from kvpersist.system.untrusted import UnreadableFile, http, read_tail
 
 Progress = Callable[[str], None]
 #: the least time ``stop`` gives vLLM between SIGTERM and SIGKILL: its drain of the requests
@@ -65,7 +65,7 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
     import requests  # lazy: kvp-admin's start-up stays light
 
     try:
-        return requests.get(url, timeout=timeout).status_code == 200
+        return http("GET", url, timeout=timeout).status == 200
     except requests.RequestException:
         return False
 
@@ -76,10 +76,10 @@ def vllm_ready(plan: Location, timeout: float = 2.0) -> bool:
     import requests  # lazy: kvp-admin's start-up stays light
 
     try:
-        if requests.get(f"{plan.vllm_url}/health", timeout=timeout).status_code != 200:
+        if http("GET", f"{plan.vllm_url}/health", timeout=timeout).status != 200:
             return False
-        models = requests.get(f"{plan.vllm_url}/v1/models", timeout=timeout).json()
-    except (requests.RequestException, ValueError):
+        models = http("GET", f"{plan.vllm_url}/v1/models", timeout=timeout).object()
+    except requests.RequestException:
         return False
     data = models.get("data") if isinstance(models, dict) else None  # any JSON may answer
     return isinstance(data, list) and any(isinstance(m, dict) and m.get("root") == plan.namespace

@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvpersist.system.untrusted import http
+
 #: the ``user`` field of the warm-up's compute requests
 COMPUTE_USER = "kvpersist-warmup"
 #: tokens each compute request generates (the prefill is what it is for)
@@ -61,12 +63,11 @@ def compute(vllm_url: str, model: str, token_ids: Sequence[int], *, deadline: fl
     if left <= 0:
         return Computed(False, 0.0, "no time left in the warm-up's budget")
     try:
-        r = requests.post(f"{vllm_url}/v1/completions", json=compute_body(model, token_ids),
-                          timeout=left)
+        r = http("POST", f"{vllm_url}/v1/completions", json_body=compute_body(model, token_ids),
+                 timeout=left)
     except requests.RequestException as exc:
         return Computed(False, clock() - t0, f"vLLM at {vllm_url} did not answer "
                         f"({type(exc).__name__})")
-    if r.status_code != 200:
-        return Computed(False, clock() - t0,
-                        f"vLLM answered {r.status_code}: {r.text[:200]!r}")
+    if r.status != 200:
+        return Computed(False, clock() - t0, f"vLLM answered {r.status}: {r.text(200)!r}")
     return Computed(True, clock() - t0)

@@ -19,6 +19,10 @@ must not crash it with ``RecursionError``, a number too big for a float must not
   descriptor, never through a symlink, never blocking) whose size must be at most what
   LMCache can write for its namespace's geometry, and reads it in bounded blocks: a 50 GB
   sparse file named like a chunk costs one ``fstat``, a real one a block of memory.
+* :func:`http` reads an HTTP reply of the cache server or vLLM (their admin and OpenAI
+  APIs) up to :data:`MAX_HTTP_BYTES`, in a bounded time; :func:`http_lines` a streamed one
+  line by line, each line and the whole bounded; :meth:`HttpReply.json` parses it as
+  untrusted JSON.
 * :func:`bounded_resp_parser` is the parser of every reply of the shared tier's store: a
   reply that announces or sends more than :data:`MAX_REPLY_BYTES` is refused before it is
   read (a store that announced ``$2147483647`` and streamed zeros ended ``fleet status``,
@@ -39,7 +43,9 @@ import math
 import os
 import re
 import stat
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.errors import EXIT_USAGE, KvpError, Problem
@@ -59,6 +65,10 @@ CHUNK_BLOCK_BYTES = 1 << 20
 #: pages of 500 keys, INFO, lengths and values read by bounded scripts (a fleet record is
 #: at most 4 KiB), never a chunk's value
 MAX_REPLY_BYTES = 16 << 20
+#: the most bytes of an HTTP reply read (the cache server's and vLLM's JSON answers are a
+#: few KiB; a streamed reply's lines are bounded one by one, :data:`MAX_HTTP_LINE_BYTES`)
+MAX_HTTP_BYTES = 4 << 20
+MAX_HTTP_LINE_BYTES = 1 << 20
 
 #: the flags of every open: read-only, not inherited, never blocking on a FIFO
 _FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
@@ -438,3 +448,77 @@ def _shortened(exc: Any) -> Any:
     cut = show_path(text[:MAX_REPLY_MESSAGE].encode("utf-8", "surrogateescape"))
     more = len(text) - MAX_REPLY_MESSAGE
     return type(exc)(cut + (f"... ({more:,} more characters)" if more > 0 else ""))
+
+
+@dataclass(frozen=True)
+class HttpReply:
+    """An HTTP reply read with a bound: its status and at most ``max_bytes`` of its body
+    (``cut``: there was more, not read)."""
+
+    status: int
+    body: bytes
+    cut: bool = False
+
+    def json(self, where: str) -> Any:
+        """The body as untrusted JSON (:func:`parse_json`). Raises UnreadableFile, also for
+        a body cut at the bound."""
+        if self.cut:
+            raise UnreadableFile(where, f"answered more than the {len(self.body):,} bytes "
+                                 "kvpersist reads")
+        return parse_json(self.body, where)
+
+    def object(self, where: str = "the reply") -> dict[str, Any]:
+        """The body if it is a JSON object, else ``{}`` (an answer that is not one is read as
+        an answer without the fields asked for)."""
+        try:
+            doc = self.json(where)
+        except UnreadableFile:
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def text(self, limit: int = 300) -> str:
+        """The first ``limit`` characters of the body, escaped (:func:`show_path`)."""
+        return show_path(self.body[:limit * 4].decode("utf-8", "replace")[:limit])
+
+
+def http(method: str, url: str, *, timeout: float, json_body: Any = None,
+         max_bytes: int = MAX_HTTP_BYTES) -> HttpReply:
+    """``method`` on ``url`` with ``requests``: the reply read up to ``max_bytes`` (streamed,
+    never more), within ``timeout`` for the connection and for each read and at most twice
+    ``timeout`` for the whole body. Raises ``requests.RequestException`` as ``requests``
+    does (``requests.Timeout`` for a body that trickles past the bound)."""
+    import requests
+
+    deadline = time.monotonic() + 2 * timeout
+    with requests.request(method, url, json=json_body, timeout=timeout, stream=True) as r:
+        parts: list[bytes] = []
+        size = 0
+        for block in r.iter_content(65536):
+            parts.append(block)
+            size += len(block)
+            if size > max_bytes:
+                return HttpReply(r.status_code, b"".join(parts)[:max_bytes], True)
+            if time.monotonic() > deadline:
+                raise requests.Timeout(f"{url} sent its answer for more than {2 * timeout:g} s")
+        return HttpReply(r.status_code, b"".join(parts))
+
+
+def http_lines(response: Any, *, max_line: int = MAX_HTTP_LINE_BYTES,
+               max_bytes: int = 64 * MAX_HTTP_BYTES) -> Iterator[bytes]:
+    """The lines of a streamed ``requests`` reply (``\\n``, ``\\r\\n``), each at most
+    ``max_line`` bytes and ``max_bytes`` in all. Raises UnreadableFile beyond either."""
+    pending = b""
+    total = 0
+    for block in response.iter_content(65536):
+        total += len(block)
+        if total > max_bytes:
+            raise UnreadableFile(str(response.url), f"streamed more than {max_bytes:,} bytes")
+        pending += block
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+        if len(pending) > max_line:
+            raise UnreadableFile(str(response.url), f"streamed a line longer than "
+                                 f"{max_line:,} bytes")
+    if pending:
+        yield pending.rstrip(b"\r")
