@@ -7,7 +7,7 @@ from collections.abc import Callable
 from kvpersist.config.loader import load_deployment
 from kvpersist.errors import UsageError
 from kvpersist.l2.frames import max_chunk_file_bytes
-from kvpersist.l2.inventory import open_root
+from kvpersist.l2.inventory import open_existing
 from kvpersist.l2.keys import namespace_keys
 from kvpersist.l2.scrub import ScrubResult, scrub_root
 from kvpersist.system.files import service_uids
@@ -29,7 +29,7 @@ def scrub(config: str, *, apply: bool = False, since_ns: int | None = None,
                          "in clear, there is no padding to scrub (set KVP_L2_SERDE=aesgcm)")
     key, _ = namespace_keys(s.state_dir, dep.namespace, s.serde_key_file,
                             service_uids(s.service_user))
-    with open_root(s.cache_root, purpose="scrub") as root:
+    with open_existing(s.cache_root, purpose="scrub") as root:
         return scrub_root(root, dep.namespace, key, apply=apply, since_ns=since_ns,
                           progress=progress,
                           max_bytes=max_chunk_file_bytes(dep.identity_values,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from kvpersist.config.loader import load_deployment
 from kvpersist.l2 import keys
 from kvpersist.l2.frames import MAX_CHUNK_FILE_BYTES, max_chunk_file_bytes
-from kvpersist.l2.inventory import open_root
+from kvpersist.l2.inventory import open_existing
 from kvpersist.l2.pin_store import read_pins
 from kvpersist.l2.runs import record_run
 from kvpersist.l2.verify import VerifyResult, verify_root
@@ -30,7 +30,7 @@ def verify(config: str, *, apply: bool = False, all_namespaces: bool = False,
         key, key_for = keys.namespace_keys(s.state_dir, dep.namespace, s.serde_key_file, also)
     # a chunk file of the namespace past what its geometry allows is a finding, never read
     limit = max_chunk_file_bytes(dep.identity_values, dep.generic.chunk_size)
-    with open_root(s.cache_root, purpose="verify") as root:
+    with open_existing(s.cache_root, purpose="verify") as root:
         pins = read_pins(root)
         res = verify_root(root, dep.namespace, serde=s.serde, key=key, apply=apply,
                           temp_age=temp_age, rate_mb_s=rate_mb_s or None,

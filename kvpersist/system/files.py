@@ -283,6 +283,15 @@ def file_problems(path: str | os.PathLike[str], st: os.stat_result, *,
     return out
 
 
+class UnusableSecret(KvpError):
+    """A key, secret or CA file a setting names cannot be used (missing, a link, a FIFO, too
+    big, readable by others, not what its format says): a configuration error, exit 2,
+    whichever command meets it (issue 40: ``fleet status`` and ``scrub`` exited 1, which
+    ``scrub`` also means for "dirty padding left")."""
+
+    exit_code = EXIT_USAGE
+
+
 def read_checked(path: str | os.PathLike[str], *, what: str, fix: str, max_bytes: int,
                  also: tuple[int, ...] = (), secret: bool = True) -> tuple[bytes, list[str]]:
     """Open ``path`` without following a symbolic link and without blocking (a FIFO), check
@@ -290,14 +299,15 @@ def read_checked(path: str | os.PathLike[str], *, what: str, fix: str, max_bytes
     of ``also`` and be readable by nobody else) and read at most ``max_bytes`` of it.
 
     Returns (the bytes read: none when it is not a regular file or, ``secret``, when it has a
-    problem; every problem found). Raises KvpError ("``what`` ``path``: why; ``fix``") when it
-    cannot be opened or read."""
+    problem; every problem found). Raises :class:`UnusableSecret` (exit 2: "``what``
+    ``path``: why; ``fix``") when it cannot be opened or read."""
     p = os.fspath(path)
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
         fd = os.open(p, flags)
     except OSError as exc:
-        raise KvpError(f"{what} {p}: {exc.strerror}" + (f"; {fix}" if fix else "")) from exc
+        raise UnusableSecret(f"{what} {p}: {exc.strerror}" + (f"; {fix}" if fix else "")
+                             ) from exc
     try:
         st = os.fstat(fd)
         me = os.geteuid()
@@ -315,7 +325,7 @@ def read_checked(path: str | os.PathLike[str], *, what: str, fix: str, max_bytes
             left -= len(chunk)
         return b"".join(chunks), problems
     except OSError as exc:
-        raise KvpError(f"cannot read {what} {p}: {exc.strerror or exc}") from exc
+        raise UnusableSecret(f"cannot read {what} {p}: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
 
@@ -337,12 +347,3 @@ def read_owner_only(path: str | os.PathLike[str], *, what: str, max_bytes: int,
         raise UnusableSecret(f"{what} {os.fspath(path)} holds more than {max_bytes} bytes; "
                              "point the setting at the right file")
     return data
-
-
-class UnusableSecret(KvpError):
-    """A key or secret file a setting names cannot be used (missing, a link, a FIFO, too
-    big, readable by others, not what its format says): a configuration error, exit 2,
-    whichever command meets it (issue 40: ``fleet status`` and ``scrub`` exited 1, which
-    ``scrub`` also means for "dirty padding left")."""
-
-    exit_code = EXIT_USAGE

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from ..cli import kvp
-from ..conftest import clean_env, free_port
 from kvpersist.l2.layout import display_name
 
+from ..cli import kvp
+from ..conftest import clean_env, free_port
 from ..l2_roots import scan_at
 
 NS = "kvp-8a8877c212dbb9f802c2eb354e22b53a"  # cpu-demo's namespace
