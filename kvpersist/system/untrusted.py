@@ -65,6 +65,8 @@ CHUNK_BLOCK_BYTES = 1 << 20
 #: pages of 500 keys, INFO, lengths and values read by bounded scripts (a fleet record is
 #: at most 4 KiB), never a chunk's value
 MAX_REPLY_BYTES = 16 << 20
+#: the longest line of such a reply (a status, an error, a length)
+MAX_REPLY_LINE_BYTES = 1 << 20
 #: the most bytes of an HTTP reply read (the cache server's and vLLM's JSON answers are a
 #: few KiB; a streamed reply's lines are bounded one by one, :data:`MAX_HTTP_LINE_BYTES`)
 MAX_HTTP_BYTES = 4 << 20
@@ -396,6 +398,7 @@ def bounded_resp_parser(max_bytes: int = MAX_REPLY_BYTES) -> type[Any]:
     from redis._parsers.socket import SocketBuffer
     from redis.exceptions import ConnectionError as StoreConnectionError
     from redis.exceptions import RedisError
+    from redis.utils import SENTINEL
 
     def too_large(size: int) -> Exception:
         return StoreConnectionError(f"the store sent or announced a reply longer than the "
@@ -418,6 +421,26 @@ def bounded_resp_parser(max_bytes: int = MAX_REPLY_BYTES) -> type[Any]:
             if self._size() > max_bytes:
                 raise too_large(self._size())
             return got
+
+        def readline(self, timeout: Any = SENTINEL) -> bytes:
+            # redis-py's own loop, with a bound on the line (a status, an error, a length:
+            # never long) so that an endless line costs neither memory nor quadratic copies
+            buf = self._live_buffer()
+            try:
+                data = buf.readline()
+                while not data.endswith(b"\r\n"):
+                    if len(data) > MAX_REPLY_LINE_BYTES:
+                        raise too_large(len(data) + 2)
+                    self._read_from_socket(timeout=timeout)
+                    data += buf.readline()
+            except ValueError:  # the buffer was closed under the read
+                raise StoreConnectionError("Connection closed by server.") from None
+            line = bytes(data[:-2])
+            # an array announcing more items than the bound can hold (each takes at least
+            # 4 bytes, ":1\r\n") is refused before its first item is read
+            if line[:1] == b"*" and line[1:].isdigit() and int(line[1:]) > max_bytes // 4:
+                raise too_large(int(line[1:]) * 4)
+            return line
 
     class BoundedParser(_RESP2Parser):
         def read_response(self, *args: Any, **kw: Any) -> Any:
