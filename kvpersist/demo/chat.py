@@ -7,7 +7,6 @@ OpenAI-compatible ``/v1/chat/completions`` endpoint; every way it fails is a
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any
 import requests
 
 from kvpersist.errors import DemoFailed
+from kvpersist.system.untrusted import UnreadableFile, http_lines, parse_json
 
 _TOPICS = (
     "the cache server", "the model weights", "the disk budget", "the restart order",
@@ -104,15 +104,15 @@ def _stream(base_url: str, model: str, messages: list[dict[str, str]], max_token
     with requests.post(f"{base_url}/v1/chat/completions", json=body, stream=True,
                        timeout=timeout) as resp:
         resp.raise_for_status()
-        for raw in resp.iter_lines():
+        for raw in http_lines(resp):
             if not raw or not raw.startswith(b"data: "):
                 continue
             data = raw[len(b"data: "):]
             if data == b"[DONE]":
                 break
             try:
-                event = json.loads(data)
-            except ValueError:
+                event = parse_json(data, "a streamed event")
+            except UnreadableFile:
                 event = None
             if not isinstance(event, dict):
                 raise DemoFailed(what, f"a streamed event is not a JSON object: "

@@ -38,6 +38,9 @@ from kvpersist.stack.plan import prepare_launch
 from kvpersist.stack.processes import stop_deployment
 from kvpersist.system import procs
 
+#: the most of the server's log read for its L2 hits (what one demo run writes is far less)
+LOG_READ_BYTES = 64 << 20
+
 Progress = Callable[[str], None]
 HITS_METRIC = "vllm:external_prefix_cache_hits_total"
 #: served in float32 (weights and KV): vLLM's CPU build computes the same tokens from a full
@@ -150,7 +153,7 @@ def _l2_hits(log: str, since: int) -> int:
     try:
         with open(log, "rb") as f:
             f.seek(since)
-            text = f.read().decode(errors="replace")
+            text = f.read(LOG_READ_BYTES).decode(errors="replace")
     except OSError:
         return 0
     return sum(int(m) for m in re.findall(r"retained keys \(\d+ L1, (\d+) L2\)", text))
