@@ -12,6 +12,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from kvpersist.config.values import MAX_DURATION_S, MAX_WAIT_S
 from kvpersist.json_mode import mark_written
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -69,8 +70,6 @@ class Number(click.ParamType):  # type: ignore[type-arg]
 #: optional sign (no exponent, no nan or inf, no "_", no other digits than 0-9)
 _DECIMAL = re.compile(r"[+-]?[0-9]{1,15}(?:\.[0-9]{1,9})?|[+-]?\.[0-9]{1,9}", re.ASCII)
 _INTEGER = re.compile(r"[+-]?[0-9]{1,15}", re.ASCII)
-#: the longest any command waits for anything (a day)
-MAX_WAIT_S = 86400.0
 #: a network timeout: more than 0, at most an hour
 TIMEOUT = Number(0, 3600, above=True, unit="seconds")
 #: a wait or a time bound that may be 0 (do not wait), at most a day
@@ -78,7 +77,7 @@ WAIT = Number(0, MAX_WAIT_S, unit="seconds")
 #: a time bound that must be more than 0, at most a day
 SECONDS = Number(0, MAX_WAIT_S, above=True, unit="seconds")
 #: an age in seconds (0 to 100 years)
-AGE_S = Number(0, 100 * 365.25 * 86400, unit="seconds")
+AGE_S = Number(0, MAX_DURATION_S, unit="seconds")
 #: a read rate in MB/s (0: unbounded)
 RATE = Number(0, 1e6, unit="MB/s")
 

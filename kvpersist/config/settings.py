@@ -19,6 +19,7 @@ from kvpersist.config.engine_args import extra_args_problems
 from kvpersist.config.envfile import value_problem
 from kvpersist.config.shared_tier import parse_shared_tier
 from kvpersist.config.values import (
+    MAX_WAIT_S,
     SYSTEM_TREES,
     host_problem,
     is_scoped,
@@ -257,7 +258,9 @@ def convert_setting(kind: str, raw: str) -> tuple[Any, str]:
             seconds = parse_duration(value)
         except ValueError as exc:
             return None, str(exc)
-        return (seconds, "") if seconds > 0 else (None, "must be > 0")
+        if not 0 < seconds <= MAX_WAIT_S:
+            return None, f"must be more than 0 and at most a day ({MAX_WAIT_S:g} s)"
+        return seconds, ""
     if kind == "maxage":
         return parse_max_age(value)
     if kind == "share":

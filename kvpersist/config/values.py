@@ -18,6 +18,8 @@ _FACTOR = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4, "P": 1024
 _DURATION = re.compile(_NUMBER + r"(s|m|h|d|w)?\Z", re.IGNORECASE | re.ASCII)
 #: the longest duration any option or setting takes: 100 years
 MAX_DURATION_S = 100 * 365.25 * 86400
+#: the longest any command waits for anything, and the longest warm-up: a day
+MAX_WAIT_S = 86400.0
 _PERCENT = re.compile(r"\s*([0-9]{1,3}(?:\.[0-9]{1,9})?)\s*%\s*\Z", re.ASCII)
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import load_deployment
+from kvpersist.config.values import MAX_WAIT_S
 from kvpersist.config.warmset import MAX_BYTES as WARM_FILE_MAX_BYTES
 from kvpersist.config.warmset import MAX_ENTRIES as WARM_MAX_ENTRIES
 from kvpersist.config.warmset import (
@@ -540,12 +541,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _seconds(text: str) -> float:
+    """A number of seconds from 0 to a day (``nan``, ``inf`` and ``1e308`` refused: the
+    deadline must come)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
+    if not 0 <= value <= MAX_WAIT_S:
+        raise argparse.ArgumentTypeError(f"must be from 0 to {MAX_WAIT_S:g}: {text!r}")
     return value
 
 

@@ -257,3 +257,28 @@ def test_an_unusable_key_file_is_a_configuration_error(tmp_path: Path,
     outcomes.append(ok)
     assert ok.code == 0, ok.stderr
     assert_all_bounded(outcomes, allowed=(0, 2))
+
+
+def test_the_warm_ups_bound_is_range_checked_in_the_config_and_the_child(
+        tmp_path: Path, runner: HostileRunner) -> None:
+    """The launch hands KVP_WARMUP_WAIT to the warm-up child as ``--wait``: both take 0 (the
+    child) or more than 0 (the setting) up to a day, never nan, inf or 1e308 (the deadline
+    must come)."""
+    import subprocess
+    import sys
+
+    from ..conftest import REPO
+
+    outcomes = []
+    for value in ("nan", "inf", "1e308", "2d", "86401", "0", "-5"):
+        env = clean_env()
+        env.update({"KVP_CACHE_ROOT": str(tmp_path / "cache"), "KVP_WARMUP_WAIT": value})
+        o = runner.run("render", "cpu-demo", "--json", env=env)
+        outcomes.append(o)
+        assert o.code == 2 and "KVP_WARMUP_WAIT" in o.stdout, (value, o.stdout)
+    assert_all_bounded(outcomes, allowed=(2,))
+    for value in ("nan", "inf", "1e308", "86401", "-1"):
+        r = subprocess.run([sys.executable, "-m", "kvpersist.stack.warmup", "cpu-demo",
+                            "--wait", value], capture_output=True, text=True, cwd=REPO,
+                           env=clean_env(), timeout=60)
+        assert r.returncode == 2 and "--wait" in r.stderr, (value, r.stderr)
