@@ -272,6 +272,7 @@ def render(dep: Deployment, templates: Mapping[str, str], *, l1_size_gb: float,
             prefetch_policy=SHARED_PREFETCH_POLICY, lmcache_bin=lmcache_bin))
         vllm = _lines(env.get_template("vllm-serve.argv.j2").render(
             s=s, ident=ident, namespace=dep.namespace, model_dtype=model_dtype,
+            model_positional=RELEASES[version].model_positional,
             vllm_kv_cache_dtype=vllm_kv, kv_transfer_config=ktc,
             release_flags=RELEASES[version].rendered_flags,
             shutdown_timeout=VLLM_DRAIN_SECONDS,

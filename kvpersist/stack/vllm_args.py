@@ -381,8 +381,10 @@ def check_deployment(dep: Deployment, vllm_mode: str, vllm_argv: Sequence[str],
                                env=vllm_env, image=dep.settings.image,
                                container_run=container_python_argv(dep),
                                version=dep.vllm_version, allow_unsupported=allow)
-    # python, the release's serve arguments, then the rendered ones (which start at --model)
-    args = list(vllm_argv[vllm_argv.index("--model"):])
+    # python, the release's serve arguments, then the rendered ones, which start with the
+    # model: the namespace, after --model or alone (vllm serve's positional argument)
+    at = vllm_argv.index(dep.namespace)
+    args = list(vllm_argv[at - 1 if vllm_argv[at - 1] == "--model" else at:])
     return check_vllm_args(args, extra, engine_text, engine, python=vllm_argv[0],
                            env=vllm_env, version=running_vllm_version(
                                dep.vllm_version, direct_process=True),

@@ -42,11 +42,15 @@ class Tokenized:
 
 
 def _argv_with_model(vllm_argv: Sequence[str], model_path: str) -> list[str]:
+    """The rendered arguments with the model (``--model NS``, or ``vllm serve``'s positional
+    ``NS`` first) replaced by ``--model model_path``."""
     argv = list(vllm_argv)
     for i, a in enumerate(argv[:-1]):
         if a == "--model":
             argv[i + 1] = model_path
             return argv
+    if argv and not argv[0].startswith("-"):
+        argv = argv[1:]
     return ["--model", model_path, *argv]
 
 

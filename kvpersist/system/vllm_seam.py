@@ -24,7 +24,6 @@ what it could not do instead of guessing where they live.
 from __future__ import annotations
 
 import importlib
-import json
 import re
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -49,6 +48,9 @@ class Release:
     serve: tuple[str, ...]
     #: flags kvpersist renders for this release whatever the deployment (see :data:`OWNED_RENDERED`)
     rendered_flags: tuple[str, ...] = ()
+    #: the model as ``vllm serve``'s positional argument (its ``--model`` option is deprecated
+    #: there: "will be removed in a future version"), not ``--model``
+    model_positional: bool = False
     #: how vLLM spells the negation of an on/off flag: ``no`` (``--no-X`` only, argparse's
     #: BooleanOptionalAction) or ``enable-disable`` (also ``--disable-X`` for ``--enable-X``
     #: and the reverse: vLLM's EnableDisableAction)
@@ -97,12 +99,14 @@ RELEASES: dict[str, Release] = {r.version: r for r in (
     Release("0.33.0", ("vllm",),
             "parse and config level with the GPU wheel (VLLM_TARGET_DEVICE=cpu); "
             "not served here (no GPU)",
-            "vllm.entrypoints.common.cli_args", _VLLM_SERVE, bool_style="enable-disable"),
+            "vllm.entrypoints.common.cli_args", _VLLM_SERVE, model_positional=True,
+            bool_style="enable-disable"),
     Release("0.34.0", ("vllm",),
             "parse and config level with the GPU wheel (VLLM_TARGET_DEVICE=cpu); "
             "not served here (no GPU)",
             "vllm.entrypoints.common.cli_args", _VLLM_SERVE,
-            rendered_flags=(DISABLE_EXTENSIBLE_KV_CACHE,), bool_style="enable-disable"),
+            rendered_flags=(DISABLE_EXTENSIBLE_KV_CACHE,), model_positional=True,
+            bool_style="enable-disable"),
 )}
 
 #: the release whose table describes vLLM when nothing says which one runs
@@ -246,8 +250,3 @@ def parser_request() -> dict[str, Any]:
             "argparse": next(iter(argparse_modules))}
 
 
-def render_json(rel: Release) -> str:
-    """One release as JSON (``kvp-admin`` prints the matrix with it)."""
-    return json.dumps({"version": rel.version, "distributions": list(rel.distributions),
-                       "tested": rel.tested, "serve": list(rel.serve),
-                       "rendered_flags": list(rel.rendered_flags)})

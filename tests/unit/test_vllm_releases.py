@@ -140,9 +140,12 @@ def test_each_release_renders_its_own_command(tmp_path: Path, version: str) -> N
     assert rendered.vllm["env"] == ["VLLM_CPU_KVCACHE_SPACE=1", "HF_HUB_OFFLINE=1",
                                     "VLLM_TARGET_DEVICE=cpu"]
     plan = plan_launch(dep, rendered, {}, python="/venv/bin/python")
-    assert plan.vllm_argv[:1 + len(RELEASES[version].serve)] == [
-        "/venv/bin/python", *RELEASES[version].serve]
-    assert plan.vllm_argv[1 + len(RELEASES[version].serve)] == "--model"
+    serve = RELEASES[version].serve
+    assert plan.vllm_argv[:1 + len(serve)] == ["/venv/bin/python", *serve]
+    # `vllm serve NAMESPACE` (its --model is deprecated), the API server's --model NAMESPACE
+    model = plan.vllm_argv[1 + len(serve):3 + len(serve)]
+    assert model == ([dep.namespace, "--served-model-name"] if version != "0.32.0"
+                     else ["--model", dep.namespace])
     assert plan.vllm_env["VLLM_TARGET_DEVICE"] == "cpu"
     assert json.loads(json.dumps(rendered.as_json()))["vllm"]["serve"] == list(
         RELEASES[version].serve)
