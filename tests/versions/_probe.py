@@ -4,7 +4,8 @@ never pytest (the release's venv has kvpersist, not the test extras).
 
 Request (JSON on stdin): ``rendered`` (``kvp-admin render --json`` of a config of this
 release), ``model`` (the weights directory), ``entries`` (warm-set entries: chat and
-completion requests), ``template_sha256``. Answer (one JSON line on stdout):
+completion requests), ``template_sha256``, ``also`` (more renderings: their ``serve`` and
+``kv_transfer`` are answered under ``also``). Answer (one JSON line on stdout):
 
 * ``version``: ``vllm.__version__``;
 * ``snapshot``: every dest of the API server's parser, described as the flag table does;
@@ -96,6 +97,8 @@ def _serve_parse(version: str, argv: list[str]) -> dict[str, Any]:
         args = vllm_parser().parse_args(list(argv))
     ktc = getattr(args, "kv_transfer_config", None)
     return {"model_tag": getattr(args, "model_tag", None), "model": getattr(args, "model", None),
+            "tensor_parallel_size": getattr(args, "tensor_parallel_size", None),
+            "block_size": getattr(args, "block_size", None),
             "served_model_name": getattr(args, "served_model_name", None),
             "enable_extensible_kv_cache": getattr(args, "enable_extensible_kv_cache", "absent"),
             "kv_transfer_config": None if ktc is None else _plain(ktc)}
@@ -182,6 +185,10 @@ def main() -> None:
         "variants": _variants(version),
         "serve": _serve_parse(version, rendered["vllm_argv"]),
         "kv_transfer": _kv_transfer(version, rendered["kv_transfer_config"]),
+        # other configs of this release (the shipped GPU deployment), rendered the same way
+        "also": {name: {"serve": _serve_parse(version, r["vllm_argv"]),
+                        "kv_transfer": _kv_transfer(version, r["kv_transfer_config"])}
+                 for name, r in req.get("also", {}).items()},
         "tokens": tok.token_ids,
         "platform_stand_in": stand_in,
         "template_sha256": tok.template_sha256,

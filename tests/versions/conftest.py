@@ -8,6 +8,7 @@ A missing venv fails the tests that need it (never skips): the matrix is part of
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 from pathlib import Path
@@ -20,12 +21,17 @@ from ..conftest import REPO
 
 
 def venv_of(version: str) -> Path:
-    """The venv that has vLLM ``version`` (its ``bin`` has python and kvp-admin)."""
+    """The venv that has vLLM ``version`` (its ``bin`` has python and kvp-admin), once no
+    ``scripts/setup.sh --vllm`` is building it (it holds ``VENV.lock`` meanwhile)."""
     if version == DEFAULT_VERSION:
         return Path(sys.executable).parent.parent
     base = os.environ.get("KVP_TEST_VLLM_VENVS")
     venv = Path(base) / f"vllm-{version}" if base else REPO / f".venv-vllm-{version}"
-    if not (venv / "bin" / "python").exists():
+    lock = Path(f"{venv}.lock")
+    if lock.exists():
+        with lock.open() as f:
+            fcntl.flock(f, fcntl.LOCK_SH)  # waits for a build in progress
+    if not (venv / ".kvpersist-stack").exists():
         pytest.fail(f"no venv with vLLM {version} at {venv}: run `bash scripts/setup.sh "
                     f"--vllm {version}` (scripts/test.sh does)")
     return venv

@@ -38,6 +38,7 @@ from kvpersist.config.envfile import parse_env
 
 from ..conftest import REPO, clean_env, free_port
 from ..integration._vllm_parser import coverage_problems, syntax_error
+from ..integration.test_render_parsers import pinned_copy
 from .conftest import VERSIONS, venv_of
 
 pytestmark = pytest.mark.integration
@@ -110,7 +111,8 @@ def releases(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> dict
         rendered = json.loads(r.stdout)
         values = parse_env((REPO / "configs" / "cpu-demo" / "identity.env").read_text())
         request = {"rendered": rendered, "model": str(demo_model), "entries": ENTRIES,
-                   "template_sha256": values["KVP_CHAT_TEMPLATE_SHA256"]}
+                   "template_sha256": values["KVP_CHAT_TEMPLATE_SHA256"],
+                   "also": _shipped(venv, version, tmp / version, env)}
         req_file = tmp / version / "probe-request.json"
         req_file.write_text(json.dumps(request))
         with req_file.open() as stdin:
@@ -123,6 +125,24 @@ def releases(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> dict
             _collect(running, out)
     while running:
         _collect(running, out)
+    return out
+
+
+#: the shipped configs of each release (a GPU deployment: rendered and parsed, never served)
+SHIPPED = {"0.34.0": ["llama-3.1-8b-instruct-tp4"]}
+
+
+def _shipped(venv: Path, version: str, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
+    """The shipped configs of ``version`` rendered by its kvp-admin (chat-template digest
+    filled in as an operator would; L1 sized for this machine, as the render tests do)."""
+    out = {}
+    for name in SHIPPED.get(version, []):
+        cfg = pinned_copy(tmp, name)
+        r = subprocess.run([str(venv / "bin" / "kvp-admin"), "render", str(cfg), "--json"],
+                           env=dict(env, KVP_L1_SIZE_GB="2", KVP_CACHE_ROOT=str(tmp / name)),
+                           capture_output=True, text=True, timeout=300, check=False)
+        assert r.returncode == 0, r.stderr
+        out[name] = json.loads(r.stdout)
     return out
 
 
@@ -260,6 +280,23 @@ def test_the_kv_transfer_config_and_the_extensible_kv_cache(
         "no_module_path, requested None": False,  # vLLM's own LMCache shim: legacy IPC
         "no_module_path, requested False": False,
     }
+
+
+def test_the_shipped_gpu_deployment_is_what_vllm_034_reads(
+        releases: dict[str, Release]) -> None:
+    """configs/llama-3.1-8b-instruct-tp4 (derived with 0.34's kvp-admin) rendered and read by
+    0.34's `vllm serve` parser: TP 4, 16-token blocks, the namespace as the model, the
+    extensible KV cache off, the connector's config built into 0.34's KVTransferConfig."""
+    r = releases["0.34.0"]
+    [(name, got)] = r.probe["also"].items()
+    assert name == "llama-3.1-8b-instruct-tp4"
+    serve = got["serve"]
+    assert (serve["tensor_parallel_size"], serve["block_size"]) == (4, 16)
+    assert serve["model_tag"].startswith("kvp-") and serve["enable_extensible_kv_cache"] is False
+    assert got["kv_transfer"]["access"]["module_path"] == "IN_PROCESS"
+    values = parse_env((REPO / "configs" / name / "identity.env").read_text())
+    assert values["KVP_VLLM_BUILD"] == "vllm==0.34.0" and values["KVP_BLOCK_SIZE"] == "16"
+    assert values["KVP_TENSOR_PARALLEL_SIZE"] == "4"
 
 
 def test_token_ids_are_the_same_in_every_release(releases: dict[str, Release]) -> None:
