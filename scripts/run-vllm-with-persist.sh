@@ -51,9 +51,6 @@ render=$("$admin" render "$config" --json)
 # recorded now if it never was): refused as `kvp-admin launch` refuses, exit 2.
 "$admin" weights "$config" --record >&2 || {
   echo "run-vllm-with-persist: not starting vLLM for $config (see above)" >&2; exit 2; }
-# vLLM's own parser reads the extra and engine arguments (and ARGS) before vLLM starts: only
-# KV-neutral flags outside KVP_ENGINE_ARGS (docs/engine-flags.md)
-"$py" -m kvpersist.stack.vllm_args "$config" "$@" <<<"$render" || exit 2
 field() {  # field NAME: one value of the render JSON, NUL-separated if a list
   "$py" -c '
 import json, sys
@@ -65,6 +62,17 @@ if isinstance(v, list):
 else:
     sys.stdout.write(str(v))' "$1" <<<"$render"
 }
+# What the deployment's device needs in vLLM's environment (render JSON `vllm.env`: the CPU
+# build's KV cache size and device, HF_HUB_OFFLINE, for KVP_DEVICE=cpu; nothing for a GPU);
+# a value the caller set is kept.
+while IFS= read -r -d '' kv; do
+  name=${kv%%=*}
+  [ -n "${!name:-}" ] || export "$kv"
+done < <(field vllm.env)
+# vLLM's own parser reads the extra and engine arguments (and ARGS) before vLLM starts: only
+# KV-neutral flags outside KVP_ENGINE_ARGS (docs/engine-flags.md). It runs in the environment
+# vLLM will run in.
+"$py" -m kvpersist.stack.vllm_args "$config" "$@" <<<"$render" || exit 2
 ready_step() {  # the warm-up once vLLM serves; a double fork, so nobody has to reap it
   if [ "${KVP_WARMUP:-1}" != "0" ]; then
     ( "$admin" launch "$config" --warmup-only --deadline "${KVP_READY_DEADLINE:-1800}" \
@@ -94,13 +102,6 @@ if [ -n "${KVP_VLLM_PID_FILE:-}" ]; then
   echo $$ >"$KVP_VLLM_PID_FILE"
 fi
 umask 077
-# What the deployment's device needs in vLLM's environment (render JSON `vllm.env`: the CPU
-# build's KV cache size and device, HF_HUB_OFFLINE, for KVP_DEVICE=cpu; nothing for a GPU);
-# a value the caller set is kept.
-while IFS= read -r -d '' kv; do
-  name=${kv%%=*}
-  [ -n "${!name:-}" ] || export "$kv"
-done < <(field vllm.env)
 echo "run-vllm-with-persist: vLLM ${serve[*]:1} for namespace $link_name in $link_dir" >&2
 ready_step
 exec "$py" "${serve[@]}" "${vllm_args[@]}" "$@"

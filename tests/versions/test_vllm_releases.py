@@ -378,3 +378,42 @@ def test_upgrade_plan_from_032_to_034(releases: dict[str, Release]) -> None:
     text = new.kvp("upgrade", "plan", str(old.config), str(new.config))
     assert "vLLM 0.32.0 -> 0.34.0" in text.stdout
     assert "kvpersist renders: --disable-extensible-kv-cache added" in text.stdout
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_launcher_starts_the_release_as_it_starts(releases: dict[str, Release],
+                                                      tmp_path: Path, version: str) -> None:
+    """scripts/run-vllm-with-persist.sh with the release's own kvp-admin and Python: the
+    identity check, the weights record and vLLM's own parser check run for real; only the
+    last step, the exec of vLLM (which cannot serve here), is recorded instead: `vllm serve
+    NAMESPACE ...` for 0.33/0.34, the API server module for 0.32, with the rendered
+    arguments, the release's own flags and the device's environment."""
+    r = releases[version]
+    python = r.venv / "bin" / "python"
+    out = tmp_path / "exec.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/bash
+case "$2" in vllm.*) printf '%s\\0' "$PWD" "$VLLM_TARGET_DEVICE" "$@" > {out}; exit 0;; esac
+exec {python} "$@"
+""")
+    fake.chmod(0o755)
+    env = dict(r.env, KVP_ADMIN=str(r.venv / "bin" / "kvp-admin"), KVP_PYTHON=str(fake),
+               KVP_WARMUP="0")
+    env.pop("VLLM_TARGET_DEVICE")  # from the render's device environment (KVP_DEVICE=cpu)
+    run = subprocess.run(["bash", str(REPO / "scripts" / "run-vllm-with-persist.sh"),
+                          str(r.config), "--max-num-batched-tokens", "2048"], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"vLLM {version}'s own parser agrees" in run.stderr
+    got = [a.decode() for a in out.read_bytes().split(b"\0")[:-1]]
+    cwd, device, argv = got[0], got[1], got[2:]
+    rendered = r.rendered
+    assert cwd == rendered["model_link"]["dir"] and device == "cpu"
+    assert argv == [*rendered["vllm"]["serve"], *rendered["vllm_argv"],
+                    "--max-num-batched-tokens", "2048"]
+    if version == "0.32.0":
+        assert argv[:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model",
+                            rendered["namespace"]]
+    else:
+        assert argv[:4] == ["-m", "vllm.entrypoints.cli.main", "serve", rendered["namespace"]]
+    assert ("--disable-extensible-kv-cache" in argv) == (version == "0.34.0")
