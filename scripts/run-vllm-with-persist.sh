@@ -7,9 +7,11 @@
 # (KVP_CONTAINER_ENGINE; the same argv either way): the container named per the config, e.g.
 # mimo-pro-tp4-kvp, host network, the weights and KVP_CONTAINER_MOUNTS read-only, nothing of
 # the cache root, the state dir, the key or a secret; otherwise it execs vLLM as a
-# direct process (`python -m vllm.entrypoints.openai.api_server`, the CPU build) in the
-# model-link directory, where `--model <namespace>` links to the weights. The namespace path
-# stays the same across restarts, so every restart finds the files on disk again.
+# direct process in the model-link directory, where `--model <namespace>` links to the
+# weights, started as the render's vLLM release starts its API server (render JSON
+# `vllm.serve`: `vllm serve` for 0.33 and 0.34, the API server module for 0.32; see
+# docs/vllm-versions.md). The namespace path stays the same across restarts, so every
+# restart finds the files on disk again.
 #
 # Arguments come from `kvp-admin render CONFIG --json`; identity.env is never sourced. Before
 # anything runs, `kvp-admin identity check CONFIG` must find no mismatch. EXTRA VLLM ARGS are
@@ -49,9 +51,6 @@ render=$("$admin" render "$config" --json)
 # recorded now if it never was): refused as `kvp-admin launch` refuses, exit 2.
 "$admin" weights "$config" --record >&2 || {
   echo "run-vllm-with-persist: not starting vLLM for $config (see above)" >&2; exit 2; }
-# vLLM's own parser reads the extra and engine arguments (and ARGS) before vLLM starts: only
-# KV-neutral flags outside KVP_ENGINE_ARGS (docs/engine-flags.md)
-"$py" -m kvpersist.stack.vllm_args "$config" "$@" <<<"$render" || exit 2
 field() {  # field NAME: one value of the render JSON, NUL-separated if a list
   "$py" -c '
 import json, sys
@@ -63,6 +62,17 @@ if isinstance(v, list):
 else:
     sys.stdout.write(str(v))' "$1" <<<"$render"
 }
+# What the deployment's device needs in vLLM's environment (render JSON `vllm.env`: the CPU
+# build's KV cache size and device, HF_HUB_OFFLINE, for KVP_DEVICE=cpu; nothing for a GPU);
+# a value the caller set is kept.
+while IFS= read -r -d '' kv; do
+  name=${kv%%=*}
+  [ -n "${!name:-}" ] || export "$kv"
+done < <(field vllm.env)
+# vLLM's own parser reads the extra and engine arguments (and ARGS) before vLLM starts: only
+# KV-neutral flags outside KVP_ENGINE_ARGS (docs/engine-flags.md). It runs in the environment
+# vLLM will run in.
+"$py" -m kvpersist.stack.vllm_args "$config" "$@" <<<"$render" || exit 2
 ready_step() {  # the warm-up once vLLM serves; a double fork, so nobody has to reap it
   if [ "${KVP_WARMUP:-1}" != "0" ]; then
     ( "$admin" launch "$config" --warmup-only --deadline "${KVP_READY_DEADLINE:-1800}" \
@@ -81,6 +91,7 @@ if [ ${#container[@]} -gt 0 ]; then
   exec "${container[@]}" "$@"
 fi
 mapfile -d '' vllm_args < <(field vllm_argv)
+mapfile -d '' serve < <(field vllm.serve)
 link_dir=$(field model_link.dir)
 link_name=$(field model_link.name)
 link_target=$(field model_link.target)
@@ -91,10 +102,6 @@ if [ -n "${KVP_VLLM_PID_FILE:-}" ]; then
   echo $$ >"$KVP_VLLM_PID_FILE"
 fi
 umask 077
-# The CPU build needs these; harmless elsewhere when already set by the caller.
-if ! "$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
-fi
-echo "run-vllm-with-persist: vLLM for namespace $link_name in $link_dir" >&2
+echo "run-vllm-with-persist: vLLM ${serve[*]:1} for namespace $link_name in $link_dir" >&2
 ready_step
-exec "$py" -m vllm.entrypoints.openai.api_server "${vllm_args[@]}" "$@"
+exec "$py" "${serve[@]}" "${vllm_args[@]}" "$@"

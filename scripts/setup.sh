@@ -6,12 +6,63 @@
 # node_exporter for the monitoring/ rules and dashboard, and podman, runc, mmdebstrap and
 # docker's daemon for vLLM in a container). Idempotent: a second run only re-checks.
 # Usage: bash scripts/setup.sh   (env: KVP_VENV=path to use another venv)
+#
+#        bash scripts/setup.sh --vllm VERSION   (0.33.0 or 0.34.0)
+# builds only a venv (default .venv-vllm-VERSION, or KVP_VLLM_VENV) with vLLM's GPU wheel of that
+# release, stock LMCache 0.5.6 and nixl, as requirements/vllm-VERSION.txt lists them, resolved
+# by uv with requirements/vllm-VERSION.overrides.txt where the pair does not resolve as
+# published (0.34.0: the file says what it overrides and why), and kvpersist (editable). The
+# same commands install it on a GPU host (docs/vllm-versions.md). Here, without a GPU, vLLM's
+# parser and config code run with VLLM_TARGET_DEVICE=cpu (tests/versions); nothing is served.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVP_VENV:-.venv}
 PY=${PYTHON:-python3}
 
 say() { printf '[setup] %s\n' "$*" >&2; }
+
+if [ "${1:-}" = "--vllm" ]; then
+  version=${2:-}
+  req=requirements/vllm-$version.txt
+  if [ -z "$version" ] || [ ! -f "$req" ]; then
+    say "usage: bash scripts/setup.sh --vllm VERSION; the GPU releases with requirements here:" \
+        "$(cd requirements && ls vllm-*.txt | grep -v overrides | sed 's/^vllm-//; s/\.txt$//' \
+           | tr '\n' ' ')"
+    exit 2
+  fi
+  VENV=${KVP_VLLM_VENV:-.venv-vllm-$version}
+  overrides=requirements/vllm-$version.overrides.txt
+  ov=()
+  [ -f "$overrides" ] && ov=(--override "$overrides")
+  want="$(cat "$req" "${ov[@]:1}" | sha256sum | cut -c1-16)"
+  stamp="$VENV/.kvpersist-stack"
+  # one build of this venv at a time; tests/versions waits on the same lock (scripts/test.sh
+  # builds the venvs in the background while the test lanes start)
+  exec 9>"$VENV.lock"
+  flock 9
+  if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV"
+    "$PY" -m venv "$VENV"
+  fi
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    start=$(date +%s)
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q uv
+    say "installing $req ${ov[*]} (vLLM's GPU wheel, CUDA torch: ~10 GB)"
+    "$VENV/bin/python" -m uv pip install -q --python "$VENV/bin/python" -r "$req" "${ov[@]}"
+    "$VENV/bin/python" -m uv pip install -q --python "$VENV/bin/python" -e . "${ov[@]}"
+    if [ ${#ov[@]} -gt 0 ]; then
+      say "uv pip check: the requirements ${ov[1]} overrides are expected below"
+      "$VENV/bin/python" -m uv pip check --python "$VENV/bin/python" >&2 || true
+    fi
+    echo "$want" > "$stamp"
+    say "installed in $(( $(date +%s) - start )) s"
+  fi
+  VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR "$VENV/bin/python" -c \
+    "import vllm, lmcache, kvpersist, sys; sys.exit(0 if vllm.__version__ == '$version' else 1)" \
+    2>/dev/null || { say "import check failed in $VENV"; exit 1; }
+  say "ready: $VENV/bin/kvp-admin (vLLM $version, GPU wheel)"
+  exit 0
+fi
 
 # --- system tools (Debian) ------------------------------------------------------------------
 need_apt=()

@@ -36,7 +36,7 @@ fi
 # unit 205 s, soak 324 s, the rest of integration 1,247 s of which forget 62 s (lane
 # 1,802 s).
 moved=(tests/integration/test_engine_args_namespace.py tests/integration/test_forget.py)
-lane_a=(tests/fullstack tests/deploy tests/infra "${moved[@]}")
+lane_a=(tests/fullstack tests/deploy tests/infra "${moved[@]}" tests/versions)
 lane_b=(tests/unit tests/integration)
 lane_b_ignore=()
 for m in "${moved[@]}"; do lane_b_ignore+=(--ignore="$m"); done
@@ -46,6 +46,12 @@ tmp=$(mktemp -d -t kvp-test-lanes.XXXXXX)
 if command -v podman >/dev/null && command -v mmdebstrap >/dev/null; then
     bash scripts/build-cpu-image.sh "$VENV" >"$tmp/image.log" 2>&1 &
 fi
+# The support matrix's venvs with vLLM's GPU wheels (tests/versions; ~1.5 min on a fresh
+# machine, 10 GB each, hard links from uv's cache; then only re-checked) are built the same
+# way: tests/versions waits on each venv's lock. A build that fails fails those tests.
+for v in $(cd requirements && ls vllm-*.txt | grep -v overrides | sed 's/^vllm-//; s/\.txt$//'); do
+    bash scripts/setup.sh --vllm "$v" >>"$tmp/vllm-venvs.log" 2>&1 || true
+done &
 log="$tmp/lane-a.log"
 echo "[test] two lanes: ${lane_a[*]} (output at the end) beside ${lane_b[*]}" >&2
 TEST_PORT_RANGE=20000-25999 "$VENV/bin/python" -m pytest -p no:cacheprovider \

@@ -46,6 +46,7 @@ from kvpersist.stack.warm_keys import key_scheme
 from kvpersist.stack.warm_tokens import tokenize
 from kvpersist.stack.warmup import world_size
 from kvpersist.system.files import service_uids
+from kvpersist.system.software import running_vllm_version
 from kvpersist.system.templates import read_templates
 from kvpersist.system.untrusted import UnreadableFile, read_bytes, show_path
 
@@ -164,8 +165,11 @@ def forget(config: str, *, kind: str, path: str, cache_salt: str = "",
                          "one-off that nothing reuses: there is nothing to forget")
     loc = locate(dep)
     inp = read_input(kind, path)
+    # the sizes enter neither the keys nor the tokens; the arguments are those of the vLLM
+    # installed here, whose renderer computes the tokens
     rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=dep.settings.l1_size_gb,
-                      l2_capacity_gb=1.0)  # the sizes enter neither the keys nor the tokens
+                      l2_capacity_gb=1.0, vllm_version=running_vllm_version(
+                          dep.vllm_version, direct_process=True))
     if inp.entries:
         sequences = tokenize(rendered.vllm_argv, dep.settings.model_path, inp.entries,
                              expected_template_sha256=dep.identity.chat_template_sha256,

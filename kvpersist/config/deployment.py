@@ -24,6 +24,7 @@ from kvpersist.config.identity import (
     identity_problems,
     parse_engine_args,
     unpinned_namespace,
+    vllm_version,
 )
 from kvpersist.config.key_paths import namespace_dir_problem, namespace_key_path
 from kvpersist.config.settings import (
@@ -36,6 +37,7 @@ from kvpersist.config.settings import (
 from kvpersist.config.shared_tier import SharedTier, parse_shared_tier
 from kvpersist.config.values import is_loopback, parse_uint
 from kvpersist.errors import ConfigError, Problem
+from kvpersist.system.vllm_seam import version_of_build
 
 # --------------------------------------------------------------------------- settings
 
@@ -62,6 +64,8 @@ def settings_from_env(
         elif default is not None:
             merged[key], origin[key] = default, f"{source}: {key} (default)"
     converted: dict[str, Any] = {}
+    # the vLLM release reads KVP_VLLM_EXTRA_ARGS (its own flag table)
+    version = vllm_version({**values, **{k: merged[k] for k in ("KVP_IMAGE",) if k in merged}})
     for key, (name, kind, _default) in DEPLOYMENT_KEYS.items():
         if key not in merged:
             problems.append(Problem(f"{source}: {key}", "missing", DEPLOY_FIX.get(key, "")))
@@ -74,7 +78,7 @@ def settings_from_env(
             root = PurePosixPath(converted.get("cache_root", "/"))
             raw = raw.format(cache_root=root, cache_root_parent=root.parent,
                              cache_root_name=root.name, state_dir=converted.get("state_dir", ""))
-        value, message = convert_setting(kind, raw)
+        value, message = convert_setting(kind, raw, version)
         if message:
             problems.append(Problem(origin[key], message, DEPLOY_FIX.get(key, "")))
         else:
@@ -218,6 +222,14 @@ class Deployment:
         return self.namespace
 
     @property
+    def vllm_version(self) -> str | None:
+        """The vLLM release this deployment names (KVP_VLLM_BUILD, else KVP_IMAGE's tag), or
+        None; the release that runs is the installed one for a direct process
+        (:func:`kvpersist.stack.plan.running_vllm_version`)."""
+        return version_of_build(str(self.identity_values.get("vllm_build", "")),
+                                self.settings.image)
+
+    @property
     def cache_root(self) -> PurePosixPath:
         """The cache root as a path object (no I/O)."""
         return PurePosixPath(self.settings.cache_root)
@@ -316,7 +328,7 @@ def _valid_identity_values(values: Mapping[str, str], id_problems: list[Problem]
         out[name] = number if number is not None else raw
     engine = values.get(ALL_IDENTITY_KEYS["engine_args"], "")
     if engine.strip() and f"{source}: KVP_ENGINE_ARGS" not in bad:
-        out["engine_args"] = dict(parse_engine_args(engine))
+        out["engine_args"] = dict(parse_engine_args(engine, vllm_version(values)))
     return out
 
 

@@ -33,8 +33,15 @@ from kvpersist.config.model_facts import ModelFacts
 from kvpersist.config.model_geometry import kv_geometry, max_model_len
 from kvpersist.config.model_origin import origin
 from kvpersist.config.model_template import template_digest
-from kvpersist.errors import ConfigError, UsageError
+from kvpersist.errors import ConfigError, Problem, UsageError
 from kvpersist.system.software import Installed, normalize
+from kvpersist.system.vllm_seam import (
+    OPT_IN,
+    SUPPORT_FIX,
+    support_problem,
+    table_version,
+    version_of_build,
+)
 
 #: the connector kvpersist supports (deployment.agreement_problems refuses any other)
 CONNECTOR = "LMCacheMPConnector"
@@ -57,6 +64,32 @@ def _one(dists: tuple[tuple[str, str], ...], what: str) -> tuple[str, str]:
     return f"{name}=={ver}", ""
 
 
+def _supported_vllm(opts: DeriveOptions, vllm_pin: str) -> tuple[str | None, list[str]]:
+    """The vLLM release the derived identity is for (``--image``'s tag, else the installed
+    distribution; None when neither is known) and notes. Raises ConfigError when that
+    release is not supported and ``--allow-unsupported-vllm`` was not given (an image whose
+    reference names no version counts as unsupported: its internals are unknown)."""
+    if opts.image:
+        version = version_of_build("", opts.image)
+        what = f"the image {opts.image}"
+    elif vllm_pin:
+        version = version_of_build(vllm_pin)
+        what = "the installed vLLM"
+    else:
+        return None, []
+    problem = support_problem(version, what)
+    if not problem:
+        return version, []
+    if opts.allow_unsupported_vllm:
+        return version, [f"{problem}; --allow-unsupported-vllm: derived anyway, KVP_ENGINE_ARGS "
+                         f"read with the flag table of vLLM {table_version(version)}"]
+    fix = SUPPORT_FIX
+    if opts.image and version is None:
+        fix = ("name the image with its tag and digest (e.g. vllm/vllm-openai:v0.34.0@sha256:"
+               "<digest>), or " + OPT_IN)
+    raise ConfigError([Problem("vLLM", problem, fix)], "identity derive")
+
+
 # --------------------------------------------------------------------------- derive
 
 
@@ -74,6 +107,8 @@ class DeriveOptions:
     #: KVP_ENGINE_ARGS: the KV-affecting vLLM flags the deployment runs with (a choice, not
     #: in the model directory)
     engine_args: str = ""
+    #: derive for a vLLM outside the supported releases (``--allow-unsupported-vllm``)
+    allow_unsupported_vllm: bool = False
 
 
 #: the comment word that marks a deployment key derive leaves for the operator to set
@@ -219,6 +254,8 @@ def derive_identity(m: ModelFacts, inst: Installed, opts: DeriveOptions) -> Deri
         fields["kv_cache_dtype"] = model_dtype(m)
     # block size
     vllm_pin, vllm_why = _one(inst.vllm, "vLLM")
+    version, notes_v = _supported_vllm(opts, vllm_pin)
+    notes += notes_v
     if opts.block_size:
         fields["block_size"] = Derived("block_size", opts.block_size, "--block-size")
     elif opts.image or not vllm_pin:
@@ -264,7 +301,7 @@ def derive_identity(m: ModelFacts, inst: Installed, opts: DeriveOptions) -> Deri
     given = {d.key: str(d.value) for d in ordered.values() if d.value is not None}
     if opts.engine_args:
         try:
-            parse_engine_args(opts.engine_args)
+            parse_engine_args(opts.engine_args, version)
         except ValueError as exc:
             raise UsageError(f"--engine-args: {exc}") from exc
     bad = [p for p in identity_problems(given, "derived") if p.message != "missing"]

@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, NoReturn
 
-from kvpersist.config.engine_flags import FLAGS, KV, NEUTRAL, OWNED, Flag
+from kvpersist.config.engine_flags import KV, NEUTRAL, OWNED, Flag, flags_for
 from kvpersist.config.values import describe_char, forbidden_char
 from kvpersist.errors import UsageError
+from kvpersist.system.vllm_seam import table_version
 
 ENGINE_KEY = "KVP_ENGINE_ARGS"
 EXTRA_KEY = "KVP_VLLM_EXTRA_ARGS"
@@ -72,11 +73,11 @@ class _Record(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
-        flag = FLAGS[self.dest]
+        flag: Flag = getattr(self, "kvp_flag")  # noqa: B009 (set by _parser)
         if flag.action in ("flag", "help"):
             value: Any = True
         elif flag.action == "bool":
-            value = not (option_string or "").startswith("--no-")
+            value = option_string not in flag.negative
         elif flag.action == "append":
             value = [*getattr(namespace, self.dest, []), values]
         else:
@@ -87,27 +88,30 @@ class _Record(argparse.Action):
 
 
 @cache
-def _parser() -> _Parser:
-    """argparse with vLLM's option strings and arities (built once, on first use)."""
+def _parser(version: str | None) -> _Parser:
+    """argparse with the option strings and arities of the release whose table reads
+    ``version`` (built once per release, on first use)."""
     parser = _Parser(prog="vllm", add_help=False, allow_abbrev=True, exit_on_error=False)
-    for flag in FLAGS.values():
+    for flag in flags_for(version).values():
         kwargs: dict[str, Any] = {"action": _Record, "default": argparse.SUPPRESS}
         if flag.action in ("flag", "help", "bool"):
             kwargs["nargs"] = 0
         elif flag.nargs is not None:
             kwargs["nargs"] = flag.nargs
         if not flag.options:
-            parser.add_argument(flag.dest, **kwargs)
+            action = parser.add_argument(flag.dest, **kwargs)
         else:
-            parser.add_argument(*flag.options, dest=flag.dest, **kwargs)
+            action = parser.add_argument(*flag.options, dest=flag.dest, **kwargs)
+        action.kvp_flag = flag  # type: ignore[attr-defined]
     return parser
 
 
-def parse(argv: Sequence[str]) -> ParsedArgs:
-    """What vLLM's parser would set for ``argv`` (raw values). Raises :class:`ArgsError`."""
+def parse(argv: Sequence[str], version: str | None = None) -> ParsedArgs:
+    """What the parser of vLLM ``version`` (None: 0.32.0; an unsupported one: the newest
+    table) would set for ``argv`` (raw values). Raises :class:`ArgsError`."""
     namespace = argparse.Namespace()
     try:
-        _parser().parse_args(flexible_preprocess(list(argv)), namespace)
+        _parser(version).parse_args(flexible_preprocess(list(argv)), namespace)
     except argparse.ArgumentError as exc:
         raise ArgsError(str(exc)) from exc
     values = dict(vars(namespace))
@@ -214,82 +218,93 @@ def _merge(original: dict[str, Any], update: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- KVP_VLLM_EXTRA_ARGS
 
 
-def describe(dest: str) -> str:
+def describe(dest: str, version: str | None = None) -> str:
     """``--flag (dest)`` for messages."""
-    flag = FLAGS.get(dest)
+    flag = flags_for(version).get(dest)
     if flag is not None and not flag.options:
         return f"a positional argument ({dest})"
     name = flag.name if flag else dest
     return name if name.lstrip("-").replace("-", "_") == dest else f"{name} ({dest})"
 
 
-def classify_dests(dests: Sequence[str], allowed: str) -> list[str]:
+def classify_dests(dests: Sequence[str], allowed: str,
+                   version: str | None = None) -> list[str]:
     """Messages for every dest that may not be set where only class ``allowed`` may
-    (``kv-neutral`` for the extra arguments, ``kv-affecting`` for the engine arguments)."""
-    owned = [d for d in dests if d in FLAGS and FLAGS[d].cls == OWNED]
-    kv = [d for d in dests if d in FLAGS and FLAGS[d].cls == KV]
-    neutral = [d for d in dests if d in FLAGS and FLAGS[d].cls == NEUTRAL]
-    unknown = [d for d in dests if d not in FLAGS]
+    (``kv-neutral`` for the extra arguments, ``kv-affecting`` for the engine arguments), by
+    the table of vLLM ``version``."""
+    flags = flags_for(version)
+    owned = [d for d in dests if d in flags and flags[d].cls == OWNED]
+    kv = [d for d in dests if d in flags and flags[d].cls == KV]
+    neutral = [d for d in dests if d in flags and flags[d].cls == NEUTRAL]
+    unknown = [d for d in dests if d not in flags]
+
+    def names(ds: list[str]) -> str:
+        return ", ".join(describe(d, version) for d in ds)
+
     messages: list[str] = []
     if owned:
-        messages.append(f"sets flags kvpersist owns: {', '.join(map(describe, owned))} "
+        messages.append(f"sets flags kvpersist owns: {names(owned)} "
                         "(it renders them from the configuration, or they would override "
                         "what it renders)")
     if kv and allowed != KV:
-        messages.append(f"sets KV-affecting flags: {', '.join(map(describe, kv))}; they "
+        messages.append(f"sets KV-affecting flags: {names(kv)}; they "
                         f"change the KV cache, so they belong in {ENGINE_KEY} (identity.env), "
                         "which puts them in the namespace")
     if neutral and allowed != NEUTRAL:
-        messages.append(f"sets KV-neutral flags: {', '.join(map(describe, neutral))}; put "
+        messages.append(f"sets KV-neutral flags: {names(neutral)}; put "
                         f"them in {EXTRA_KEY}")
     if unknown:
-        messages.append(f"sets flags the flag table does not classify: {', '.join(unknown)} "
-                        "(a vLLM other than the pinned one?)")
+        messages.append(f"sets flags the flag table of vLLM {table_version(version)} does not "
+                        f"classify: {', '.join(unknown)} (another vLLM release?)")
     return messages
 
 
-def extra_args_problems(argv: Sequence[str]) -> list[str]:
-    """Why ``KVP_VLLM_EXTRA_ARGS`` (already split into words) may not be passed to vLLM;
-    [] if every flag it sets is KV-neutral."""
+def extra_args_problems(argv: Sequence[str], version: str | None = None) -> list[str]:
+    """Why ``KVP_VLLM_EXTRA_ARGS`` (already split into words) may not be passed to vLLM
+    ``version``; [] if every flag it sets is KV-neutral."""
     if not argv:
         return []
     try:
-        parsed = parse(argv)
+        parsed = parse(argv, version)
     except ArgsError as exc:
         return [f"vLLM's parser would refuse them: {exc}"]
-    return classify_dests(parsed.dests, NEUTRAL)
+    return classify_dests(parsed.dests, NEUTRAL, version)
 
 
 # --------------------------------------------------------------------------- KVP_ENGINE_ARGS
 
 
-def canonical_engine_args(argv: Sequence[str]) -> dict[str, str]:
+def canonical_engine_args(argv: Sequence[str], version: str | None = None) -> dict[str, str]:
     """The canonical form of ``KVP_ENGINE_ARGS`` (split into words): dest -> canonical value
     text, one entry per flag set. Spellings vLLM reads alike give the same form
     (``--quantization fp8``, ``--quantization=fp8``, ``-q fp8``, ``--hf-overrides.a 1`` and
     ``--hf-overrides '{"a": 1}'``). Raises ValueError listing every problem: a syntax vLLM
     refuses, a flag that is not KV-affecting, a flag given twice, a value vLLM cannot convert.
+    The form is keyed by dest, so the same flags give the same form in every release that
+    reads them alike; ``version`` only decides which spellings are read and how.
     """
     if not argv:
         return {}
     try:
-        parsed = parse(argv)
+        parsed = parse(argv, version)
     except ArgsError as exc:
         raise ValueError(f"vLLM's parser would refuse them: {exc}") from exc
-    problems = classify_dests(parsed.dests, KV)
+    flags = flags_for(version)
+    problems = classify_dests(parsed.dests, KV, version)
     twice = sorted(d for d, n in parsed.counts.items() if n > 1)
     if twice:
-        problems.append(f"sets {', '.join(map(describe, twice))} more than once (dotted keys "
+        problems.append(f"sets {', '.join(describe(d, version) for d in twice)} more than "
+                        "once (dotted keys "
                         "of one option merge; otherwise give each flag once)")
     out: dict[str, str] = {}
     for dest in parsed.dests:
-        flag = FLAGS.get(dest)
+        flag = flags.get(dest)
         if flag is None or flag.cls != KV:
             continue
         try:
             out[dest] = canonical_value(flag, parsed.values[dest])
         except ValueError as exc:
-            problems.append(f"{describe(dest)}: {exc}")
+            problems.append(f"{describe(dest, version)}: {exc}")
     if problems:
         raise ValueError("; ".join(problems))
     return dict(sorted(out.items()))
@@ -359,12 +374,15 @@ def _scalar(flag: Flag, raw: str) -> str:
     return out
 
 
-def engine_argv(canonical: Mapping[str, str]) -> list[str]:
+def engine_argv(canonical: Mapping[str, str], version: str | None = None) -> list[str]:
     """vLLM arguments that set exactly the canonical ``KVP_ENGINE_ARGS`` (sorted by dest):
-    what the launcher passes, so vLLM runs what the namespace describes."""
+    what the launcher passes, so vLLM runs what the namespace describes. A false on/off
+    flag is ``--no-X``, which every supported release reads. Raises KeyError for a dest
+    release ``version`` does not have."""
     out: list[str] = []
+    flags = flags_for(version)
     for dest, text in sorted(canonical.items()):
-        flag = FLAGS[dest]
+        flag = flags[dest]
         if flag.action == "bool":
             out.append(flag.name if text == "true" else "--no-" + flag.name[2:])
         elif flag.action == "flag":
@@ -380,12 +398,12 @@ def engine_argv(canonical: Mapping[str, str]) -> list[str]:
     return out
 
 
-def engine_args_problem(canonical: Mapping[str, Any]) -> str:
+def engine_args_problem(canonical: Mapping[str, Any], version: str | None = None) -> str:
     """Why a stored ``engine_args`` object (a manifest's) is not a canonical form, or ''."""
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in canonical.items()):
         return "engine_args must map flag names to strings"
     try:
-        again = canonical_engine_args(engine_argv(canonical))
+        again = canonical_engine_args(engine_argv(canonical, version), version)
     except (KeyError, ValueError) as exc:
         return f"engine_args is not valid: {exc}"
     return "" if again == dict(canonical) else "engine_args is not in canonical form"

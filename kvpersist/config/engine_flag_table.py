@@ -1,9 +1,10 @@
 """Every flag of the pinned vLLM's serve parser, classified for the namespace (pure data:
 the table; :mod:`kvpersist.config.engine_flags` holds the code that reads it).
 
-vLLM's API server (``python -m vllm.entrypoints.openai.api_server``, the command the launcher
-runs) parses its arguments with ``make_arg_parser(FlexibleArgumentParser())``. Each of its
-flags, keyed by the parser's ``dest``, is in exactly one class:
+vLLM's API server (the command the launcher runs: ``Release.serve`` in the seam)
+parses its arguments with ``make_arg_parser(FlexibleArgumentParser())``. This table describes
+the oldest supported release, 0.32.0; :mod:`kvpersist.config.engine_flag_changes` says what
+each later one changes. Each flag, keyed by the parser's ``dest``, is in exactly one class:
 
 ``owned``
     kvpersist renders it from the configuration (``--model``, ``--max-model-len``,

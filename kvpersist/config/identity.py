@@ -30,6 +30,7 @@ from typing import Any
 from kvpersist.config.engine_args import canonical_engine_args, engine_args_problem
 from kvpersist.config.values import describe_char, forbidden_char, parse_uint
 from kvpersist.errors import ConfigError, Problem
+from kvpersist.system.vllm_seam import version_of_build
 
 NAMESPACE_PREFIX = "kvp-"
 UNPINNED_PREFIX = "kvp-unpinned-"
@@ -149,15 +150,23 @@ def identity_problems(values: Mapping[str, str], source: str = "identity.env") -
     raw = values.get(OPTIONAL_IDENTITY_KEYS["engine_args"], "")
     if raw.strip():
         try:
-            parse_engine_args(raw)
+            parse_engine_args(raw, vllm_version(values))
         except ValueError as exc:
             problems.append(Problem(f"{source}: KVP_ENGINE_ARGS", str(exc), _FIX["engine_args"]))
     return problems
 
 
-def parse_engine_args(raw: str) -> tuple[tuple[str, str], ...]:
+def vllm_version(values: Mapping[str, str]) -> str | None:
+    """The vLLM release a config's values name (KVP_VLLM_BUILD, else KVP_IMAGE's tag), or
+    None (:func:`kvpersist.system.vllm_seam.version_of_build`)."""
+    return version_of_build(values.get(IDENTITY_KEYS["vllm_build"], ""),
+                            values.get("KVP_IMAGE", ""))
+
+
+def parse_engine_args(raw: str, version: str | None = None) -> tuple[tuple[str, str], ...]:
     """The canonical form of a KVP_ENGINE_ARGS value (shell-word split, as
-    KVP_VLLM_EXTRA_ARGS); raises ValueError naming every problem."""
+    KVP_VLLM_EXTRA_ARGS) as vLLM ``version``'s parser reads it; raises ValueError naming
+    every problem."""
     bad = forbidden_char(raw)
     if bad is not None:
         raise ValueError(f"contains {describe_char(bad)}")
@@ -167,7 +176,7 @@ def parse_engine_args(raw: str) -> tuple[tuple[str, str], ...]:
         argv = shlex.split(raw)
     except ValueError as exc:
         raise ValueError(f"cannot be split like a shell word list: {exc}") from exc
-    return tuple(canonical_engine_args(argv).items())
+    return tuple(canonical_engine_args(argv, version).items())
 
 
 def identity_from_env(values: Mapping[str, str], source: str = "identity.env") -> CacheIdentity:
@@ -181,7 +190,8 @@ def identity_from_env(values: Mapping[str, str], source: str = "identity.env") -
         raw = values[key].strip()
         kwargs[name] = int(raw) if name in _INT_FIELDS else raw
     engine = values.get(OPTIONAL_IDENTITY_KEYS["engine_args"], "")
-    kwargs["engine_args"] = parse_engine_args(engine) if engine.strip() else ()
+    kwargs["engine_args"] = (parse_engine_args(engine, vllm_version(values)) if engine.strip()
+                             else ())
     return CacheIdentity(**kwargs)
 
 
@@ -198,7 +208,7 @@ def identity_from_dict(data: Mapping[str, object]) -> CacheIdentity:
     if not isinstance(engine, Mapping) or not engine:
         raise ConfigError([Problem("identity", "engine_args must be a non-empty object "
                                    "(absent when KVP_ENGINE_ARGS is empty)")])
-    message = engine_args_problem(engine)
+    message = engine_args_problem(engine, vllm_version(env))
     if message:
         raise ConfigError([Problem("identity", message)])
     return CacheIdentity(**{**{n: getattr(ident, n) for n in IDENTITY_KEYS},

@@ -33,6 +33,7 @@ from kvpersist.config.model_facts import (
     shown,
     text_config,
 )
+from kvpersist.system.vllm_seam import ENV_MLA_DISABLE
 
 #: config keys vLLM reads for the number of KV heads, in its order
 KV_HEAD_KEYS = ("n_head_kv", "num_kv_heads", "num_key_value_heads", "multi_query_group_num",
@@ -94,7 +95,7 @@ def _mla(tc: Mapping[str, Any], where: str, p: str,
                                        f"{p}qk_rope_head_dim")
         return unknown("num_kv_heads", why, bad), unknown("head_dim", why, bad)
     notes.append("MLA model: vLLM caches one latent vector per token and layer (1 x "
-                 f"{rank + rope} values); with VLLM_MLA_DISABLE=1 it would cache full "
+                 f"{rank + rope} values); with {ENV_MLA_DISABLE}=1 it would cache full "
                  "heads instead, a different geometry")
     return (Derived("num_kv_heads", 1, f"{where}: {p}kv_lora_rank (MLA: one latent "
                     "vector per token, cached as a single head)"),

@@ -69,6 +69,9 @@ class DeploymentSettings:
     #: files (kvpersist/stack/preread.py); 0: no pre-read
     preread_ram_share: float = 0.0
     allow_unpinned: bool = False
+    #: run a vLLM outside the supported releases (docs/vllm-versions.md): the checks that
+    #: need vLLM's internals are skipped, each saying so
+    allow_unsupported_vllm: bool = False
     generic_config: str = "generic"
     model_link_dir: str = ""
     log_dir: str = ""
@@ -137,6 +140,7 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_SERDE_KEY_FILE": ("serde_key_file", "abspath?", ""),
     "KVP_PREREAD_RAM_SHARE": ("preread_ram_share", "share", "0"),
     "KVP_ALLOW_UNPINNED": ("allow_unpinned", "bool", "false"),
+    "KVP_ALLOW_UNSUPPORTED_VLLM": ("allow_unsupported_vllm", "bool", "false"),
     "KVP_GENERIC_CONFIG": ("generic_config", "confname", "generic"),
     "KVP_MODEL_LINK_DIR": ("model_link_dir", "dir", "{state_dir}/models"),
     "KVP_LOG_DIR": ("log_dir", "dir", "{state_dir}/logs"),
@@ -211,8 +215,9 @@ def config_name_problem(name: str) -> str:
 _USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}\Z")
 
 
-def convert_setting(kind: str, raw: str) -> tuple[Any, str]:
-    """Convert one raw deployment value; return (value, error message or '')."""
+def convert_setting(kind: str, raw: str, vllm_version: str | None = None) -> tuple[Any, str]:
+    """Convert one raw deployment value (``vllm_version``: the release whose flag table reads
+    vLLM arguments); return (value, error message or '')."""
     problem = value_problem(raw)
     if problem:
         return None, problem
@@ -320,7 +325,7 @@ def convert_setting(kind: str, raw: str) -> tuple[Any, str]:
             return None, f"cannot be split like a shell word list: {exc}"
         # read as vLLM's parser reads them (underscores, abbreviations, dotted keys...):
         # only KV-neutral flags; kvp-admin launch checks again with vLLM's own parser
-        problems = extra_args_problems(argv)
+        problems = extra_args_problems(argv, vllm_version)
         return (None, "; ".join(problems)) if problems else (argv, "")
     if kind == "name" and any(ch.isspace() for ch in value):
         return None, f"must not contain whitespace, got {value!r}"

@@ -37,12 +37,13 @@ from kvpersist.stack import launch as lc
 from kvpersist.stack.plan import prepare_launch
 from kvpersist.stack.processes import stop_deployment
 from kvpersist.system import procs
+from kvpersist.system.vllm_seam import METRIC_EXTERNAL_PREFIX_HITS
 
 #: the most of the server's log read for its L2 hits (what one demo run writes is far less)
 LOG_READ_BYTES = 64 << 20
 
 Progress = Callable[[str], None]
-HITS_METRIC = "vllm:external_prefix_cache_hits_total"
+HITS_METRIC = METRIC_EXTERNAL_PREFIX_HITS
 #: served in float32 (weights and KV): vLLM's CPU build computes the same tokens from a full
 #: prefill and from loaded KV in float32, not always in bfloat16 (near-tied logits of random
 #: weights flip under last-bit differences), and the demo checks the output is identical

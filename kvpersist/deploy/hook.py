@@ -10,7 +10,12 @@ arguments applied:
   namespace;
 * ``--served-model-name`` is added (the deployment's public name) if the recipe has none, so
   clients keep using the same name;
-* ``--kv-transfer-config`` pointing at the deployment's cache server is appended.
+* ``--kv-transfer-config`` pointing at the deployment's cache server is appended, and the
+  flags the deployment's vLLM release needs with LMCache's connector (``rendered_flags``:
+  ``--disable-extensible-kv-cache`` for 0.34, docs/vllm-versions.md).
+
+The recipe's arguments are read with the flag table of the release the rendering was made for
+(``vllm.version`` of the render JSON).
 
 Everything else is left byte-for-byte as it was. A recipe that already sets
 ``--kv-transfer-config``, serves other weights than the deployment's ``KVP_MODEL_PATH``, or
@@ -30,7 +35,7 @@ import sys
 from typing import Any
 
 from kvpersist.config.engine_args import ArgsError, canonical_value, describe, parse
-from kvpersist.config.engine_flags import FLAGS, KV
+from kvpersist.config.engine_flags import KV, flags_for
 from kvpersist.errors import EXIT_USAGE, KvpError
 from kvpersist.system.untrusted import MAX_STATE_BYTES, UnreadableFile, read_json_object, show_path
 
@@ -76,25 +81,39 @@ def _check_engine_args(argv: list[str], rendered: dict[str, Any]) -> None:
     identity = rendered["manifest"].get("identity")
     if not identity:
         return
+    version = _version(rendered)
+    flags = flags_for(version)
     try:
-        parsed = parse(_vllm_args(argv))
+        parsed = parse(_vllm_args(argv), version)
     except ArgsError as exc:
         raise HookError(f"vLLM's parser would refuse the recipe's arguments: {exc}") from exc
     mine: dict[str, str] = {}
     for dest in parsed.dests:
-        if FLAGS[dest].cls == KV:
+        if flags[dest].cls == KV:
             try:
-                mine[dest] = canonical_value(FLAGS[dest], parsed.values[dest])
+                mine[dest] = canonical_value(flags[dest], parsed.values[dest])
             except ValueError as exc:
-                raise HookError(f"the recipe's {describe(dest)}: {exc}") from exc
+                raise HookError(f"the recipe's {describe(dest, version)}: {exc}") from exc
     wanted: dict[str, str] = identity.get("engine_args", {})
     if mine != wanted:
         diff = sorted(d for d in set(mine) | set(wanted) if mine.get(d) != wanted.get(d))
         raise HookError("the recipe's KV-affecting vLLM flags differ from the deployment's "
-                        f"KVP_ENGINE_ARGS for {', '.join(map(describe, diff))} (recipe: "
+                        f"KVP_ENGINE_ARGS for {', '.join(describe(d, version) for d in diff)} "
+                        "(recipe: "
                         f"{json.dumps(mine, sort_keys=True)}, KVP_ENGINE_ARGS: "
                         f"{json.dumps(wanted, sort_keys=True)}): the namespace would describe "
                         "another computation; make them agree")
+
+
+def _version(rendered: dict[str, Any]) -> str | None:
+    """The release a rendering was made for (None: an older rendering, 0.32.0's table)."""
+    version = (rendered.get("vllm") or {}).get("version")
+    return version if isinstance(version, str) else None
+
+
+def _release_flags(rendered: dict[str, Any]) -> list[str]:
+    flags = (rendered.get("vllm") or {}).get("rendered_flags") or []
+    return [f for f in flags if isinstance(f, str)]
 
 
 def persist_argv(argv: list[str], rendered: dict[str, Any]) -> list[str]:
@@ -102,6 +121,15 @@ def persist_argv(argv: list[str], rendered: dict[str, Any]) -> list[str]:
     if any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in argv):
         raise HookError("the recipe already sets --kv-transfer-config; remove it, the hook "
                         "adds the deployment's")
+    try:
+        owned = [d for d in parse(_vllm_args(argv), _version(rendered)).dests
+                 if d == "enable_extensible_kv_cache"]
+    except ArgsError:
+        owned = []  # refused with its message by the engine-args check below
+    if owned and _release_flags(rendered):
+        raise HookError("the recipe sets --enable-extensible-kv-cache (or its negation); "
+                        "remove it: the hook adds what LMCache's connector needs "
+                        f"({' '.join(_release_flags(rendered))}, docs/vllm-versions.md)")
     idx, model = _find_model(argv)
     _check_engine_args(argv, rendered)
     link = rendered["model_link"]
@@ -117,7 +145,7 @@ def persist_argv(argv: list[str], rendered: dict[str, Any]) -> list[str]:
         served = rendered["manifest"]["deployment"]["served_model_name"]
         out += ["--served-model-name", served]
     ktc = json.dumps(rendered["kv_transfer_config"], sort_keys=True, separators=(",", ":"))
-    return [*out, "--kv-transfer-config", ktc]
+    return [*out, "--kv-transfer-config", ktc, *_release_flags(rendered)]
 
 
 def read_rendered(path: str) -> dict[str, Any]:
@@ -160,7 +188,7 @@ def main(args: list[str] | None = None) -> int:
     error, or a rendering that cannot be read or is not one), the message on stderr."""
     args = list(sys.argv[1:] if args is None else args)
     if len(args) < 2 or args[1] != "--":
-        print("usage: python -m kvpersist.deploy.hook RENDER_JSON_FILE -- VLLM_ARGV...",
+        print("usage: python -m kvpersist.deploy.hook RENDER_JSON_FILE -- VLLM ARGV...",
               file=sys.stderr)
         return 2
     try:

@@ -17,7 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpersist.config.engine_flags import KV, flags_for
 from kvpersist.config.identity import ALL_IDENTITY_KEYS
+from kvpersist.system.vllm_seam import RELEASES, support_problem, table_version
 
 SCHEMA = "kvpersist.upgrade-plan/1"
 SAME = "same namespace: the cache carries over, nothing to do"
@@ -163,6 +165,74 @@ class WarmFacts:
 
 
 @dataclass(frozen=True)
+class VllmChange:
+    """The vLLM releases of OLD and NEW (None: not named) and the flags each config sets
+    (KVP_ENGINE_ARGS and KVP_VLLM_EXTRA_ARGS, by dest, read with its own release's table)."""
+
+    old: str | None
+    new: str | None
+    old_dests: tuple[str, ...] = ()
+    new_dests: tuple[str, ...] = ()
+
+
+def vllm_section(c: VllmChange) -> dict[str, Any] | None:
+    """What a change of vLLM release means for this deployment (pure; None when both
+    configs name the same release): the releases and what was tested of NEW's, how each
+    starts its API server, the flags kvpersist renders, the flags the deployment sets whose
+    class, spelling or existence differs, and the KV-affecting flags NEW's release adds."""
+    if c.old == c.new:
+        return None
+    a, b = table_version(c.old), table_version(c.new)
+    fa, fb = flags_for(a), flags_for(b)
+    flags = []
+    for dest in sorted(set(c.old_dests) | set(c.new_dests)):
+        old, new = fa.get(dest), fb.get(dest)
+        known = new or old
+        name = known.name if known is not None else dest
+        if new is None:
+            flags.append({"flag": name, "dest": dest, "old_class": old and old.cls,
+                          "new_class": None, "what": f"vLLM {b} has no such flag: remove it "
+                          "from NEW's config"})
+        elif old is None:
+            flags.append({"flag": name, "dest": dest, "old_class": None,
+                          "new_class": new.cls, "what": f"new in vLLM {b}"})
+        elif old.cls != new.cls:
+            flags.append({"flag": name, "dest": dest, "old_class": old.cls,
+                          "new_class": new.cls, "what": "classified differently"})
+        elif set(new.options) != set(old.options):
+            gained = sorted(set(new.options) - set(old.options))
+            flags.append({"flag": name, "dest": dest, "old_class": old.cls,
+                          "new_class": new.cls,
+                          "what": f"vLLM {b} also spells it {' '.join(gained)}; the "
+                                  "canonical form (the namespace's) is the same"})
+    added_kv = sorted(f.name for d, f in fb.items() if d not in fa and f.cls == KV)
+    ra, rb = RELEASES[a], RELEASES[b]
+    return {
+        "old": c.old, "new": c.new,
+        "supported": {"old": not support_problem(c.old, "OLD's"),
+                      "new": not support_problem(c.new, "NEW's")},
+        "new_tested": rb.tested,
+        "serve": {"old": list(ra.serve), "new": list(rb.serve),
+                  "model_positional": {"old": ra.model_positional, "new": rb.model_positional}},
+        "rendered_flags": {"added": [f for f in rb.rendered_flags if f not in ra.rendered_flags],
+                           "removed": [f for f in ra.rendered_flags
+                                       if f not in rb.rendered_flags]},
+        "deployment_flags": flags,
+        "new_kv_flags": added_kv,
+        "flag_counts": {"old": len(fa), "new": len(fb)},
+    }
+
+
+def install_command(version: str | None) -> str | None:
+    """How to install a supported GPU release of vLLM (None for 0.32's CPU build, which the
+    plain setup installs, or a release kvpersist does not support)."""
+    rel = RELEASES.get(version or "")
+    if rel is None or "vllm" not in rel.distributions or rel.version == "0.32.0":
+        return None
+    return _cmd("bash", "scripts/setup.sh", "--vllm", rel.version)
+
+
+@dataclass(frozen=True)
 class UpgradeFacts:
     """What the action gathered; every figure comes from code that ``kvp-admin report`` and
     the warm-up run."""
@@ -180,6 +250,7 @@ class UpgradeFacts:
     warm: WarmFacts = field(default_factory=WarmFacts)
     problems: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    vllm: VllmChange = field(default_factory=lambda: VllmChange(None, None))
 
     @property
     def same_namespace(self) -> bool:
@@ -221,11 +292,18 @@ def steps(f: UpgradeFacts) -> list[dict[str, Any]]:
                       _cmd("kvp-admin", "stop", old.arg) + " && "
                       + _cmd("kvp-admin", "launch", new.arg),
                       "OLD and NEW are different files: stop OLD's processes, launch NEW's")]
-    out = [_step("stop OLD", _cmd("kvp-admin", "stop", old.arg),
-                 "vLLM first (it drains what is in flight), then the cache server; its L2 "
-                 "files stay; a clean stop deletes this host's fleet record of the old "
-                 "namespace"),
-           _step("install/switch to NEW", None, switch_note(f.changes))]
+    out = []
+    install = install_command(f.vllm.new) if f.vllm.old != f.vllm.new else None
+    if install:
+        out.append(_step(f"install vLLM {f.vllm.new} beside the running deployment", install,
+                         f"a venv with vLLM {f.vllm.new}'s GPU wheel and LMCache 0.5.6 "
+                         "(docs/vllm-versions.md); then `kvp-admin identity check NEW` with "
+                         "its kvp-admin"))
+    out += [_step("stop OLD", _cmd("kvp-admin", "stop", old.arg),
+                  "vLLM first (it drains what is in flight), then the cache server; its L2 "
+                  "files stay; a clean stop deletes this host's fleet record of the old "
+                  "namespace"),
+            _step("install/switch to NEW", None, switch_note(f.changes))]
     if f.warm.file:
         out.append(_step("launch NEW, computing its warm set before serving",
                          _cmd("kvp-admin", "launch", new.arg, env=WARMUP_COMPUTE),
@@ -304,6 +382,7 @@ def plan_upgrade(f: UpgradeFacts) -> dict[str, Any]:
                      "shared": f.shared.to_dict() if f.shared else None},
         "stale": stale(f),
         "warm_set": f.warm.to_dict(),
+        "vllm": vllm_section(f.vllm),
         "steps": [{"step": i, **s} for i, s in enumerate(steps(f), 1)],
         "problems": list(f.problems),
         "notes": list(f.notes),

@@ -119,7 +119,8 @@ def locate(dep: Deployment) -> Location:
         server_markers=("lmcache", "--l2-adapter", f'"file_path":"{s.cache_root}"'),
         server_http_url=f"http://{url_host(s.lmcache_http_host)}:{s.lmcache_http_port}",
         vllm_mode=vllm_mode(dep),
-        vllm_markers=("--model", dep.namespace, "--served-model-name"),
+        # the model is the namespace (--model, or vllm serve's positional argument)
+        vllm_markers=(dep.namespace, "--served-model-name"),
         vllm_url=f"http://{url_host(s.vllm_host)}:{s.vllm_port}",
         container_name=s.container_name or f"{dep.name}-kvp",
         container_engine=s.container_engine,

@@ -24,9 +24,9 @@ from kvpersist.stack.lmcache_exec import exec_argv
 from kvpersist.stack.locate import Location, locate, vllm_mode
 from kvpersist.stack.preread import preread_argv
 from kvpersist.stack.render import TEMPLATE_NAMES, Rendered, render
+from kvpersist.system.software import running_vllm_version
 from kvpersist.system.templates import read_templates
-
-VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+from kvpersist.system.vllm_seam import RELEASES, table_version
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,9 @@ def lmcache_bin() -> str:
 def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
                 *, python: str | None = None, server_bin: str | None = None) -> LaunchPlan:
     """Build the launch plan of ``dep`` from its rendering (pure apart from the values
-    passed in: ``environ`` is the environment to start children with)."""
+    passed in: ``environ`` is the environment to start children with). vLLM starts as the
+    rendered release starts its API server (``rendered.vllm["serve"]``: the API server module
+    for 0.32, ``vllm serve`` for 0.33 and 0.34; :mod:`kvpersist.system.vllm_seam`)."""
     s = dep.settings
     server_argv = list(rendered.lmcache_server_argv)
     server_argv[0] = server_bin or server_argv[0]
@@ -63,14 +65,14 @@ def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
     server_env.setdefault("LMCACHE_DISABLE_BANNER", "1")
     vllm_env = dict(environ)
     container = vllm_mode(dep) == "container" and bool(rendered.container_argv)
-    if s.device == "cpu":
-        vllm_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        vllm_env.setdefault("HF_HUB_OFFLINE", "1")
-        vllm_env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    for kv in rendered.vllm.get("env", ()):  # what the device needs (KVP_DEVICE=cpu)
+        key, _, value = kv.partition("=")
+        vllm_env.setdefault(key, value)
     if container:
         vllm_argv = list(rendered.container_argv)
     else:
-        vllm_argv = [python or sys.executable, "-m", VLLM_MODULE, *rendered.vllm_argv]
+        serve = rendered.vllm.get("serve") or RELEASES[table_version(None)].serve
+        vllm_argv = [python or sys.executable, *serve, *rendered.vllm_argv]
     if s.shared_tier:
         # the shared tier's credentials enter in the server's own process (lmcache_exec)
         tier = shared_tier_of(s)
@@ -106,20 +108,26 @@ class Prepared:
 
 
 def prepare_launch(config: str, *, environ: Mapping[str, str] | None = None,
-                   allow_unpinned: bool = False, allow_tmp_cleanup: bool = False) -> Prepared:
+                   allow_unpinned: bool = False, allow_tmp_cleanup: bool = False,
+                   allow_unsupported_vllm: bool = False) -> Prepared:
     """Load ``config``, size it once (scan + other deployments on its root), render it and
     build its launch plan. ``allow_tmp_cleanup`` (``launch --allow-lmcache-tmp-cleanup``)
-    sets KVP_ALLOW_LMCACHE_TMP_CLEANUP for this launch. Writes nothing. Raises ConfigError
+    sets KVP_ALLOW_LMCACHE_TMP_CLEANUP for this launch, ``allow_unsupported_vllm``
+    (``--allow-unsupported-vllm``) KVP_ALLOW_UNSUPPORTED_VLLM. Writes nothing. Raises ConfigError
     for configuration or budget problems."""
     env = dict(os.environ if environ is None else environ)
     dep = load_deployment(config, env, allow_unpinned=allow_unpinned)
     if allow_tmp_cleanup:
         dep = replace(dep, settings=replace(dep.settings, allow_lmcache_tmp_cleanup=True))
+    if allow_unsupported_vllm:
+        dep = replace(dep, settings=replace(dep.settings, allow_unsupported_vllm=True))
     sizing = size_deployment(dep, environ=env)
     rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=sizing.l1_size_gb,
-                      l2_capacity_gb=sizing.l2_capacity_gb, lmcache_bin=lmcache_bin())
+                      l2_capacity_gb=sizing.l2_capacity_gb, lmcache_bin=lmcache_bin(),
+                      vllm_version=running_vllm_version(
+                          dep.vllm_version, direct_process=vllm_mode(dep) == "process"))
     return Prepared(dep, sizing, rendered, plan_launch(dep, rendered, env), config, env)
 
 
-__all__ = ["VLLM_MODULE", "LaunchPlan", "Prepared", "lmcache_bin", "plan_launch",
+__all__ = ["LaunchPlan", "Prepared", "lmcache_bin", "plan_launch",
            "prepare_launch"]

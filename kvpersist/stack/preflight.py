@@ -41,7 +41,7 @@ from kvpersist.stack.plan import LaunchPlan
 from kvpersist.stack.render import serde_warnings
 from kvpersist.stack.warmup import read_warm_set
 from kvpersist.stack.weights import WeightsCheck, check_weights
-from kvpersist.system import procs
+from kvpersist.system import procs, vllm_seam
 from kvpersist.system.files import (
     accessible_to_others,
     direct_io_problem,
@@ -49,6 +49,7 @@ from kvpersist.system.files import (
     service_uids,
     trust_problems,
 )
+from kvpersist.system.software import installed_vllm_version, running_vllm_version
 
 #: less free space than this on the cache root's filesystem refuses a launch
 MIN_FREE_BYTES = 256 << 20
@@ -177,6 +178,11 @@ class PreflightFacts:
     container_engine: str = "docker"
     #: the container's mounts that, symlinks resolved, would show it a private path
     mount_problems: tuple[Problem, ...] = ()
+    #: the vLLM release that will run (None: not known) and what says so
+    vllm_version: str | None = None
+    vllm_version_of: str = "the installed vLLM"
+    #: KVP_ALLOW_UNSUPPORTED_VLLM (or ``--allow-unsupported-vllm``)
+    allow_unsupported_vllm: bool = False
 
 
 def resolved_mount_problems(dep: Deployment) -> list[Problem]:
@@ -221,6 +227,8 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
         ports.append(("KVP_VLLM_PORT", *plan.listen["vllm"]))
     exe = plan.server_argv[0]
     identity = identity_check.check_deployment(dep, vllm_launched=with_vllm)
+    process = plan.vllm_mode == "process"
+    version = running_vllm_version(dep.vllm_version, direct_process=process)
     facts = PreflightFacts(
         with_vllm=with_vllm, pinned=dep.pinned, namespace=dep.namespace,
         dep_notes=tuple(dep.notes), serde=plan.serde, foreign_notes=tuple(foreign_notes(sizing)),
@@ -244,9 +252,19 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
         tmp_files=cleans.files if cleans and with_server else 0,
         tmp_samples=tuple(cleans.samples) if cleans else (),
         allow_tmp_cleanup=s.allow_lmcache_tmp_cleanup,
-        warm_set_problems=warm_set_problems(dep) if with_vllm else ())
+        warm_set_problems=warm_set_problems(dep) if with_vllm else (),
+        vllm_version=version,
+        vllm_version_of="the installed vLLM" if process and version == installed_vllm_version()
+        else "the vLLM the deployment names (KVP_VLLM_BUILD, KVP_IMAGE)",
+        allow_unsupported_vllm=s.allow_unsupported_vllm)
     if with_vllm and not judge(facts).problems:  # costs a vLLM import: last, when all passed
-        facts = replace(facts, vllm_args=gather_args(dep, plan))
+        if version not in vllm_seam.RELEASES:  # opted in: its parser is not known
+            why = vllm_seam.support_problem(version, facts.vllm_version_of)
+            facts = replace(facts, vllm_args=ArgsFacts((), (
+                f"vLLM's own parser not run: {why}; the flag table of vLLM "
+                f"{vllm_seam.table_version(version)} read the arguments",)))
+        else:
+            facts = replace(facts, vllm_args=gather_args(dep, plan))
     return facts
 
 
@@ -459,6 +477,14 @@ def judge(f: PreflightFacts, *, min_free_bytes: int = MIN_FREE_BYTES) -> Preflig
                                 f"install {engine} (KVP_CONTAINER_ENGINE), or unset KVP_IMAGE "
                                 "for a direct process"))
     problems += f.mount_problems
+    if f.with_vllm:
+        unsupported = vllm_seam.support_problem(f.vllm_version, f.vllm_version_of)
+        if unsupported and f.allow_unsupported_vllm:
+            notes.append(f"{unsupported}; KVP_ALLOW_UNSUPPORTED_VLLM: running it anyway, "
+                         "without the checks that need vLLM's internals (its own parser, the "
+                         "warm-up's token ids)")
+        elif unsupported:
+            problems.append(Problem("vLLM", unsupported, vllm_seam.SUPPORT_FIX))
     problems += f.identity_problems
     notes += f.identity_notes
     problems += f.weights.problems

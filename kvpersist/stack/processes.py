@@ -248,7 +248,7 @@ def ensure_model_link(plan: LaunchPlan) -> None:
 
 def spawn_vllm(plan: LaunchPlan, *, progress: Progress = quiet) -> Spawned:
     """Start vLLM for the deployment in the background (its readiness: :func:`wait_ready`,
-    serving the namespace). Direct process: ``python -m vllm.entrypoints.openai.api_server
+    serving the namespace). Direct process: ``python <the release's serve arguments>
     <rendered args>`` in the model-link directory, pid file ``S/vllm.pid``. Container: the
     rendered ``docker run``. Raises CheckFailed if it already runs."""
     if plan.vllm_mode == "process":

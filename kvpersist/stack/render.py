@@ -25,6 +25,13 @@ from kvpersist.config.values import reach_host
 from kvpersist.errors import ConfigError, Problem
 from kvpersist.l2.read_path import explain_read_path
 from kvpersist.system.templates import environment
+from kvpersist.system.vllm_seam import (
+    ENV_CPU_KVCACHE_SPACE,
+    ENV_TARGET_DEVICE,
+    RELEASES,
+    supported_text,
+    table_version,
+)
 
 TEMPLATE_NAMES = ("lmcache-server.argv.j2", "vllm-serve.argv.j2", "manifest.json.j2")
 MANIFEST_SCHEMA = "kvpersist.manifest/1"
@@ -84,6 +91,10 @@ class Rendered:
     shared_tier: dict[str, Any] | None = None
     #: the L2 read-path settings and why (kvpersist.l2.read_path.ReadPath.to_dict)
     read_path: dict[str, Any] = field(default_factory=dict)
+    #: the vLLM release rendered for: {"version" (whose table and flags were used), "named"
+    #: (the deployment's), "supported", "serve" (the arguments after ``python`` that start
+    #: its API server), "rendered_flags", "env" (``K=V`` the device needs: KVP_DEVICE=cpu)}
+    vllm: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         """The stable JSON object of ``kvp-admin render --json``."""
@@ -103,6 +114,7 @@ class Rendered:
             "shared_l2_adapter": self.shared_l2_adapter,
             "shared_tier": self.shared_tier,
             "read_path": self.read_path,
+            "vllm": self.vllm,
         }
 
 
@@ -226,11 +238,14 @@ def manifest(dep: Deployment, l2_capacity_gb: float | None = None) -> dict[str, 
 
 
 def render(dep: Deployment, templates: Mapping[str, str], *, l1_size_gb: float,
-           l2_capacity_gb: float, lmcache_bin: str = "lmcache") -> Rendered:
+           l2_capacity_gb: float, lmcache_bin: str = "lmcache",
+           vllm_version: str | None = None) -> Rendered:
     """Render all launch artefacts of ``dep``.
 
-    ``l1_size_gb`` and ``l2_capacity_gb`` come from the budget plan. Raises ConfigError if a
-    template is missing or refers to an undefined value.
+    ``l1_size_gb`` and ``l2_capacity_gb`` come from the budget plan; ``vllm_version`` is the
+    vLLM release that will run (default: the one the deployment names), whose flag table
+    renders the engine flags and whose own flags (:attr:`vllm_seam.Release.rendered_flags`)
+    are added. Raises ConfigError if a template is missing or refers to an undefined value.
     """
     missing = [n for n in TEMPLATE_NAMES if n not in templates]
     if missing:
@@ -245,6 +260,7 @@ def render(dep: Deployment, templates: Mapping[str, str], *, l1_size_gb: float,
         model_dtype, vllm_kv = kv_dtype, "auto"
     else:
         model_dtype, vllm_kv = s.model_dtype, kv_dtype
+    version = table_version(vllm_version or dep.vllm_version)
     ktc = kv_transfer_config(dep)
     adapter = l2_adapter(dep, l2_capacity_gb)
     shared_adapter, shared_shown = shared_tier_json(dep)
@@ -256,9 +272,11 @@ def render(dep: Deployment, templates: Mapping[str, str], *, l1_size_gb: float,
             prefetch_policy=SHARED_PREFETCH_POLICY, lmcache_bin=lmcache_bin))
         vllm = _lines(env.get_template("vllm-serve.argv.j2").render(
             s=s, ident=ident, namespace=dep.namespace, model_dtype=model_dtype,
+            model_positional=RELEASES[version].model_positional,
             vllm_kv_cache_dtype=vllm_kv, kv_transfer_config=ktc,
+            release_flags=RELEASES[version].rendered_flags,
             shutdown_timeout=VLLM_DRAIN_SECONDS,
-            engine_args=engine_argv(ident.get("engine_args", {}))))
+            engine_args=engine_argv(ident.get("engine_args", {}), version)))
         manifest_text = env.get_template("manifest.json.j2").render(manifest=man)
     except jinja2.TemplateError as exc:
         raise ConfigError(Problem("templates", f"render failed: {exc}")) from exc
@@ -279,6 +297,12 @@ def render(dep: Deployment, templates: Mapping[str, str], *, l1_size_gb: float,
         shared_l2_adapter=shared_adapter,
         shared_tier=shared_shown,
         read_path=explain_read_path(dep).to_dict(),
+        vllm={"version": version, "named": dep.vllm_version,
+              "supported": (vllm_version or dep.vllm_version) in RELEASES,
+              "supported_releases": supported_text(),
+              "serve": list(RELEASES[version].serve),
+              "rendered_flags": list(RELEASES[version].rendered_flags),
+              "env": [f"{k}={v}" for k, v in CPU_CONTAINER_ENV] if s.device == "cpu" else []},
     )
 
 
@@ -332,9 +356,10 @@ def container_python_argv(dep: Deployment) -> list[str]:
 #: the private /dev/shm of a CPU container (memory used only as vLLM fills it)
 CPU_SHM_SIZE = "1g"
 
-#: the environment of a CPU container (never a secret: only these fixed values)
-CPU_CONTAINER_ENV = (("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1"),
-                     ("VLLM_TARGET_DEVICE", "cpu"))
+#: the environment of vLLM on a CPU, in a container or as a direct process (never a secret:
+#: only these fixed values)
+CPU_CONTAINER_ENV = ((ENV_CPU_KVCACHE_SPACE, "1"), ("HF_HUB_OFFLINE", "1"),
+                     (ENV_TARGET_DEVICE, "cpu"))
 
 
 def _num(value: float) -> str:

@@ -54,12 +54,13 @@ from kvpersist.config.engine_args import (
     engine_argv,
     extra_args_problems,
 )
-from kvpersist.config.engine_flag_table import VLLM_VERSION
-from kvpersist.config.engine_flags import KV, NEUTRAL
+from kvpersist.config.engine_flags import KV, NEUTRAL, rows_for
 from kvpersist.config.loader import load_deployment, load_identity_values
 from kvpersist.errors import KvpError, Problem
 from kvpersist.stack.render import container_argv, container_python_argv
+from kvpersist.system import vllm_seam
 from kvpersist.system.files import atomic_write_json
+from kvpersist.system.software import running_vllm_version
 from kvpersist.system.untrusted import UnreadableFile, read_json_object
 
 TIMEOUT_S = 180.0
@@ -90,19 +91,11 @@ def same(a, b):
 
 """
 
-#: Runs in the vLLM Python. stdin: {"parse": {name: argv}, "compare": [[a, b], ...]};
-#: stdout: one JSON line {"version", "parsed": {name: {"dests"|"error"}}, "differ": {"a b": [..]}}.
-SCRIPT = COMPARE + r"""
-import argparse, json, sys
-req = json.load(sys.stdin)
-try:
-    import vllm
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-except BaseException as exc:
-    print("KVP-RESULT " + json.dumps({"error": "cannot import vLLM's parser: %r" % (exc,)}))
-    raise SystemExit(0)
-
+#: Runs in the vLLM Python after the seam's preamble (:func:`vllm_seam.parser_script`: it
+#: imports the parser of the release that is installed, or answers ``unsupported``). stdin:
+#: {"where", "argparse", "parse": {name: argv}, "compare": [[a, b], ...]}; stdout: one JSON line
+#: {"version", "parsed": {name: {"dests"|"error"}}, "differ": {"a b": [..]}}.
+SCRIPT = vllm_seam.parser_script(COMPARE + r"""
 class Refused(Exception):
     pass
 
@@ -131,10 +124,13 @@ for a, b in req["compare"]:
         va, vb = values[a], values[b]
         differ[a + " " + b] = sorted(d for d in set(va) | set(vb)
                                      if d not in va or d not in vb or not same(va[d], vb[d]))
-print("KVP-RESULT " + json.dumps({"version": getattr(vllm, "__version__", "?"),
-                                  "parsed": parsed, "differ": differ}))
-"""
+print("KVP-RESULT " + json.dumps({"version": version, "parsed": parsed, "differ": differ}))
+""")
 
+
+#: what the flag tables say, digested (a remembered verdict is for these tables only)
+_TABLES = hashlib.sha256(json.dumps({v: rows_for(v) for v in vllm_seam.RELEASES},
+                                    sort_keys=True).encode()).hexdigest()
 
 #: the last clean verdict, in the state dir
 CACHE_FILE = "vllm-args-check.json"
@@ -177,8 +173,9 @@ def check_key(dep: Deployment, vllm_mode: str, vllm_argv: Sequence[str],
             argv[i + 1] = "*"
     payload = {"build": build, "argv": argv, "extra": list(dep.settings.vllm_extra_args),
                "engine": sorted(dict(dep.identity_values.get("engine_args", {})).items()),
-               "env": sorted((k, v) for k, v in vllm_env.items() if k.startswith("VLLM_")),
-               "script": hashlib.sha256(SCRIPT.encode()).hexdigest(), "table": VLLM_VERSION}
+               "env": sorted((k, v) for k, v in vllm_env.items()
+                             if k.startswith(vllm_seam.ENV_PREFIX)),
+               "script": hashlib.sha256(SCRIPT.encode()).hexdigest(), "table": _TABLES}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -240,9 +237,11 @@ def run_parser(command: Sequence[str], request: Mapping[str, Any], *,
 
 
 def build_request(vllm_argv: Sequence[str], extra: Sequence[str],
-                  engine_text: str, engine: Mapping[str, str]) -> dict[str, Any]:
+                  engine_text: str, engine: Mapping[str, str],
+                  version: str | None = None) -> dict[str, Any]:
     """What to parse: the extra arguments alone, the rendered command with and without them,
-    and KVP_ENGINE_ARGS as written and as rendered."""
+    and KVP_ENGINE_ARGS as written and as rendered (by the table of vLLM ``version``, the
+    release the deployment names)."""
     full = list(vllm_argv)
     extra = list(extra)
     if extra and full[-len(extra):] != extra:
@@ -253,22 +252,21 @@ def build_request(vllm_argv: Sequence[str], extra: Sequence[str],
         parse.update(extra=extra, base=full[:-len(extra)])
         compare.append(["base", "full"])
     if engine_text.strip():
-        parse.update(engine=shlex.split(engine_text), engine_rendered=engine_argv(engine))
+        parse.update(engine=shlex.split(engine_text),
+                     engine_rendered=engine_argv(engine, version))
         compare.append(["engine", "engine_rendered"])
-    return {"parse": parse, "compare": compare}
+    return {**vllm_seam.parser_request(), "parse": parse, "compare": compare}
 
 
 def verdict(result: Mapping[str, Any], request: Mapping[str, Any],
             engine: Mapping[str, str]) -> tuple[list[Problem], list[str]]:
-    """Problems and notes from vLLM's answer (pure)."""
+    """Problems and notes from vLLM's answer (pure). The flags are classified by the table of
+    the release that answered."""
     problems: list[Problem] = []
     notes: list[str] = []
     parsed: Mapping[str, Any] = result.get("parsed", {})
     differ: Mapping[str, list[str]] = result.get("differ", {})
     version = str(result.get("version", "?"))
-    if version != VLLM_VERSION:
-        notes.append(f"vLLM's parser is vLLM {version}; the flag table describes "
-                     f"{VLLM_VERSION}: flags it does not classify are refused")
     for name, key in (("extra", EXTRA_KEY), ("engine", ENGINE_KEY), ("engine_rendered", ""),
                       ("full", "")):
         if name in request["parse"] and "error" in parsed.get(name, {"error": "no answer"}):
@@ -280,11 +278,11 @@ def verdict(result: Mapping[str, Any], request: Mapping[str, Any],
                                     "fix the arguments (docs/engine-flags.md)"))
     if "extra" in request["parse"] and "dests" in parsed.get("extra", {}):
         dests = set(parsed["extra"]["dests"]) | set(differ.get("base full", []))
-        for message in classify_dests(sorted(dests), NEUTRAL):
+        for message in classify_dests(sorted(dests), NEUTRAL, version):
             problems.append(Problem(EXTRA_KEY, f"vLLM's own parser reads them: {message}",
                                     "keep only KV-neutral flags (docs/engine-flags.md)"))
     if "engine" in request["parse"] and "dests" in parsed.get("engine", {}):
-        for message in classify_dests(parsed["engine"]["dests"], KV):
+        for message in classify_dests(parsed["engine"]["dests"], KV, version):
             problems.append(Problem(ENGINE_KEY, f"vLLM's own parser reads it: {message}",
                                     "only KV-affecting flags (docs/engine-flags.md)"))
         diff = differ.get("engine engine_rendered")
@@ -306,16 +304,19 @@ def verdict(result: Mapping[str, Any], request: Mapping[str, Any],
 def check_vllm_args(vllm_argv: Sequence[str], extra: Sequence[str], engine_text: str,
                     engine: Mapping[str, str], *, python: str, env: Mapping[str, str],
                     image: str = "", container_run: Sequence[str] = (),
-                    timeout: float = TIMEOUT_S) -> ParserCheck:
-    """Ask the pinned vLLM's parser about a launch's arguments (see the module docstring).
+                    timeout: float = TIMEOUT_S, version: str | None = None,
+                    allow_unsupported: bool = False) -> ParserCheck:
+    """Ask the installed vLLM's parser about a launch's arguments (see the module docstring).
 
     ``python`` runs vLLM for a direct process; with ``image`` (a container deployment) the
     script runs in the image instead (``container_run``: the command that runs the image's
     ``python3``, :func:`~kvpersist.stack.render.container_python_argv`), and a check that
-    cannot run is only a note."""
+    cannot run is only a note. ``version``: the release the arguments were rendered for. A
+    vLLM outside the supported releases answers that it is: a problem, or a note that the
+    check did not run when ``allow_unsupported`` (KVP_ALLOW_UNSUPPORTED_VLLM)."""
     if not extra and not engine_text.strip():
         return ParserCheck((), ())
-    request = build_request(vllm_argv, extra, engine_text, engine)
+    request = build_request(vllm_argv, extra, engine_text, engine, version)
     if image:
         command = list(container_run) or ["docker", "run", "--rm", "-i", "--network", "none",
                                           "--entrypoint", "python3", image]
@@ -341,6 +342,15 @@ def check_vllm_args(vllm_argv: Sequence[str], extra: Sequence[str], engine_text:
         return ParserCheck((Problem("vLLM", message, f"check that `{python} -c 'import "
                                     "vllm'` works"),), ())
     seconds = time.monotonic() - start
+    if result.get("unsupported"):
+        where = f"in the image {image}" if image else f"with {python}"
+        message = vllm_seam.support_problem(str(result.get("version")), f"vLLM {where}")
+        if allow_unsupported:
+            return ParserCheck((), (f"vLLM arguments not checked by vLLM's own parser: "
+                                    f"{message}; KVP_ALLOW_UNSUPPORTED_VLLM: the flag table of "
+                                    f"vLLM {vllm_seam.table_version(version)} read them",),
+                               seconds)
+        return ParserCheck((Problem("vLLM", message, vllm_seam.SUPPORT_FIX),), (), seconds)
     if "error" in result:
         where = f"in the image {image}" if image else f"with {python}"
         if image:
@@ -363,14 +373,22 @@ def check_deployment(dep: Deployment, vllm_mode: str, vllm_argv: Sequence[str],
     if engine:
 
         engine_text = load_identity_values(dep.source)[1].get(ENGINE_KEY, "")
+    allow = dep.settings.allow_unsupported_vllm
     if vllm_mode == "container":
 
         args = list(vllm_argv[len(container_argv(dep, [])):])
         return check_vllm_args(args, extra, engine_text, engine, python="python3",
                                env=vllm_env, image=dep.settings.image,
-                               container_run=container_python_argv(dep))
-    return check_vllm_args(list(vllm_argv[3:]), extra, engine_text, engine,
-                           python=vllm_argv[0], env=vllm_env)
+                               container_run=container_python_argv(dep),
+                               version=dep.vllm_version, allow_unsupported=allow)
+    # python, the release's serve arguments, then the rendered ones, which start with the
+    # model: the namespace, after --model or alone (vllm serve's positional argument)
+    at = vllm_argv.index(dep.namespace)
+    args = list(vllm_argv[at - 1 if vllm_argv[at - 1] == "--model" else at:])
+    return check_vllm_args(args, extra, engine_text, engine, python=vllm_argv[0],
+                           env=vllm_env, version=running_vllm_version(
+                               dep.vllm_version, direct_process=True),
+                           allow_unsupported=allow)
 
 
 def main(args: list[str] | None = None) -> int:
@@ -394,7 +412,9 @@ def main(args: list[str] | None = None) -> int:
         print(f"vllm_args: {exc}", file=sys.stderr)
         return 2
     more = args[1:]
-    problems = [Problem("arguments", p) for p in extra_args_problems(more)]
+    version = (rendered.get("vllm") or {}).get("version")
+    version = version if isinstance(version, str) else None
+    problems = [Problem("arguments", p) for p in extra_args_problems(more, version)]
     if not problems:
         extra = [*dep.settings.vllm_extra_args, *more]
         engine: dict[str, str] = dict(dep.identity_values.get("engine_args", {}))
@@ -406,7 +426,9 @@ def main(args: list[str] | None = None) -> int:
         check = check_vllm_args([*rendered["vllm_argv"], *more], extra, engine_text, engine,
                                 python=sys.executable, env=os.environ,
                                 image=dep.settings.image if container else "",
-                                container_run=container_python_argv(dep) if container else ())
+                                container_run=container_python_argv(dep) if container else (),
+                                version=version,
+                                allow_unsupported=dep.settings.allow_unsupported_vllm)
         problems = list(check.problems)
         for note in check.notes:
             print(f"note: {note}", file=sys.stderr)

@@ -55,6 +55,7 @@ from kvpersist.stack.render import TEMPLATE_NAMES, render
 from kvpersist.stack.warm_keys import chunk_files, key_scheme
 from kvpersist.stack.warm_tokens import tokenize
 from kvpersist.system.files import atomic_write, atomic_write_json
+from kvpersist.system.software import running_vllm_version
 from kvpersist.system.templates import read_templates
 from kvpersist.system.untrusted import UnreadableFile, read_bytes, read_json, show_path
 
@@ -242,9 +243,11 @@ def _write_state(loc: Location, res: WarmupResult) -> None:
 
 def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s: float,
          say: Progress) -> None:
-    # the sizes do not enter the key scheme nor the vLLM arguments tokenization reads
+    # the sizes do not enter the key scheme nor the vLLM arguments tokenization reads; the
+    # arguments are those of the vLLM installed here, whose renderer computes the tokens
     rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=dep.settings.l1_size_gb,
-                      l2_capacity_gb=1.0)
+                      l2_capacity_gb=1.0, vllm_version=running_vllm_version(
+                          dep.vllm_version, direct_process=True))
     token_ids = _token_ids(dep, loc, ws, rendered.vllm_argv, res, say)
     root = _open_root(loc)
     try:

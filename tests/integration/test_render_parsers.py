@@ -100,10 +100,9 @@ def test_lmcache_parser_and_config_builders_accept_rendered_argv(
 
 @pytest.fixture(scope="module")
 def vllm_parser() -> Any:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from ._vllm_parser import vllm_parser
 
-    return make_arg_parser(FlexibleArgumentParser())
+    return vllm_parser()
 
 
 @pytest.mark.parametrize("name", CONFIGS)

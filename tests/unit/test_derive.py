@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -247,7 +248,7 @@ def test_builds_from_the_installed_distributions() -> None:
     d = derive_identity(model, both, DeriveOptions(revision=REV2, model_id="o/n"))
     assert d.fields["vllm_build"].value is None and "ambiguous" in d.fields["vllm_build"].note
     assert d.fields["connector_build"].value is None
-    image = "vllm/vllm-openai@sha256:" + "a" * 64
+    image = "vllm/vllm-openai:v0.32.0@sha256:" + "a" * 64
     d = derive_identity(model, Installed((), ()), DeriveOptions(revision=REV2, model_id="o/n",
                                                                 image=image))
     assert d.fields["vllm_build"].value == image
@@ -258,6 +259,38 @@ def test_builds_from_the_installed_distributions() -> None:
     with pytest.raises(UsageError, match="exceeds the model's maximum 4096"):
         derive_identity(model, GPU, DeriveOptions(revision=REV2, model_id="o/n",
                                                   max_model_len=8192))
+
+
+def test_an_unsupported_vllm_is_refused_unless_opted_in() -> None:
+    model = facts(json.loads(str(demo_files()["config.json"])),
+                  chat_template_jinja=str(demo_files()["chat_template.jinja"]))
+    opts = DeriveOptions(revision=REV2, model_id="o/n")
+    for vllm in ("0.32.0", "0.33.0", "0.34.0"):
+        inst = Installed(vllm=(("vllm", vllm),), lmcache=(("lmcache", "0.5.6"),))
+        assert derive_identity(model, inst, opts).fields["vllm_build"].value == f"vllm=={vllm}"
+    newer = Installed(vllm=(("vllm", "0.35.0"),), lmcache=(("lmcache", "0.5.6"),))
+    with pytest.raises(ConfigError) as err:
+        derive_identity(model, newer, opts)
+    text = str(err.value)
+    assert err.value.exit_code == 2
+    assert "the installed vLLM is vLLM 0.35.0" in text and "0.32.0, 0.33.0, 0.34.0" in text
+    assert "--allow-unsupported-vllm" in text and "Traceback" not in text
+    d = derive_identity(model, newer, replace(opts, allow_unsupported_vllm=True))
+    assert d.fields["vllm_build"].value == "vllm==0.35.0"
+    assert any("0.35.0" in n and "--allow-unsupported-vllm" in n for n in d.notes)
+    # an image whose reference names no version: its internals are unknown
+    digest_only = "vllm/vllm-openai@sha256:" + "a" * 64
+    with pytest.raises(ConfigError, match="name the image with its tag and digest"):
+        derive_identity(model, Installed((), ()), replace(opts, image=digest_only))
+    d = derive_identity(model, Installed((), ()),
+                        replace(opts, image=digest_only, allow_unsupported_vllm=True))
+    assert d.fields["vllm_build"].value == digest_only
+    # the engine flags are read with the release's own table: 0.34 spells --disable-X
+    gpu34 = Installed(vllm=(("vllm", "0.34.0"),), lmcache=(("lmcache", "0.5.6"),))
+    d = derive_identity(model, gpu34, replace(opts, engine_args="--enable-sliding-window"))
+    assert d.identity() is not None
+    with pytest.raises(UsageError, match="unrecognized arguments: --enable-sliding-window"):
+        derive_identity(model, GPU, replace(opts, engine_args="--enable-sliding-window"))
 
 
 # ----------------------------------------------------------------------------- the CLI

