@@ -316,7 +316,7 @@ def status(config: str) -> StatusOutcome:
     """Whether the deployment's cache server and vLLM run (pid files checked, not trusted)."""
     dep, loc = load_located(config)
     srv = proc.server_state(loc)
-    srv_ok = proc.http_ok(f"{loc.server_http_url}/healthcheck", 2.0) if srv.running else False
+    srv_ok = loc.lmcache(2.0).healthy() if srv.running else False
     vst = proc.vllm_state(loc) if loc.vllm_mode == "process" else None
     return StatusOutcome(dep.name, dep.namespace, loc, srv, srv_ok, vst,
                          proc.vllm_ready(loc, 2.0))

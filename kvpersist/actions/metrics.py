@@ -32,19 +32,25 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvpersist.actions.lifecycle import health
-from kvpersist.actions.report import report_on
 from kvpersist.config.deployment import Deployment, shared_tier_of
 from kvpersist.config.loader import load_deployment
 from kvpersist.config.shared_tier import SharedTier
 from kvpersist.errors import KvpError, UsageError
 from kvpersist.l2.inventory import open_existing, real_root, resolve_inventory
 from kvpersist.l2.layout import display_name
+from kvpersist.l2.report import report_on
 from kvpersist.l2.runs import read_runs
 from kvpersist.l2.scan import ProgressFn, ScanResult
 from kvpersist.l2.shared_store import StoreMeasurement, measure
-from kvpersist.stack.health import COMPONENTS, EXIT, HealthReport, component_status
+from kvpersist.stack.health import (
+    COMPONENTS,
+    EXIT,
+    HealthReport,
+    component_status,
+    health_report,
+)
 from kvpersist.stack.lmcache_exec import read_secret_file
+from kvpersist.stack.locate import locate
 from kvpersist.system.files import open_textfile_dir, service_uids, write_textfile_at
 from kvpersist.system.untrusted import show_path
 
@@ -405,7 +411,8 @@ def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
     failed += [f"shared tier {sf.store}: {sf.error} (exported kvpersist_shared_tier_up "
                f"{1 if sf.measured and sf.measured.probe.up else 0})"
                for sf in stores if not sf.complete]
-    reports = [health(c, timeout=timeout, expect_vllm=expect_vllm) for c, _ in deps]
+    reports = [health_report(d, locate(d), timeout=timeout, expect_vllm=expect_vllm)
+               for _, d in deps]
     return MetricsOutcome(roots, reports, measured, notes, failed, stores,
                           {d.name: (tier.store_id, tier.adapter)
                            for mine in _stores_of(deps).values() for d, tier in mine})

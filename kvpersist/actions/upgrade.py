@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvpersist.actions.report import report
 from kvpersist.actions.shared import report_shared
 from kvpersist.config.deployment import Deployment, shared_tier_of
 from kvpersist.config.engine_args import parse
@@ -17,7 +16,8 @@ from kvpersist.config.identity import diff_identities
 from kvpersist.config.loader import load_deployment
 from kvpersist.config.warmset import parse_tokens_document, tokens_cache_name
 from kvpersist.errors import KvpError, UsageError
-from kvpersist.l2.inventory import real_root
+from kvpersist.l2.inventory import open_existing, real_root, resolve_inventory
+from kvpersist.l2.report import report_on
 from kvpersist.l2.tree import open_dir
 from kvpersist.l2.upgrade_plan import (
     LocalData,
@@ -106,7 +106,9 @@ def _local(old: Deployment, new_config: str, problems: list[str],
                      "nothing of the old namespace is on its NVMe")
         return LocalData(real_root(root), 0, 0, 0, 0, None)
     try:
-        doc = report(root, (new_config,)).to_dict()
+        inv = resolve_inventory(root, (new_config,))
+        with open_existing(inv.root) as handle:
+            doc = report_on(handle, inv).to_dict()
     except KvpError as exc:
         problems.append(f"OLD's cache root {show_path(root)}: {exc}")
         return None

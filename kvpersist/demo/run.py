@@ -37,6 +37,7 @@ from kvpersist.stack import launch as lc
 from kvpersist.stack.plan import prepare_launch
 from kvpersist.stack.processes import stop_deployment
 from kvpersist.system import procs
+from kvpersist.system.vllm_client import VllmClient
 from kvpersist.system.vllm_seam import METRIC_EXTERNAL_PREFIX_HITS
 
 #: the most of the server's log read for its L2 hits (what one demo run writes is far less)
@@ -136,15 +137,16 @@ def _port(preferred: int) -> int:
 def metric(url: str, name: str) -> float:
     """The sum of the samples of counter ``name`` on the Prometheus endpoint ``url/metrics``.
     Raises DemoFailed when it cannot be read or a sample is not a number."""
-    import requests
-
-    with step(f"read {name} from {url}/metrics",
-              "check that vLLM still runs and serves its /metrics endpoint (its log says why "
-              "not)"):
-        resp = requests.get(f"{url}/metrics", timeout=10)
-        resp.raise_for_status()
+    what = f"read {name} from {url}/metrics"
+    fix = ("check that vLLM still runs and serves its /metrics endpoint (its log says why "
+           "not)")
+    with step(what, fix):
+        try:
+            text = VllmClient(url, 10.0).metrics_text()
+        except KvpError as exc:  # no answer, an error status
+            raise DemoFailed(what, str(exc), fix) from exc
         total = 0.0
-        for line in resp.text.splitlines():
+        for line in text.splitlines():
             if line.startswith(name + "{"):
                 total += float(line.rsplit(" ", 1)[-1])
         return total

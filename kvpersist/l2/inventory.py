@@ -37,6 +37,7 @@ from kvpersist.l2.pins import PinnedUsage, PinSet
 from kvpersist.l2.scan import ProgressFn, ScanResult, scan_root
 from kvpersist.l2.tree import RootDir as RootDir
 from kvpersist.l2.tree import open_root as open_root
+from kvpersist.system import procs
 from kvpersist.system.files import FsInfo, fs_info
 
 
@@ -138,9 +139,7 @@ def other_deployments(dep: Deployment,
 
 def host_ram_bytes() -> int:
     """Total host RAM."""
-    import psutil
-
-    return int(psutil.virtual_memory().total)
+    return procs.memory_total_bytes()
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.errors import KvpError
-from kvpersist.system.untrusted import http
+from kvpersist.system.http_client import Refused, Unreachable
+from kvpersist.system.lmcache_client import LMCacheClient
 
 #: LMCache's ``object_service.MAX_DELETE_BATCH``
 MAX_BATCH = 10_000
@@ -51,12 +52,7 @@ class Deleted:
 
 def answers(base_url: str, timeout: float = 5.0) -> bool:
     """Whether a cache server answers ``GET /healthcheck`` at ``base_url``."""
-    import requests
-
-    try:
-        return http("GET", f"{base_url}/healthcheck", timeout=timeout).status == 200
-    except requests.RequestException:
-        return False
+    return LMCacheClient(base_url, timeout).healthy()
 
 
 def delete_objects(base_url: str, keys: Sequence[dict[str, Any]], *, tier: str,
@@ -64,8 +60,7 @@ def delete_objects(base_url: str, keys: Sequence[dict[str, Any]], *, tier: str,
     """``DELETE /cache/objects`` for ``keys`` (EncodedObjectKey dicts) on ``tier``, in
     batches of :data:`MAX_BATCH`. Raises ServerDown when the server does not answer at all,
     KvpError for any other answer than 200 with ``ok`` true."""
-    import requests
-
+    client = LMCacheClient(base_url, timeout)
     deleted = skipped = 0
     for i in range(0, len(keys), MAX_BATCH):
         body: dict[str, Any] = {"keys": list(keys[i:i + MAX_BATCH]), "tier": tier,
@@ -73,12 +68,11 @@ def delete_objects(base_url: str, keys: Sequence[dict[str, Any]], *, tier: str,
         if adapter is not None:
             body["adapter"] = adapter
         try:
-            r = http("DELETE", f"{base_url}/cache/objects", json_body=body, timeout=timeout)
-        except requests.ConnectionError:
+            r = client.delete_objects(body)
+        except Refused:
             raise ServerDown(f"no cache server answers at {base_url}") from None
-        except requests.RequestException as exc:
-            raise KvpError(f"DELETE /cache/objects ({tier}) at {base_url}: "
-                           f"{type(exc).__name__}") from None
+        except Unreachable as exc:
+            raise KvpError(f"DELETE /cache/objects ({tier}): {exc}") from None
         doc = r.object()
         if r.status != 200 or doc.get("ok") is not True:
             detail = doc.get("detail") or doc.get("error") or r.text()

@@ -42,7 +42,6 @@ from kvpersist.system.files import fs_info, service_uids
 from kvpersist.system.untrusted import (
     MAX_STATE_BYTES,
     UnreadableFile,
-    http,
     parse_json,
     read_json_object,
 )
@@ -105,21 +104,6 @@ class Facts:
     errors: list[str] = field(default_factory=list)
 
 
-def _get(url: str, timeout: float, method: str = "GET") -> tuple[int | None, Any]:
-    """(status, the JSON body or the text of one that is not JSON), read with a bound
-    (:func:`kvpersist.system.untrusted.http`); (None, why) when nothing answers."""
-    import requests
-
-    try:
-        r = http(method, url, timeout=timeout)
-    except requests.RequestException as exc:
-        return None, " ".join(str(exc).split())[:300]
-    try:
-        return r.status, r.json(url)
-    except UnreadableFile:
-        return r.status, r.text()
-
-
 def read_budget_record(path: str) -> tuple[dict[str, Any] | None, str]:
     """The budget figures of the last launch (``S/budget.json``) and an error message.
 
@@ -160,25 +144,18 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
                             for lst in listeners(s) if lst.remote])
     st = server_state(plan)
     f.server_pid_state, f.server_pid = st.state, st.pid
-    code, _ = _get(f"{plan.server_http_url}/healthcheck", timeout)
-    f.server_healthcheck = code == 200
+    server = plan.lmcache(timeout)
+    f.server_healthcheck = server.healthy()
     if f.server_healthcheck:
-        code, body = _get(f"{plan.server_http_url}/status", timeout)
-        f.server_status = body if code == 200 and isinstance(body, dict) else None
-        # POST without a body: 404 when the endpoint is disabled; an enabled endpoint
-        # answers 422 (no script given) - nothing is ever executed.
-        f.run_script_code, _ = _get(f"{plan.server_http_url}/run_script", timeout, "POST")
-    if f.server_healthcheck:
+        f.server_status = server.status()
+        # 404 while the endpoint is disabled, 422 when enabled: nothing is ever executed
+        f.run_script_code = server.run_script_status()
         _identify_listener(f, plan)
     pid = st.pid if st.running else f.http_listener_pid if f.http_listener_ours else None
     if pid:
         try:
-            import psutil
-
-            conns = psutil.Process(pid).net_connections(kind="inet")
-            f.server_listen = sorted({f"{c.laddr.ip}:{c.laddr.port}" for c in conns
-                                      if c.status == psutil.CONN_LISTEN})
-        except Exception as exc:
+            f.server_listen = procs.listening_addresses(pid)
+        except OSError as exc:
             f.errors.append(f"listening sockets unknown: {exc}")
     root = plan.cache_root
     try:
@@ -195,15 +172,12 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
         f.budget, f.budget_error = read_budget_record(plan.budget_record)
     f.shared_tier = probe_shared(dep, timeout)
     if expect_vllm:
-        code, _ = _get(f"{plan.vllm_url}/health", timeout)
-        f.vllm_health = code == 200
+        vllm = plan.vllm(timeout)
+        f.vllm_health = vllm.healthy()
         if f.vllm_health:
-            code, body = _get(f"{plan.vllm_url}/v1/models", timeout)
-            if code == 200 and isinstance(body, dict):
-                data = body.get("data", [])  # whatever answers on the port may send any JSON
-                f.vllm_models = [{"id": m.get("id"), "root": m.get("root")}
-                                 for m in (data if isinstance(data, list) else [])
-                                 if isinstance(m, dict)]
+            models = vllm.models()
+            if models is not None:
+                f.vllm_models = models
         if plan.vllm_mode == "process":
             vst = vllm_state(plan)
             if vst.running and vst.pid:
@@ -218,20 +192,15 @@ def _identify_listener(f: Facts, loc: Location) -> None:
 
     Something else answering ``/healthcheck`` there (a stray test server, another program)
     must not make a stopped cache server look healthy."""
-    import psutil
-
     port = loc.listen["lmcache_http"][1]
     try:
-        conns = psutil.net_connections(kind="inet")
-    except (psutil.Error, OSError) as exc:
+        pids = procs.listeners_of_port(port)
+    except OSError as exc:
         f.errors.append(f"listener of port {port} unknown: {exc}")
         return
-    pids = {c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr
-            and c.laddr.port == port and c.pid}
     for pid in sorted(pids):
-        try:
-            cmd = psutil.Process(pid).cmdline()
-        except psutil.Error:
+        cmd = procs.cmdline(pid)
+        if cmd is None:
             continue
         f.http_listener_pid, f.http_listener_cmd = pid, " ".join(cmd)[:160]
         f.http_listener_ours = procs.cmdline_matches(cmd, loc.server_markers)
@@ -241,12 +210,7 @@ def _identify_listener(f: Facts, loc: Location) -> None:
 
 def _kv_port_of(pid: int) -> int | None:
     """The ``lmcache.mp.port`` in a vLLM process's ``--kv-transfer-config``."""
-    try:
-        import psutil
-
-        argv = psutil.Process(pid).cmdline()
-    except Exception:
-        return None
+    argv = procs.cmdline(pid) or []
     for i, arg in enumerate(argv):
         raw = None
         if arg == "--kv-transfer-config" and i + 1 < len(argv):

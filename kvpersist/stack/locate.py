@@ -35,6 +35,9 @@ from kvpersist.config.deployment import Deployment
 from kvpersist.config.values import url_host
 from kvpersist.l2.frames import max_chunk_file_bytes
 from kvpersist.l2.layout import MANIFESTS_DIR, PID_FILE
+from kvpersist.system.http_client import DEFAULT_TIMEOUT
+from kvpersist.system.lmcache_client import LMCacheClient
+from kvpersist.system.vllm_client import VllmClient
 
 PIDS_DIR = "pids"
 WARMUP_STATE = "warmup.json"
@@ -87,6 +90,14 @@ class Location:
     warmup_wait: float
     #: the largest chunk file the namespace's geometry allows (a larger one is never read)
     chunk_max_bytes: int
+
+    def lmcache(self, timeout: float = DEFAULT_TIMEOUT) -> LMCacheClient:
+        """The client of the deployment's cache server's admin port (no I/O until a call)."""
+        return LMCacheClient(self.server_http_url, timeout)
+
+    def vllm(self, timeout: float = DEFAULT_TIMEOUT) -> VllmClient:
+        """The client of the deployment's vLLM (no I/O until a call)."""
+        return VllmClient(self.vllm_url, timeout)
 
 
 def vllm_mode(dep: Deployment) -> str:

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.errors import KvpError
-from kvpersist.system.untrusted import HttpReply, http
+from kvpersist.system.http_client import Unreachable
+from kvpersist.system.lmcache_client import LMCacheClient
+from kvpersist.system.untrusted import HttpReply
 
 #: seconds between retries of a 503 / refused connection, and between polls
 RETRY_S = 1.0
@@ -49,17 +51,15 @@ def submit(base_url: str, model_name: str, world_size: int, token_ids: Sequence[
            clock: Callable[[], float] = time.monotonic) -> Submitted:
     """Submit a warm prefetch; retry 503 and refused connections until ``deadline`` (a
     ``clock`` value). Raises PrefetchFailed on any other answer or at the deadline."""
-    import requests
-
+    client = LMCacheClient(base_url)
     body = {"model_name": model_name, "world_size": world_size,
             "token_ids": list(token_ids), "cache_salt": ""}
     last = ""
     while True:
         try:
-            r = http("POST", f"{base_url}/cache/prefetches", json_body=body,
-                     timeout=max(1.0, min(30.0, deadline - clock())))
-        except requests.RequestException as exc:
-            last = f"the cache server at {base_url} does not answer ({type(exc).__name__})"
+            r = client.submit_prefetch(body, timeout=max(1.0, min(30.0, deadline - clock())))
+        except Unreachable as exc:
+            last = str(exc)
         else:
             if r.status == 202:
                 doc = r.object()
@@ -85,15 +85,13 @@ def wait_completed(base_url: str, request_id: str, *, deadline: float,
                    clock: Callable[[], float] = time.monotonic) -> Completed:
     """Poll one prefetch until it completes. Raises PrefetchFailed at the deadline, on an
     unknown id or an unexpected answer."""
-    import requests
-
+    client = LMCacheClient(base_url)
     while True:
         try:
-            r = http("GET", f"{base_url}/cache/prefetches/{request_id}",
-                     timeout=max(1.0, min(30.0, deadline - clock())))
-        except requests.RequestException as exc:
-            raise PrefetchFailed(f"polling prefetch {request_id}: the cache server at "
-                                 f"{base_url} does not answer ({type(exc).__name__})") from None
+            r = client.prefetch_status(request_id,
+                                       timeout=max(1.0, min(30.0, deadline - clock())))
+        except Unreachable as exc:
+            raise PrefetchFailed(f"polling prefetch {request_id}: {exc}") from None
         if r.status != 200:
             raise PrefetchFailed(f"GET /cache/prefetches/{request_id} answered "
                                  f"{r.status}: {_detail(r)}")

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvpersist.stack.locate import Location
-from kvpersist.system.untrusted import UnreadableFile, http_lines, parse_json
+from kvpersist.system.untrusted import UnreadableFile, parse_json
+from kvpersist.system.vllm_client import Unreachable
 
 #: the prime's messages: a few tokens with the chat template, whatever the tokenizer
 PRIME_MESSAGES = ({"role": "user", "content": "Hello."},)
@@ -63,17 +64,14 @@ def prime_vllm(loc: Location, *, timeout: float = PRIME_TIMEOUT_S) -> PrimeRun:
     """Send the prime to ``loc``'s vLLM (``/v1/chat/completions``, streamed) and read the
     stream to its end. Never raises: a failure (no answer, an error status or event, a
     timeout) is a PrimeRun with ``ok`` False."""
-    import requests  # lazy: kvp-admin's start-up stays light
-
     t0 = time.monotonic()
     usage: dict[str, Any] = {}
     try:
-        with requests.post(f"{loc.vllm_url}/v1/chat/completions",
-                           json=prime_body(loc.served_model_name), stream=True,
-                           timeout=timeout) as resp:
-            if resp.status_code != 200:
-                return PrimeRun(False, time.monotonic() - t0, f"HTTP {resp.status_code}")
-            for raw in http_lines(resp):
+        with loc.vllm().chat_stream(prime_body(loc.served_model_name),
+                                    timeout=timeout) as (status, lines):
+            if status != 200:
+                return PrimeRun(False, time.monotonic() - t0, f"HTTP {status}")
+            for raw in lines:
                 if not raw.startswith(b"data: ") or raw == b"data: [DONE]":
                     continue
                 try:
@@ -85,7 +83,9 @@ def prime_vllm(loc: Location, *, timeout: float = PRIME_TIMEOUT_S) -> PrimeRun:
                                     f"vLLM streamed an error: {str(event)[:200]}")
                 if isinstance(event.get("usage"), dict):
                     usage = event["usage"]
-    except (requests.RequestException, UnreadableFile) as exc:
+    except Unreachable as exc:  # its message starts with what failed (ConnectionError...)
+        return PrimeRun(False, time.monotonic() - t0, str(exc)[:300])
+    except UnreadableFile as exc:
         return PrimeRun(False, time.monotonic() - t0,
                         f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
     tokens = usage.get("prompt_tokens")

@@ -26,7 +26,6 @@ into health checks; :func:`run_warmup` and :func:`warmup_after_vllm` do the I/O.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -228,14 +227,7 @@ def gather(loc: Location, server_pid: int | None) -> WarmupFacts:
     and when the cache server ``server_pid`` started. Never raises."""
     record, error = read_record(loc.warmup_state_file)
     st = procs.check_pid_file(loc.warmup_pid_file, WARMUP_MARKERS)
-    started = None
-    if server_pid:
-        import psutil
-
-        try:
-            started = psutil.Process(server_pid).create_time()
-        except (psutil.Error, OSError):
-            started = None
+    started = procs.start_time(server_pid) if server_pid else None
     return WarmupFacts(record, error, st.state, st.pid, st.reason, started, loc.warmup_wait,
                        time.time())
 
@@ -325,12 +317,10 @@ def run_warmup(loc: Location, config: str, *, env: Mapping[str, str],
             os.chown(loc.warmup_pid_file, *ids, follow_symlinks=False)
     except (OSError, KvpError) as exc:  # a pid file is not worth the warm-up
         progress(f"WARNING: warm-up pid file {loc.warmup_pid_file} not written: {exc}")
-    try:
-        code: int | None = proc.wait(timeout=wait + GRACE_S)
-    except subprocess.TimeoutExpired:
+    code = procs.wait_child(proc, wait + GRACE_S)
+    if code is None:
         procs.stop_process(proc.pid, timeout=10)
-        proc.wait(timeout=30)
-        code = None
+        procs.wait_child(proc, 30)
     seconds = time.monotonic() - t0
     record, error = read_record(loc.warmup_state_file)
     if record is not None and (record.get("namespace") != loc.namespace

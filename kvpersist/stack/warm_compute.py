@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvpersist.system.untrusted import http
+from kvpersist.system.vllm_client import Unreachable, VllmClient
 
 #: the ``user`` field of the warm-up's compute requests
 COMPUTE_USER = "kvpersist-warmup"
@@ -56,18 +56,14 @@ def compute(vllm_url: str, model: str, token_ids: Sequence[int], *, deadline: fl
             clock: Callable[[], float] = time.monotonic) -> Computed:
     """Send ``token_ids`` to vLLM's ``/v1/completions`` and wait for its answer, at most
     until ``deadline`` (a ``clock`` value). Never raises."""
-    import requests  # lazy: kvp-admin's start-up stays light
-
     t0 = clock()
     left = deadline - t0
     if left <= 0:
         return Computed(False, 0.0, "no time left in the warm-up's budget")
     try:
-        r = http("POST", f"{vllm_url}/v1/completions", json_body=compute_body(model, token_ids),
-                 timeout=left)
-    except requests.RequestException as exc:
-        return Computed(False, clock() - t0, f"vLLM at {vllm_url} did not answer "
-                        f"({type(exc).__name__})")
+        r = VllmClient(vllm_url).completions(compute_body(model, token_ids), timeout=left)
+    except Unreachable as exc:
+        return Computed(False, clock() - t0, f"vLLM at {vllm_url} did not answer ({exc})")
     if r.status != 200:
         return Computed(False, clock() - t0, f"vLLM answered {r.status}: {r.text(200)!r}")
     return Computed(True, clock() - t0)
