@@ -14,7 +14,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 
-from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import list_config_names, load_deployment
 from kvpersist.errors import EXIT_USAGE, KvpError, UsageError
 from kvpersist.l2.fleet import index_key
@@ -67,7 +67,7 @@ def fleet_status(configs: Sequence[str] = (), namespaces: Sequence[str] = (), *,
     deps = deployments(configs)
     if not deps:
         raise UsageError("no deployment config has a shared tier; name one with --config")
-    tiers = {shared_tier_of(d.settings) for d in deps}
+    tiers = {d.shared for d in deps}
     if len(tiers) != 1:
         raise UsageError("the configs name different shared tiers; give --config for one")
     tier = tiers.pop()

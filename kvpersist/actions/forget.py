@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpersist.config.deployment import shared_tier_of
 from kvpersist.config.loader import load_deployment
 from kvpersist.errors import ConfigError, KvpError, Problem, UsageError
 from kvpersist.l2.forget import FilesOutcome, forget_files
@@ -220,7 +219,7 @@ def _plan(root: RootDir | None, namespace: str, keys: Any, sequences: Any, salt:
 
 
 def _shared(dep: Any, plan: ForgetPlan, apply: bool) -> SharedOutcome:
-    tier = shared_tier_of(dep.settings)
+    tier = dep.shared
     if tier is None:
         return SharedOutcome(False)
     out = SharedOutcome(True, "deleted" if apply else "checked")

@@ -6,7 +6,7 @@ they never scan the cache root or plan a budget, so they work when the budget is
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvpersist.config.deployment import Deployment
@@ -17,6 +17,7 @@ from kvpersist.stack import launch as lc
 from kvpersist.stack import processes as proc
 from kvpersist.stack.fleet import RecordOutcome
 from kvpersist.stack.health import health_report
+from kvpersist.stack.launch_options import DEFAULTS, STOP_TIMEOUT, LaunchOptions
 from kvpersist.stack.locate import Location, locate
 from kvpersist.stack.plan import LaunchPlan, prepare_launch
 from kvpersist.stack.preflight import preflight
@@ -57,27 +58,14 @@ class CheckResult:
                 "problems": [str(p) for p in self.problems], "notes": list(self.notes)}
 
 
-def check_launch(config: str, *, with_vllm: bool, allow_unpinned: bool = False,
-                 allow_tmp_cleanup: bool = False,
-                 allow_unsupported_vllm: bool = False) -> CheckResult:
+def check_launch(config: str, opts: LaunchOptions = DEFAULTS) -> CheckResult:
     """Preflight only: size once, render, check; start nothing, write nothing (a cache root
     to be created is a note). Configuration problems (including the budget's) raise
-    ConfigError; preflight problems are in the result."""
-    p = prepare_launch(config, allow_unpinned=allow_unpinned,
-                       allow_tmp_cleanup=allow_tmp_cleanup,
-                       allow_unsupported_vllm=allow_unsupported_vllm)
-    pre = preflight(p.dep, p.plan, p.sizing, with_vllm=with_vllm)
+    ConfigError; preflight problems are in the result. vLLM is checked unless
+    ``opts.with_vllm`` is False or ``opts.foreground`` (the cache server alone)."""
+    p = prepare_launch(config, opts)
+    pre = preflight(p.dep, p.plan, p.sizing, with_vllm=opts.with_vllm and not opts.foreground)
     return CheckResult(p.dep.name, p.dep.namespace, pre.problems, pre.notes)
-
-
-def launch_foreground(config: str, *, allow_unpinned: bool = False,
-                      allow_tmp_cleanup: bool = False, allow_unsupported_vllm: bool = False,
-                      progress: Progress = quiet) -> None:
-    """Exec the cache server in this process (systemd); returns only by raising."""
-    p = prepare_launch(config, allow_unpinned=allow_unpinned,
-                       allow_tmp_cleanup=allow_tmp_cleanup,
-                       allow_unsupported_vllm=allow_unsupported_vllm)
-    lc.launch_foreground(p.dep, p.rendered, p.plan, p.sizing, progress=progress)
 
 
 @dataclass(frozen=True)
@@ -99,7 +87,7 @@ class LaunchOutcome:
             "manifest": plan.manifest_file,
             "notes": list(res.notes),
             "started": [n for n, p in (("server", srv), ("vllm", v)) if p is not None],
-            "lmcache": {"pid": srv.pid if srv else proc.server_state(plan).pid,
+            "lmcache": {"pid": res.server_pid,
                         "started": srv is not None, "pid_file": plan.server_pid_file,
                         "log": plan.server_log, "http": plan.server_http_url,
                         "seconds_to_healthy": round(srv.seconds, 2) if srv else None},
@@ -118,23 +106,15 @@ class LaunchOutcome:
         return out
 
 
-def launch(config: str, *, with_vllm: bool = True, server_timeout: float = 60.0,
-           vllm_timeout: float = 300.0, allow_unpinned: bool = False,
-           allow_tmp_cleanup: bool = False, allow_unsupported_vllm: bool = False,
-           progress: Progress = quiet, crash_rate_mb_s: float | None = 200.0,
-           crash_seconds: float | None = 60.0, warmup: bool = True,
-           warmup_wait: float | None = None) -> LaunchOutcome:
+def launch(config: str, opts: LaunchOptions = DEFAULTS, *,
+           progress: Progress = quiet) -> LaunchOutcome:
     """Size, render, preflight, check the crash window after an unclean stop, start the
-    deployment and warm it up (see :func:`lc.launch`)."""
-    p = prepare_launch(config, allow_unpinned=allow_unpinned,
-                       allow_tmp_cleanup=allow_tmp_cleanup,
-                       allow_unsupported_vllm=allow_unsupported_vllm)
+    deployment and warm it up (see :func:`lc.launch`); with ``opts.foreground`` exec the
+    cache server in this process (systemd): it returns only by raising."""
+    p = prepare_launch(config, opts)
     progress(f"launching {p.dep.name} (namespace {p.dep.namespace})")
-    result = lc.launch(p, with_vllm=with_vllm, server_timeout=server_timeout,
-                       vllm_timeout=vllm_timeout, progress=progress,
-                       crash_rate_mb_s=crash_rate_mb_s, crash_seconds=crash_seconds,
-                       warmup=warmup, warmup_wait=warmup_wait)
-    return LaunchOutcome(p.dep.name, p.dep.namespace, p.plan, result)
+    return LaunchOutcome(p.dep.name, p.dep.namespace, p.plan, lc.launch(p, opts,
+                                                                         progress=progress))
 
 
 @dataclass(frozen=True)
@@ -192,7 +172,7 @@ class StopOutcome:
                                  else None)}
 
 
-def stop(config: str, *, timeout: float = 30.0, vllm: bool = True,
+def stop(config: str, *, timeout: float = STOP_TIMEOUT, vllm: bool = True,
          server: bool = True) -> StopOutcome:
     """Stop vLLM (unless ``vllm`` is False), then the cache server (unless ``server`` is
     False); when the server stopped, delete this host's fleet record on the shared tier (the
@@ -218,12 +198,11 @@ class RestartOutcome:
                 "stopped": self.stop.to_dict()["stopped"], "launch": self.launch.to_dict()}
 
 
-def restart(config: str, *, only: str | None = None, timeout: float = 30.0,
-            server_timeout: float = 60.0, vllm_timeout: float = 300.0,
-            warmup: bool = True, warmup_wait: float | None = None,
-            progress: Progress = quiet) -> RestartOutcome:
+def restart(config: str, opts: LaunchOptions = DEFAULTS, *, only: str | None = None,
+            timeout: float = STOP_TIMEOUT, progress: Progress = quiet) -> RestartOutcome:
     """Stop the deployment (or ``only`` one of its processes: ``vllm`` or ``server``), then
-    start what is not running (:func:`launch`): the persisted KV stays on disk either way.
+    start what is not running (:func:`launch` with ``opts``, vLLM included): the persisted
+    KV stays on disk either way. ``timeout``: seconds from SIGTERM to SIGKILL.
     The launch's preflight runs after the stop (the ports must be free); a preflight that
     refuses leaves the stopped part stopped and raises ConfigError (exit 2). Raises
     UsageError for another ``only``."""
@@ -237,9 +216,7 @@ def restart(config: str, *, only: str | None = None, timeout: float = 30.0,
     stopped = stop(config, timeout=timeout, vllm=vllm, server=server)
     for s in stopped.stopped:
         progress(f"stopped {s.what}: {s.how}" + (f" (pid {s.pid})" if s.pid else ""))
-    out = launch(config, with_vllm=True, server_timeout=server_timeout,
-                 vllm_timeout=vllm_timeout, progress=progress, warmup=warmup,
-                 warmup_wait=warmup_wait)
+    out = launch(config, replace(opts, with_vllm=True, foreground=False), progress=progress)
     started = tuple(n for n, p in (("vllm", out.result.vllm), ("server", out.result.server))
                     if p is not None)
     return RestartOutcome(stopped.config, started, stopped, out)

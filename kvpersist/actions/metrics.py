@@ -32,7 +32,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import load_deployment
 from kvpersist.config.shared_tier import SharedTier
 from kvpersist.errors import KvpError, UsageError
@@ -424,7 +424,7 @@ def _stores_of(deps: Sequence[tuple[str, Deployment]],
 
     out: dict[str, list[tuple[Deployment, SharedTier]]] = {}
     for _, dep in deps:
-        tier = shared_tier_of(dep.settings)
+        tier = dep.shared
         if tier is not None:
             out.setdefault(tier.store_id, []).append((dep, tier))
     return out

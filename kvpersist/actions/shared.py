@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import list_config_names, load_deployment
 from kvpersist.config.shared_tier import SharedTier
 from kvpersist.errors import KvpError, UsageError
@@ -70,7 +70,7 @@ def shared_context(configs: Sequence[str]) -> SharedContext:
                 deps.append(dep)
         if not deps:
             raise UsageError("no deployment config has a shared tier; name one with --config")
-    tiers = {shared_tier_of(d.settings) for d in deps}
+    tiers = {d.shared for d in deps}
     if len(tiers) != 1:
         raise UsageError("the configs name different shared tiers; give --config for one")
     tier = tiers.pop()

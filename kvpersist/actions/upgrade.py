@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.actions.shared import report_shared
-from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.deployment import Deployment
 from kvpersist.config.engine_args import parse
 from kvpersist.config.identity import diff_identities
 from kvpersist.config.loader import load_deployment
@@ -57,7 +57,7 @@ def _load(config: str, which: str) -> Deployment:
 
 
 def _side(arg: str, dep: Deployment) -> Side:
-    tier = shared_tier_of(dep.settings)
+    tier = dep.shared
     return Side(arg, dep.name, dep.source, dep.namespace, real_root(dep.settings.cache_root),
                 tier.endpoint if tier is not None else "")
 
@@ -74,9 +74,9 @@ def plan(old_config: str, new_config: str) -> UpgradePlan:
     a, b = _side(old_config, old), _side(new_config, new)
     local = _local(old, new_config, problems, notes)
     shared, same_tier = None, False
-    old_tier = shared_tier_of(old.settings)
+    old_tier = old.shared
     if old_tier is not None:
-        same_tier = old_tier == shared_tier_of(new.settings)
+        same_tier = old_tier == new.shared
         shared = _shared(old_config, old.namespace, old_tier.endpoint, problems)
     facts = UpgradeFacts(
         a, b, tuple(diff_identities(old.identity, new.identity)),

@@ -17,6 +17,7 @@ from kvpersist.commands.common import (
     json_option,
     table,
 )
+from kvpersist.stack.launch_options import DEFAULTS, STOP_TIMEOUT, LaunchOptions
 
 if TYPE_CHECKING:
     from kvpersist.actions import lifecycle as lifecycle_types
@@ -27,9 +28,11 @@ def _progress(msg: str) -> None:
 
 
 #: options launch and restart share
-_server_timeout = click.option("--timeout", type=SECONDS, default=60.0, show_default=True,
+_server_timeout = click.option("--timeout", type=SECONDS, default=DEFAULTS.server_timeout,
+                               show_default=True,
                                help="Seconds to wait for the cache server to become healthy.")
-_vllm_timeout = click.option("--vllm-timeout", type=SECONDS, default=600.0, show_default=True,
+_vllm_timeout = click.option("--vllm-timeout", type=SECONDS, default=DEFAULTS.vllm_timeout,
+                             show_default=True,
                              help="Seconds to wait for vLLM to serve the namespace.")
 _no_warmup = click.option("--no-warmup", is_flag=True,
                           help="Report ready as soon as vLLM serves, without the priming "
@@ -57,12 +60,12 @@ _warmup_wait = click.option(
               help="Launch although the vLLM that would run is not a supported release "
                    "(docs/vllm-versions.md): the checks that need vLLM's internals are "
                    "skipped, each saying so (as KVP_ALLOW_UNSUPPORTED_VLLM=true).")
-@click.option("--crash-check-rate", "crash_rate", type=RATE, default=200.0,
+@click.option("--crash-check-rate", "crash_rate", type=RATE, default=DEFAULTS.crash_rate_mb_s,
               show_default=True,
               help="After an unclean stop: read the crash window at most this many MB/s "
                    "(0: unbounded).")
-@click.option("--crash-check-seconds", "crash_seconds", type=WAIT, default=60.0,
-              show_default=True,
+@click.option("--crash-check-seconds", "crash_seconds", type=WAIT,
+              default=DEFAULTS.crash_seconds, show_default=True,
               help="After an unclean stop: stop checking the crash window after this many "
                    "seconds (what is left is checked at the next launch).")
 @click.option("--check", is_flag=True,
@@ -111,11 +114,14 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
             click.echo(f"{ready.config}: {warmup_summary(ready.warmup)}")
         return
 
+    opts = LaunchOptions(with_vllm=not no_vllm, foreground=foreground, server_timeout=timeout,
+                         vllm_timeout=vllm_timeout, crash_rate_mb_s=crash_rate or None,
+                         crash_seconds=crash_seconds, warmup=not no_warmup,
+                         warmup_wait=warmup_wait, allow_unpinned=allow_unpinned,
+                         allow_tmp_cleanup=allow_tmp_cleanup,
+                         allow_unsupported_vllm=allow_unsupported_vllm)
     if check:
-        res = lifecycle.check_launch(config, with_vllm=not (no_vllm or foreground),
-                                     allow_unpinned=allow_unpinned,
-                                     allow_tmp_cleanup=allow_tmp_cleanup,
-                                     allow_unsupported_vllm=allow_unsupported_vllm)
+        res = lifecycle.check_launch(config, opts)
         if as_json:
             echo_json(res.to_dict())
         else:
@@ -126,18 +132,7 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
         if not as_json:
             click.echo(f"preflight ok: {res.config} (namespace {res.namespace})")
         return
-    if foreground:
-        lifecycle.launch_foreground(config, allow_unpinned=allow_unpinned,
-                                    allow_tmp_cleanup=allow_tmp_cleanup,
-                                    allow_unsupported_vllm=allow_unsupported_vllm,
-                                    progress=_progress)
-        return
-    out = lifecycle.launch(config, with_vllm=not no_vllm, server_timeout=timeout,
-                           vllm_timeout=vllm_timeout, allow_unpinned=allow_unpinned,
-                           allow_tmp_cleanup=allow_tmp_cleanup,
-                           allow_unsupported_vllm=allow_unsupported_vllm, progress=_progress,
-                           crash_rate_mb_s=crash_rate or None, crash_seconds=crash_seconds,
-                           warmup=not no_warmup, warmup_wait=warmup_wait)
+    out = lifecycle.launch(config, opts, progress=_progress)  # --foreground: never returns
     info = out.to_dict()
     if as_json:
         echo_json(info)
@@ -162,7 +157,7 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
 
 @click.command("stop")
 @config_argument
-@click.option("--timeout", type=SECONDS, default=30.0, show_default=True,
+@click.option("--timeout", type=SECONDS, default=STOP_TIMEOUT, show_default=True,
               help="Seconds between SIGTERM and SIGKILL.")
 @click.option("--no-vllm", is_flag=True, help="Stop only the cache server (--only server).")
 @click.option("--only", type=click.Choice(["vllm", "server"]), default=None,
@@ -224,7 +219,7 @@ def _echo_stopped(out: lifecycle_types.StopOutcome) -> None:
 @click.option("--only", type=click.Choice(["vllm", "server"]), default=None,
               help="Restart only vLLM (the cache server and its L1 stay) or only the cache "
                    "server (vLLM serves on, cold, and reconnects).")
-@click.option("--stop-timeout", type=SECONDS, default=30.0, show_default=True,
+@click.option("--stop-timeout", type=SECONDS, default=STOP_TIMEOUT, show_default=True,
               help="Seconds between SIGTERM and SIGKILL.")
 @_server_timeout
 @_vllm_timeout
@@ -243,9 +238,9 @@ def restart(config: str, only: str | None, stop_timeout: float, timeout: float,
 
     if warmup_wait is not None and warmup_wait <= 0:
         raise UsageError("--warmup-wait must be > 0 seconds")
-    out = lifecycle.restart(config, only=only, timeout=stop_timeout, server_timeout=timeout,
-                            vllm_timeout=vllm_timeout, warmup=not no_warmup,
-                            warmup_wait=warmup_wait, progress=_progress)
+    opts = LaunchOptions(server_timeout=timeout, vllm_timeout=vllm_timeout,
+                         warmup=not no_warmup, warmup_wait=warmup_wait)
+    out = lifecycle.restart(config, opts, only=only, timeout=stop_timeout, progress=_progress)
     if as_json:
         echo_json(out.to_dict())
         return

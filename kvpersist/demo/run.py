@@ -34,6 +34,7 @@ from kvpersist.errors import DemoFailed, KvpError
 from kvpersist.l2.scan import scan_root
 from kvpersist.l2.tree import open_root
 from kvpersist.stack import launch as lc
+from kvpersist.stack.launch_options import LaunchOptions
 from kvpersist.stack.plan import prepare_launch
 from kvpersist.stack.processes import stop_deployment
 from kvpersist.system import procs
@@ -222,7 +223,7 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "demo"
                      f"{dep.namespace}")
             t = time.monotonic()
             with step(f"launch ({name})", logs):
-                lc.launch(prepared, with_vllm=True, server_timeout=90, vllm_timeout=600,
+                lc.launch(prepared, LaunchOptions(server_timeout=90),
                           progress=lambda m: progress(f"      {m}"))
             ph = Phase(name, launch_s=time.monotonic() - t)
             with step(f"read the cache server's log ({name})", logs):

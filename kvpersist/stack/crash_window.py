@@ -23,6 +23,7 @@ from kvpersist.l2.pin_store import read_pins
 from kvpersist.l2.scrub import scrub_root
 from kvpersist.l2.tree import open_root
 from kvpersist.l2.verify import verify_root
+from kvpersist.stack.launch_options import CRASH_RATE_MB_S, CRASH_SECONDS
 from kvpersist.stack.locate import Location
 from kvpersist.stack.render import SERDE_NONE_WARNING
 from kvpersist.stack.stops import CleanStop, CrashWindow, Launched, decide
@@ -33,8 +34,8 @@ from kvpersist.system.untrusted import MAX_RECORD_BYTES, UnreadableFile, read_js
 SCHEMA = "kvpersist.crash-window/1"
 LAUNCH_LOG = "launch.log"
 #: defaults: read at most this many MB/s, and stop reading after this many seconds
-DEFAULT_RATE_MB_S = 200.0
-DEFAULT_SECONDS = 60.0
+DEFAULT_RATE_MB_S = CRASH_RATE_MB_S
+DEFAULT_SECONDS = CRASH_SECONDS
 
 def launched_record(loc: Location) -> str:
     return _beside_pid_file(loc, "launched.json")

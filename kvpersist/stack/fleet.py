@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvpersist import __version__
-from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.deployment import Deployment
 from kvpersist.errors import KvpError
 from kvpersist.l2 import keys
 from kvpersist.l2.fleet import (
@@ -115,7 +115,7 @@ def _connect(dep: Deployment, timeout: float) -> Any:
     """A connection to ``dep``'s store. Raises KvpError (no shared tier, secret file, store
     unreachable, credentials refused)."""
 
-    tier = shared_tier_of(dep.settings)
+    tier = dep.shared
     if tier is None:
         raise KvpError(f"{dep.name} has no shared tier")
     secret = read_secret_file(dep.settings.shared_tier_secret_file,

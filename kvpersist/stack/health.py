@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvpersist.config.deployment import Deployment, listeners, shared_tier_of
+from kvpersist.config.deployment import Deployment, listeners
 from kvpersist.config.values import is_loopback
 from kvpersist.errors import KvpError
 from kvpersist.l2.budget import resolve_size
@@ -230,7 +230,7 @@ def probe_shared(dep: Deployment, timeout: float) -> dict[str, Any] | None:
     """Reachability, authentication, latency and budget of the deployment's shared tier
     (None without one). Never raises."""
 
-    tier = shared_tier_of(dep.settings)
+    tier = dep.shared
     if tier is None:
         return None
     out: dict[str, Any] = {"endpoint": tier.endpoint, "adapter": tier.adapter}

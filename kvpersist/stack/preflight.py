@@ -29,7 +29,6 @@ from kvpersist.config.deployment import (
     container_mount_problems,
     listeners,
     private_paths,
-    shared_tier_of,
 )
 from kvpersist.errors import ConfigError, KvpError, Problem
 from kvpersist.l2.inventory import Sizing
@@ -331,7 +330,7 @@ def gather_shared(dep: Deployment, also: tuple[int, ...]) -> SharedFacts | None:
     s = dep.settings
     if not s.shared_tier:
         return None
-    tier = shared_tier_of(s)
+    tier = dep.shared
     path = s.shared_tier_secret_file
     facts = SharedFacts(path, tier.endpoint if tier else s.shared_tier,
                         trust=tuple(trust_problems(path, also=also)))

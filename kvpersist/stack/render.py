@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 
 from kvpersist import __version__
-from kvpersist.config.deployment import Deployment, listeners, shared_tier_of
+from kvpersist.config.deployment import Deployment, listeners
 from kvpersist.config.engine_args import engine_argv
 from kvpersist.config.identity import MODEL_KV_DTYPES
 from kvpersist.config.shared_tier import adapter_json
@@ -201,7 +201,7 @@ def serde_json(dep: Deployment) -> dict[str, Any] | None:
 def shared_tier_json(dep: Deployment) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(the shared tier's ``--l2-adapter`` object without credentials, the tier as
     ``render --json`` shows it with the credentials redacted); (None, None) without one."""
-    tier = shared_tier_of(dep.settings)
+    tier = dep.shared
     if tier is None:
         return None, None
     shown = {**tier.to_dict(), "secret_file": dep.settings.shared_tier_secret_file,

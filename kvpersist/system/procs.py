@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import psutil
 
@@ -222,7 +223,7 @@ def start_background(argv: Sequence[str], *, log_path: str | os.PathLike[str],
 
 
 def exec_foreground(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-                    cwd: str | None = None, umask: int = 0o077) -> None:
+                    cwd: str | None = None, umask: int = 0o077) -> NoReturn:
     """Replace this process with ``argv`` (for systemd). Never returns on success."""
     os.umask(umask)
     if cwd:
