@@ -1,6 +1,6 @@
 """Use case ``kvp-admin fleet status``: the fleet records of the namespaces this host knows,
 read from the shared tier's store (I/O; the status itself is built by
-:mod:`kvpersist.l2.fleet_status`).
+:mod:`kvpersist.l2.fleet.status`).
 
 Which namespaces: those of the deployments configured here that have a shared tier
 (``--config``, default every config under configs/ with one; they must name one tier) and
@@ -17,13 +17,13 @@ from collections.abc import Sequence
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import list_config_names, load_deployment
 from kvpersist.errors import EXIT_USAGE, KvpError, UsageError
-from kvpersist.l2.fleet import index_key
-from kvpersist.l2.fleet_status import FleetStatus, NamespaceStatus, namespace_status
-from kvpersist.l2.fleet_store import read_index
+from kvpersist.l2.fleet.records import index_key
+from kvpersist.l2.fleet.status import FleetStatus, NamespaceStatus, namespace_status
+from kvpersist.l2.fleet.store import read_index
 from kvpersist.l2.layout import display_name
-from kvpersist.l2.shared_keys import namespace_problem
-from kvpersist.l2.shared_store import SharedStore, connect, describe, store_errors
-from kvpersist.stack.lmcache_exec import read_secret_file
+from kvpersist.l2.shared.credentials import read_secret_file
+from kvpersist.l2.shared.keys import namespace_problem
+from kvpersist.l2.shared.store import SharedStore, connect, describe, store_errors
 from kvpersist.system.files import service_uids
 
 

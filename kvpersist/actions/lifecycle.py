@@ -12,19 +12,22 @@ from typing import TYPE_CHECKING, Any
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import load_deployment
 from kvpersist.errors import Problem, UsageError
-from kvpersist.stack import crash_window, fleet
+from kvpersist.l2.fleet import host as fleet
+from kvpersist.l2.fleet.host import RecordOutcome
+from kvpersist.stack import crash_window
 from kvpersist.stack import launch as lc
 from kvpersist.stack import processes as proc
-from kvpersist.stack.fleet import RecordOutcome
 from kvpersist.stack.health import health_report
 from kvpersist.stack.launch_options import DEFAULTS, STOP_TIMEOUT, LaunchOptions
 from kvpersist.stack.locate import Location, locate
 from kvpersist.stack.plan import LaunchPlan, prepare_launch
 from kvpersist.stack.preflight import preflight
-from kvpersist.stack.prime import PrimeRun
 from kvpersist.stack.processes import Progress, Stopped, quiet
-from kvpersist.stack.readiness import WarmupRun, log_to, warmup_after_vllm
 from kvpersist.stack.stops import systemd_stop_was_clean, systemd_stop_was_deliberate
+from kvpersist.stack.warm.handoff import Handoff
+from kvpersist.stack.warm.prime import PrimeRun
+from kvpersist.stack.warm.readiness import WarmupRun, log_to, warmup_after_vllm
+from kvpersist.stack.warm.run import render_handoff
 from kvpersist.system.procs import PidState
 
 if TYPE_CHECKING:
@@ -138,14 +141,15 @@ def warmup_only(config: str, *, deadline_s: float = 1800.0,
                 progress: Progress = quiet) -> WarmupOnlyOutcome:
     """For the vLLM unit's ``ExecStartPost`` and the ``KV_PERSIST=1`` hook: wait until the
     deployment's vLLM serves its namespace, then run the warm-up, within ``deadline_s`` (see
-    :func:`kvpersist.stack.readiness.warmup_after_vllm`). Never scans or sizes; raises only
-    ConfigError for a config that does not load."""
+    :func:`kvpersist.stack.warm.readiness.warmup_after_vllm`). Never scans or sizes; raises only
+    ConfigError for a config that does not load. The warm-up child is handed this
+    deployment's rendered arguments (rendered once, here)."""
     import os
-
 
     dep, loc = load_located(config)
     logged = log_to(loc.warmup_log, progress)
-    step = warmup_after_vllm(loc, config, warm_file=dep.settings.warmup_file,
+    handoff = render_handoff(dep) if dep.settings.warmup_file else Handoff((), ())
+    step = warmup_after_vllm(loc, config, handoff, warm_file=dep.settings.warmup_file,
                              env=dict(os.environ if environ is None else environ),
                              deadline_s=deadline_s, progress=logged)
     logged(lc.warmup_summary(step.warmup))

@@ -41,7 +41,8 @@ from kvpersist.l2.layout import display_name
 from kvpersist.l2.report import report_on
 from kvpersist.l2.runs import read_runs
 from kvpersist.l2.scan import ProgressFn, ScanResult
-from kvpersist.l2.shared_store import StoreMeasurement, measure
+from kvpersist.l2.shared.credentials import read_secret_file
+from kvpersist.l2.shared.store import StoreMeasurement, measure
 from kvpersist.stack.health import (
     COMPONENTS,
     EXIT,
@@ -49,7 +50,6 @@ from kvpersist.stack.health import (
     component_status,
     health_report,
 )
-from kvpersist.stack.lmcache_exec import read_secret_file
 from kvpersist.stack.locate import locate
 from kvpersist.system.files import open_textfile_dir, service_uids, write_textfile_at
 from kvpersist.system.untrusted import show_path

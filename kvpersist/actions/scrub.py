@@ -8,7 +8,7 @@ from kvpersist.config.loader import load_deployment
 from kvpersist.errors import UsageError
 from kvpersist.l2.frames import max_chunk_file_bytes
 from kvpersist.l2.inventory import open_existing
-from kvpersist.l2.keys import namespace_keys
+from kvpersist.l2.keys.store import namespace_keys
 from kvpersist.l2.scrub import ScrubResult, scrub_root
 from kvpersist.system.files import service_uids
 

@@ -2,8 +2,9 @@
 
 The deployments (``--config``, default: every config under configs/ with a shared tier) name
 the tier, its credentials and the namespaces active here; the fleet records on the store
-(:mod:`kvpersist.l2.fleet`) name the namespaces other hosts serve. The same rules as on disk:
-a dry run unless ``apply``, an active namespace (here or on any host) only with ``force``.
+(:mod:`kvpersist.l2.fleet.records`) name the namespaces other hosts serve. The same rules as
+on disk: a dry run unless ``apply``, an active namespace (here or on any host) only with
+``force``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import list_config_names, load_deployment
 from kvpersist.config.shared_tier import SharedTier
 from kvpersist.errors import KvpError, UsageError
-from kvpersist.l2.fleet import FleetRecord, by_namespace, describe_hosts, host_rows
-from kvpersist.l2.shared_keys import namespace_problem
-from kvpersist.l2.shared_store import (
+from kvpersist.l2.fleet import host as fleet
+from kvpersist.l2.fleet.records import FleetRecord, by_namespace, describe_hosts, host_rows
+from kvpersist.l2.shared.credentials import read_secret_file
+from kvpersist.l2.shared.keys import namespace_problem
+from kvpersist.l2.shared.store import (
     SharedStore,
     connect,
     describe,
@@ -28,8 +31,6 @@ from kvpersist.l2.shared_store import (
     store_errors,
     usage,
 )
-from kvpersist.stack import fleet
-from kvpersist.stack.lmcache_exec import read_secret_file
 from kvpersist.system.files import service_uids
 
 REPORT_SCHEMA = "kvpersist.shared-report/1"

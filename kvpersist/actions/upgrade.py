@@ -29,7 +29,7 @@ from kvpersist.l2.upgrade_plan import (
     plan_upgrade,
 )
 from kvpersist.stack.locate import locate
-from kvpersist.stack.warmup import (
+from kvpersist.stack.warm.run import (
     TOKENS_MAX_BYTES,
     TOKENS_MAX_CONTAINERS,
     read_warm_set,

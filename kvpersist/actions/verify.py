@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvpersist.config.loader import load_deployment
-from kvpersist.l2 import keys
 from kvpersist.l2.frames import MAX_CHUNK_FILE_BYTES, max_chunk_file_bytes
 from kvpersist.l2.inventory import open_existing
-from kvpersist.l2.pin_store import read_pins
+from kvpersist.l2.keys import store as keys
+from kvpersist.l2.pins.store import read_pins
 from kvpersist.l2.runs import record_run
-from kvpersist.l2.verify import VerifyResult, verify_root
+from kvpersist.l2.verify.root import VerifyResult, verify_root
 from kvpersist.system.files import service_uids
 
 

@@ -14,7 +14,7 @@ from kvpersist.config.values import format_size
 
 def _when(t: float | None, now: float) -> str:
     """``2026-05-01 10:04Z (3 h)`` or '-'."""
-    from kvpersist.l2.fleet import format_age
+    from kvpersist.l2.fleet.records import format_age
 
     if t is None:
         return "-"
@@ -23,13 +23,13 @@ def _when(t: float | None, now: float) -> str:
 
 
 def _health(h: dict[str, Any] | None) -> str:
-    from kvpersist.l2.fleet import format_age
+    from kvpersist.l2.fleet.records import format_age
 
     return "-" if h is None else f"{h['status']} ({format_age(h['age_s'])} ago)"
 
 
 def _nvme(n: dict[str, Any] | None) -> str:
-    from kvpersist.l2.fleet import format_age
+    from kvpersist.l2.fleet.records import format_age
 
     if n is None:
         return "-"

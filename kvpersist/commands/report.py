@@ -18,7 +18,7 @@ from kvpersist.commands.common import (
 )
 from kvpersist.config.values import format_size
 from kvpersist.l2.layout import display_name
-from kvpersist.l2.shared_keys import skipped_lines
+from kvpersist.l2.shared.keys import skipped_lines
 
 
 def _pins(p: dict[str, Any] | None) -> str:
@@ -166,7 +166,7 @@ def format_report(doc: dict[str, Any]) -> str:
 
 def format_hosts(hosts: list[dict[str, Any]]) -> str:
     """``host-a-1a2b3c4d (12 s), ...``: the hosts whose fleet records name a namespace."""
-    from kvpersist.l2.fleet import format_age
+    from kvpersist.l2.fleet.records import format_age
 
     return ", ".join(f"{h['host_id']} ({format_age(h['age_s'])})" for h in hosts) or "-"
 

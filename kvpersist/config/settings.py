@@ -90,7 +90,7 @@ class DeploymentSettings:
     #: empty: none. Not in the namespace: it selects what to warm, not what is computed
     warmup_file: str = ""
     #: seconds the launch's warm-up may take (its ``--wait``) before the deployment is
-    #: reported ready anyway (cold, degraded in health); kvpersist.stack.readiness
+    #: reported ready anyway (cold, degraded in health); kvpersist.stack.warm.readiness
     warmup_wait: float = 120.0
     #: the warm-up computes the warm set's chunks missing from every tier by sending its
     #: token ids to the deployment's own vLLM (one token each) before ready

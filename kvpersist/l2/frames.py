@@ -3,7 +3,7 @@ whether it authenticates (pure: bytes in, values out).
 
 A chunk file holds ``[version][iv][ciphertext||tag]`` then padding up to 4 KiB
 (``lmcache/v1/distributed/serde/aesgcm.py``); the AES key is derived from the master key and
-the chunk's ``cache_salt`` with HKDF. Used by :mod:`kvpersist.l2.verify` and
+the chunk's ``cache_salt`` with HKDF. Used by :mod:`kvpersist.l2.verify.root` and
 :mod:`kvpersist.l2.scrub`.
 
 A file is authenticated through a :class:`FrameSource` (:class:`~kvpersist.system.untrusted.

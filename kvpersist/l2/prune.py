@@ -44,7 +44,7 @@ from kvpersist.l2.layout import (
     parse_chunk_name,
 )
 from kvpersist.l2.manifests import default_manifest_dirs, remove_manifest
-from kvpersist.l2.pin_store import remove_pins
+from kvpersist.l2.pins.store import remove_pins
 from kvpersist.l2.retention import Selection
 from kvpersist.l2.tree import RootDir, Shard, chunk_dirs, meta_dir
 from kvpersist.system.forked import run_parts

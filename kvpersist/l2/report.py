@@ -18,7 +18,7 @@ from kvpersist.l2.inventory import (
 )
 from kvpersist.l2.layout import KvRank, is_namespace
 from kvpersist.l2.manifests import Manifest
-from kvpersist.l2.pins import PinnedUsage, PinSet
+from kvpersist.l2.pins.usage import PinnedUsage, PinSet
 from kvpersist.l2.retention import category
 from kvpersist.l2.scan import ProgressFn, ScanResult
 from kvpersist.l2.usage import PrefixUsage, Usage

@@ -51,7 +51,7 @@ _NO_MIN = 1 << 63
 _HEX_BYTES = b"0123456789abcdef"
 # what a directory of the walk is (its walk tag): chunk layout, foreign, or kvpersist metadata
 _PLAIN, _FOREIGN, _META = 0, 1, 2
-#: where ``verify --apply`` moves what it finds (relative to the root; see l2/verify.py)
+#: where ``verify --apply`` moves what it finds (relative to the root; see l2/verify/root.py)
 QUARANTINE_PREFIX = f"{META_DIR}/{QUARANTINE_DIR}/"
 
 ProgressFn = Callable[[int], None]

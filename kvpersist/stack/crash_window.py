@@ -2,7 +2,7 @@
 written since the last launch and quarantine those that fail, before the server starts.
 
 Records (see :mod:`kvpersist.stack.stops` for what they mean) live beside the pid file. The
-check reuses :func:`kvpersist.l2.verify.verify_root` with ``since_ns`` (only files modified at
+check reuses :func:`kvpersist.l2.verify.root.verify_root` with ``since_ns`` (only files modified at
 or after it), a read-rate cap and a time bound; quarantine is verify's rename into
 ``<cache root>/.kvpersist/quarantine/`` through directory descriptors. Nothing is deleted.
 Each check is appended as one JSON line to ``<log dir>/launch.log``.
@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpersist.errors import KvpError
-from kvpersist.l2 import keys
 from kvpersist.l2.frames import MAX_CHUNK_FILE_BYTES
-from kvpersist.l2.pin_store import read_pins
+from kvpersist.l2.keys import store as keys
+from kvpersist.l2.pins.store import read_pins
 from kvpersist.l2.scrub import scrub_root
 from kvpersist.l2.tree import open_root
-from kvpersist.l2.verify import verify_root
+from kvpersist.l2.verify.root import verify_root
 from kvpersist.stack.launch_options import CRASH_RATE_MB_S, CRASH_SECONDS
 from kvpersist.stack.locate import Location
 from kvpersist.stack.render import SERDE_NONE_WARNING

@@ -5,7 +5,7 @@
 of the root — and ``verdict`` (pure) turns them into ``healthy`` (exit 0), ``degraded`` (1: still
 serving, e.g. budget exhausted so no longer caching, or the cache server down while vLLM
 serves without it, or the warm-up failed), ``down`` (2: not serving) or ``warming`` (3:
-serving, while the warm-up loads the warm set into L1; see :mod:`kvpersist.stack.readiness`).
+serving, while the warm-up loads the warm set into L1; see :mod:`kvpersist.stack.warm.readiness`).
 Down outranks warming, warming outranks degraded: a load balancer that routes only on exit 0
 never sends traffic to a deployment that is still warming.
 
@@ -28,15 +28,15 @@ from kvpersist.config.deployment import Deployment, listeners
 from kvpersist.config.values import is_loopback
 from kvpersist.errors import KvpError
 from kvpersist.l2.budget import resolve_size
-from kvpersist.l2.shared_store import probe
-from kvpersist.stack import fleet
-from kvpersist.stack.fleet import fleet_facts
+from kvpersist.l2.fleet import host as fleet
+from kvpersist.l2.fleet.host import fleet_facts
+from kvpersist.l2.shared.credentials import read_secret_file
+from kvpersist.l2.shared.store import probe
 from kvpersist.stack.health_root import RootFacts, root_checks
-from kvpersist.stack.lmcache_exec import read_secret_file
 from kvpersist.stack.locate import Location
 from kvpersist.stack.processes import server_state, vllm_state
-from kvpersist.stack.readiness import WarmupFacts, gather, judge
 from kvpersist.stack.render import serde_warnings
+from kvpersist.stack.warm.readiness import WarmupFacts, gather, judge
 from kvpersist.system import procs
 from kvpersist.system.files import fs_info, service_uids
 from kvpersist.system.untrusted import (
@@ -527,7 +527,7 @@ def health_report(dep: Deployment, loc: Location, *, timeout: float = 3.0,
 
     ``refresh_record``: with a shared tier, when this deployment's cache server answers,
     write this host's fleet record again, with ``status`` (its TTL restarts;
-    :mod:`kvpersist.stack.fleet`);
+    :mod:`kvpersist.l2.fleet.host`);
     a failure adds a *degraded* ``shared_tier.fleet_record`` check, never more."""
     deadline = time.monotonic() + max(0.0, wait)
     while True:

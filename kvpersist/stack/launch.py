@@ -8,7 +8,7 @@ the launch's first writes: the cache root when it is to be created (0700), the s
 an unclean stop, verify and quarantine what was written since the last launch, before the
 server starts) → :func:`~kvpersist.stack.processes.start_server` /
 :func:`~kvpersist.stack.processes.start_vllm` (processes, pid files, waiting for health) →
-the prime and the warm-up (:mod:`kvpersist.stack.prime`, :mod:`kvpersist.stack.readiness`:
+the prime and the warm-up (:mod:`kvpersist.stack.warm.prime`, :mod:`kvpersist.stack.warm.readiness`:
 after vLLM serves, before the launch reports ready; a failed one is a warning, never a failed
 launch). Stopping and inspecting are in
 :mod:`kvpersist.stack.processes`. The use cases in :mod:`kvpersist.actions.lifecycle` call
@@ -24,16 +24,16 @@ from pathlib import Path
 from typing import NoReturn
 
 from kvpersist.errors import CheckFailed, ConfigError, KvpError, Problem
-from kvpersist.l2 import keys
+from kvpersist.l2.fleet import host as fleet
+from kvpersist.l2.fleet.host import RecordOutcome
 from kvpersist.l2.inventory import Sizing
-from kvpersist.stack import crash_window, fleet, vllm_args
+from kvpersist.l2.keys import store as keys
+from kvpersist.stack import crash_window, vllm_args
 from kvpersist.stack.crash_window import CrashCheck
-from kvpersist.stack.fleet import RecordOutcome
 from kvpersist.stack.launch_options import DEFAULTS, LaunchOptions
 from kvpersist.stack.locate import Location
 from kvpersist.stack.plan import LaunchPlan, Prepared
 from kvpersist.stack.preflight import Preflight, preflight, root_creation_note
-from kvpersist.stack.prime import PrimeRun, prime_vllm
 from kvpersist.stack.processes import (
     Progress,
     Started,
@@ -46,8 +46,10 @@ from kvpersist.stack.processes import (
     vllm_state,
     wait_ready,
 )
-from kvpersist.stack.readiness import NO_WARM_SET, WarmupRun, run_warmup
 from kvpersist.stack.render import Rendered
+from kvpersist.stack.warm.handoff import Handoff
+from kvpersist.stack.warm.prime import PrimeRun, prime_vllm
+from kvpersist.stack.warm.readiness import NO_WARM_SET, WarmupRun, run_warmup
 from kvpersist.stack.weights import WeightsCheck, manifest_with_weights, save_digests
 from kvpersist.system import procs
 from kvpersist.system.files import atomic_write_json, make_dirs, service_uids
@@ -86,7 +88,7 @@ def create_cache_root(root: str) -> str:
 def prepare_state(plan: LaunchPlan, rendered: Rendered, sizing: Sizing, *,
                   progress: Progress = quiet, weights: WeightsCheck | None = None) -> list[str]:
     """Create state/log directories (0700); make the namespace's serde key ready (adopt
-    the root key, or create one: :func:`~kvpersist.l2.keys.prepare_launch_key`); write the
+    the root key, or create one: :func:`~kvpersist.l2.keys.store.prepare_launch_key`); write the
     manifest (with the weights record: the first launch's, or ``weights``' at the first) and
     the budget record (what ``health`` reports without scanning). Returns notes (e.g. a new
     key, an adopted one, a changed key fingerprint, the weights' digest cache that could not
@@ -198,7 +200,7 @@ def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
     prepare state, check the crash window after an unclean stop (bounded by the options)
     before the server starts, start the cache server, write this host's fleet record on the
     shared tier (a failure is a warning note), then vLLM, then, with ``opts.warmup``, the
-    priming request to the vLLM it started (:mod:`kvpersist.stack.prime`; a failure is a
+    priming request to the vLLM it started (:mod:`kvpersist.stack.warm.prime`; a failure is a
     warning) and the warm-up, bounded by ``opts.warmup_wait`` seconds (default
     KVP_WARMUP_WAIT): the launch returns, ready, after it. A vLLM that runs already
     reconnects to a server started here by itself (LMCache's connector re-registers its KV
@@ -287,6 +289,7 @@ def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
             warm = NO_WARM_SET
         elif opts.warmup:
             warm = run_warmup(plan, prepared.config or dep.name,
+                              Handoff.of(rendered.vllm_argv, rendered.lmcache_server_argv),
                               env=prepared.environ or os.environ, wait_s=opts.warmup_wait,
                               progress=progress)
             progress(warmup_summary(warm))

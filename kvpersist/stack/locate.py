@@ -18,7 +18,7 @@ Files of a deployment (``S`` = ``KVP_STATE_DIR``, default ``<cache root>/.kvpers
 * ``S/weights-digests.json``: the sha256 of each weights file, keyed by its stat (see
   :mod:`kvpersist.stack.weights`), so a launch costs one ``stat`` per file
 * ``S/warmup.json``: the last warm-up's state (written by the warm-up engine,
-  :mod:`kvpersist.stack.warmup`: warming, done or failed), ``S/warmup/``: the warm set's
+  :mod:`kvpersist.stack.warm.run`: warming, done or failed), ``S/warmup/``: the warm set's
   token ids it cached, ``S/pids/<name>.warmup.pid``: the pid of the warm-up a launch started
   (kept after it ends, so that health can tell a warm-up that died from one still running),
   ``S/logs/warmup.log``: its output
@@ -80,12 +80,14 @@ class Location:
     service_user: str
     #: component -> (host, port) as configured
     listen: dict[str, tuple[str, int]]
-    #: the warm-up's state file (:mod:`kvpersist.stack.warmup`), pid file and log
+    #: the warm-up's state file (:mod:`kvpersist.stack.warm.run`), pid file and log
     warmup_state_file: str
     warmup_pid_file: str
     warmup_log: str
     #: where the warm-up caches the warm set's token ids
     warmup_tokens_dir: str
+    #: what a launch hands its warm-up child of the rendered plan (stack/warm/handoff.py)
+    warmup_handoff_file: str
     #: KVP_WARMUP_WAIT, seconds
     warmup_wait: float
     #: the largest chunk file the namespace's geometry allows (a larger one is never read)
@@ -146,6 +148,7 @@ def locate(dep: Deployment) -> Location:
         warmup_pid_file=os.path.join(state, PIDS_DIR, f"{dep.name}.warmup.pid"),
         warmup_log=os.path.join(s.log_dir, "warmup.log"),
         warmup_tokens_dir=os.path.join(state, WARMUP_TOKENS_DIR),
+        warmup_handoff_file=os.path.join(state, "warmup-handoff.json"),
         warmup_wait=s.warmup_wait,
         chunk_max_bytes=max_chunk_file_bytes(dep.identity_values, dep.generic.chunk_size),
     )

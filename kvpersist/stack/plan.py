@@ -18,8 +18,8 @@ from pathlib import Path
 
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import load_deployment
+from kvpersist.l2.hot_files import off_reason
 from kvpersist.l2.inventory import Sizing, size_deployment
-from kvpersist.l2.preread import off_reason
 from kvpersist.stack.launch_options import DEFAULTS, LaunchOptions
 from kvpersist.stack.lmcache_exec import exec_argv
 from kvpersist.stack.locate import Location, locate, vllm_mode

@@ -33,12 +33,12 @@ from kvpersist.config.deployment import (
 from kvpersist.errors import ConfigError, KvpError, Problem
 from kvpersist.l2.inventory import Sizing
 from kvpersist.l2.layout import display_name
-from kvpersist.l2.shared_store import TLS_UNTRUSTED, probe
+from kvpersist.l2.shared.credentials import check_ca_file, read_secret_file
+from kvpersist.l2.shared.store import TLS_UNTRUSTED, probe
 from kvpersist.stack import identity_check, vllm_args
-from kvpersist.stack.lmcache_exec import check_ca_file, read_secret_file
 from kvpersist.stack.plan import LaunchPlan
 from kvpersist.stack.render import serde_warnings
-from kvpersist.stack.warmup import read_warm_set
+from kvpersist.stack.warm.run import read_warm_set
 from kvpersist.stack.weights import WeightsCheck, check_weights
 from kvpersist.system import procs, vllm_seam
 from kvpersist.system.files import (

@@ -6,7 +6,7 @@ the background and wait until it answers; :func:`stop_deployment` stops vLLM, th
 server (a server that exited on SIGTERM is recorded as cleanly stopped,
 :mod:`kvpersist.stack.crash_window`). Stopping and inspecting need only a
 :class:`~kvpersist.stack.locate.Location` (pure, no scan). Used by
-:mod:`kvpersist.stack.launch` and :mod:`kvpersist.stack.readiness`; imports neither.
+:mod:`kvpersist.stack.launch` and :mod:`kvpersist.stack.warm.readiness`; imports neither.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def test_kill9_during_store_bursts_never_leaves_a_torn_file(stack: Stack) -> Non
 
 
 def _assert_all_authenticate(stack: Stack, ns: str) -> None:
-    from kvpersist.l2 import keys
+    from kvpersist.l2.keys import store as keys
     from tests.l2_roots import verify_at
 
     key = keys.read_key(stack.state_dir / "keys" / ns / "l2-master.key")

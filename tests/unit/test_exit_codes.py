@@ -278,7 +278,7 @@ def test_the_warm_ups_bound_is_range_checked_in_the_config_and_the_child(
         assert o.code == 2 and "KVP_WARMUP_WAIT" in o.stdout, (value, o.stdout)
     assert_all_bounded(outcomes, allowed=(2,))
     for value in ("nan", "inf", "1e308", "86401", "-1"):
-        r = subprocess.run([sys.executable, "-m", "kvpersist.stack.warmup", "cpu-demo",
+        r = subprocess.run([sys.executable, "-m", "kvpersist.cli", "warmup", "cpu-demo",
                             "--wait", value], capture_output=True, text=True, cwd=REPO,
                            env=clean_env(), timeout=60)
         assert r.returncode == 2 and "--wait" in r.stderr, (value, r.stderr)

@@ -1,4 +1,4 @@
-"""``kvp-admin fleet status`` (pure part, kvpersist.l2.fleet_status) and the optional fields
+"""``kvp-admin fleet status`` (pure part, kvpersist.l2.fleet.status) and the optional fields
 of the fleet record it shows (since, health, nvme): backward-compatible decoding of older
 records, the same strictness for the new fields as for the old ones, the size bound."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from kvpersist.cli import main
 from kvpersist.commands.fleet import format_status
-from kvpersist.l2.fleet import (
+from kvpersist.l2.fleet.records import (
     HEALTH_STATES,
     MAX_COUNT,
     MAX_FIELD_CHARS,
@@ -28,7 +28,7 @@ from kvpersist.l2.fleet import (
     host_id,
     serde_fingerprint,
 )
-from kvpersist.l2.fleet_status import SCHEMA, FleetStatus, namespace_status
+from kvpersist.l2.fleet.status import SCHEMA, FleetStatus, namespace_status
 
 from .test_cli_startup import HEAVY, loaded_modules, matching
 

@@ -158,7 +158,7 @@ def test_a_time_bound_stops_in_the_middle_of_a_file(tmp_path: Path) -> None:
     """A file under the bound but slow to authenticate: the crash window's time bound stops
     the read between blocks and counts it unchecked (it is never condemned half-read)."""
     from kvpersist.l2.tree import open_root
-    from kvpersist.l2.verify import verify_root
+    from kvpersist.l2.verify.root import verify_root
 
     root = tmp_path / "cache"
     root.mkdir()

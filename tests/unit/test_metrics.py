@@ -287,7 +287,7 @@ def test_a_record_that_is_not_ours_is_ignored(tmp_path: Path, root: Path, bad: s
 
 
 def test_verify_and_prune_record_their_runs(tmp_path: Path, root: Path) -> None:
-    from kvpersist.l2.keys import ensure_key
+    from kvpersist.l2.keys.store import ensure_key
 
     env = demo_env(root)
     # the deployment's key, where its default state dir keeps it (beside the root)
@@ -389,8 +389,8 @@ def store_text(facts: Any) -> str:
 
 def up_store(active: frozenset[str] = frozenset()) -> Any:
     from kvpersist.actions.metrics import StoreFacts
-    from kvpersist.l2.shared_keys import plan_store_budget
-    from kvpersist.l2.shared_store import NodeMemory, SharedUsage, StoreMeasurement, StoreProbe
+    from kvpersist.l2.shared.keys import plan_store_budget
+    from kvpersist.l2.shared.store import NodeMemory, SharedUsage, StoreMeasurement, StoreProbe
 
     nodes = (NodeMemory("10.0.0.7:6379", 700, 1000, "allkeys-lru", 12),
              NodeMemory("10.0.0.8:6379", 50, 0, "noeviction", 0))
@@ -434,7 +434,7 @@ def test_store_series_are_the_measurement() -> None:
 @pytest.mark.parametrize("case", ["down", "refused", "unreadable_secret", "scan_failed"])
 def test_a_store_that_cannot_be_measured_exports_up_0_and_no_figures(case: str) -> None:
     from kvpersist.actions.metrics import StoreFacts
-    from kvpersist.l2.shared_store import StoreMeasurement, StoreProbe
+    from kvpersist.l2.shared.store import StoreMeasurement, StoreProbe
 
     measured = {
         "down": StoreMeasurement(StoreProbe(False, False, error="connection refused")),

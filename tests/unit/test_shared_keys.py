@@ -1,11 +1,12 @@
-"""l2/shared_keys.py and the shared tier's health checks (pure, table-driven)."""
+"""l2/shared/keys.py and the shared tier's health checks (pure, table-driven)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpersist.l2.fleet import WRONG_TYPE, decode_record, record_key
-from kvpersist.l2.shared_keys import (
+from kvpersist.l2.fleet.host import decode_all
+from kvpersist.l2.fleet.records import WRONG_TYPE, decode_record, record_key
+from kvpersist.l2.shared.keys import (
     NOT_A_CHUNK,
     NOT_A_STRING,
     SKIPPED_SHOWN,
@@ -18,7 +19,6 @@ from kvpersist.l2.shared_keys import (
     plan_store_budget,
     skipped_lines,
 )
-from kvpersist.stack.fleet import decode_all
 from kvpersist.stack.health import Facts, component_status, shared_checks, verdict
 
 NS = "kvp-" + "a" * 32

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from kvpersist.l2 import verify
 from kvpersist.l2.layout import ChunkName
-from kvpersist.l2.verify_order import ReadOrder, failed_verdict
+from kvpersist.l2.verify import root as verify
+from kvpersist.l2.verify.order import ReadOrder, failed_verdict
 from kvpersist.system.untrusted import ChunkFile
 
 from ..l2_roots import verify_at

@@ -1,8 +1,8 @@
 """Remove one conversation's chunk keys from the shared tier (I/O on the store).
 
-:func:`forget_keys` is given a connected :class:`~kvpersist.l2.shared_store.SharedStore`, the
+:func:`forget_keys` is given a connected :class:`~kvpersist.l2.shared.store.SharedStore`, the
 namespace and the wire keys of a plan's keys. Only keys that parse as the namespace's chunk
-keys (:func:`~kvpersist.l2.shared_keys.namespace_of`) are ever sent to the store; the others
+keys (:func:`~kvpersist.l2.shared.keys.namespace_of`) are ever sent to the store; the others
 are counted as foreign. The dry run asks each key's ``STRLEN`` (pipelined: a key of another
 type answers ``WRONGTYPE`` and is foreign, never read); ``apply`` runs, per key, the script
 ``prune`` uses: delete it only if it is a string, in one step (no window between the check
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpersist.l2.shared_keys import NOT_A_CHUNK, NOT_A_STRING, Skipped, namespace_of
-from kvpersist.l2.shared_store import (
+from kvpersist.l2.shared.keys import NOT_A_CHUNK, NOT_A_STRING, Skipped, namespace_of
+from kvpersist.l2.shared.store import (
     READ_BATCH,
     SharedStore,
     array,
@@ -70,7 +70,7 @@ def forget_keys(store: SharedStore, namespace: str, keys: Sequence[str], *, appl
                 kept: Sequence[str] = ()) -> KeysOutcome:
     """Measure (and with ``apply`` delete) ``keys`` of ``namespace`` on the store; ``kept``
     (the pins a forget keeps) are measured only. Raises what the store raises
-    (:func:`~kvpersist.l2.shared_store.store_errors`) when it cannot serve."""
+    (:func:`~kvpersist.l2.shared.store.store_errors`) when it cannot serve."""
     out = KeysOutcome(namespace, not apply)
     mine: list[str] = []
     for k in keys:

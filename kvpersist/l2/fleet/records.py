@@ -245,7 +245,7 @@ class Oversized:
 Stored = bytes | str | None | WrongType | Oversized
 
 #: the largest record value read back (one kvpersist writes is ~400 bytes): a larger value is
-#: never fetched, only its length (:mod:`kvpersist.l2.shared_store` asks ``STRLEN`` first)
+#: never fetched, only its length (:mod:`kvpersist.l2.shared.store` asks ``STRLEN`` first)
 MAX_RECORD_BYTES = 4096
 #: the most members a namespace's index may have (one per host serving the namespace): a
 #: larger set is not kvpersist's index, its members are never fetched

@@ -4,38 +4,34 @@
 Steps: read and validate ``KVP_WARMUP_FILE`` (bad lines: ConfigError, nothing written);
 record ``warming`` in ``loc.warmup_state_file``; token ids from the cache in
 ``loc.warmup_tokens_dir`` or computed by vLLM's own renderer (template digest checked,
-:mod:`kvpersist.stack.warm_tokens`); the chunk files with LMCache's own key code
-(:mod:`kvpersist.stack.warm_keys`), recorded as the namespace's pins
-(:mod:`kvpersist.l2.pin_store`), or the pins already recorded for this very warm set; one
-``POST /cache/prefetches`` per entry (every TP rank, :mod:`kvpersist.stack.prefetch`), each
+:mod:`kvpersist.stack.warm.tokens`); the chunk files with LMCache's own key code
+(:mod:`kvpersist.stack.warm.keys`), recorded as the namespace's pins
+(:mod:`kvpersist.l2.pins.store`), or the pins already recorded for this very warm set; one
+``POST /cache/prefetches`` per entry (every TP rank, :mod:`kvpersist.stack.warm.prefetch`), each
 polled to completion; the final state ``done`` or ``failed``.
 
 The state file (``kvpersist.warmup/1``, atomic, owner-only) is the contract other tools read:
 ``{"state": "warming"|"done"|"failed", "namespace", "started", "finished",
 "requested_chunks", "found_chunks", "bytes", "seconds", "error"}`` (times ISO 8601 UTC).
 
-A launch runs the engine as a child process (it runs as the service user and imports vLLM),
-``python -m kvpersist.stack.warmup CONFIG --wait S --json`` (:func:`main`), the same
-command-line contract as ``kvp-admin warmup CONFIG --wait S --json``: the result as JSON on
-stdout; exit 0 done (or no warm set), 1 failed, 2 a bad config or warm set (the message on
-stderr).
+A launch runs the engine as a child process (it runs as the service user and imports vLLM)
+through kvp-admin's own command, ``python -m kvpersist.cli warmup CONFIG --wait S --json
+--rendered FILE`` (:mod:`kvpersist.stack.warm.readiness`), handing it the parts of its rendered
+plan the engine uses (:mod:`kvpersist.stack.warm.handoff`): the result as JSON on stdout; exit
+0 done (or no warm set), 1 failed, 2 a bad config or warm set (the message on stderr).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from kvpersist.config.deployment import Deployment
-from kvpersist.config.loader import load_deployment
-from kvpersist.config.values import MAX_WAIT_S
 from kvpersist.config.warmset import MAX_BYTES as WARM_FILE_MAX_BYTES
 from kvpersist.config.warmset import MAX_ENTRIES as WARM_MAX_ENTRIES
 from kvpersist.config.warmset import (
@@ -46,14 +42,17 @@ from kvpersist.config.warmset import (
     tokens_document,
 )
 from kvpersist.errors import ConfigError, KvpError, Problem
-from kvpersist.l2.pin_store import measure_pins, pins_path, read_pin_document, write_pins
-from kvpersist.l2.pins import parse_pin_document, pin_document
+from kvpersist.l2.pins.store import measure_pins, pins_path, read_pin_document, write_pins
+from kvpersist.l2.pins.usage import parse_pin_document, pin_document
 from kvpersist.l2.tree import RootDir, open_dir, open_root
-from kvpersist.stack import prefetch, warm_compute, warm_load
-from kvpersist.stack.locate import Location, locate
+from kvpersist.stack.locate import Location
 from kvpersist.stack.render import TEMPLATE_NAMES, render
-from kvpersist.stack.warm_keys import chunk_files, key_scheme
-from kvpersist.stack.warm_tokens import tokenize
+from kvpersist.stack.warm import compute as warm_compute
+from kvpersist.stack.warm import load as warm_load
+from kvpersist.stack.warm import prefetch
+from kvpersist.stack.warm.handoff import Handoff
+from kvpersist.stack.warm.keys import chunk_files, key_scheme
+from kvpersist.stack.warm.tokens import tokenize
 from kvpersist.system.files import atomic_write, atomic_write_json
 from kvpersist.system.software import running_vllm_version
 from kvpersist.system.templates import read_templates
@@ -125,7 +124,7 @@ class WarmupResult:
     #: ran out) or not stored (vLLM refused or failed: see warnings)
     not_computed: list[int] = field(default_factory=list)
     #: the loads of entries from the server into vLLM before ready (none: nothing found to
-    #: load; :mod:`kvpersist.stack.warm_load`)
+    #: load; :mod:`kvpersist.stack.warm.load`)
     loads: list[warm_load.Loaded] = field(default_factory=list)
 
     @property
@@ -187,11 +186,13 @@ def world_size(dep: Deployment) -> int:
 
 
 def warm(dep: Deployment, loc: Location, *, wait_s: float = DEFAULT_WAIT_S,
-         progress: Progress | None = None, compute_missing: bool | None = None) -> WarmupResult:
+         progress: Progress | None = None, compute_missing: bool | None = None,
+         handoff: Handoff | None = None) -> WarmupResult:
     """Warm the warm set of ``dep`` (located at ``loc``, see the module docstring), giving up
     ``wait_s`` seconds after the first request to the cache server. With ``compute_missing``
     (None: KVP_WARMUP_COMPUTE) the chunks found on no tier are computed by the deployment's
-    vLLM within the same time (:mod:`kvpersist.stack.warm_compute`).
+    vLLM within the same time (:mod:`kvpersist.stack.warm.compute`). ``handoff``: the
+    launch's rendered arguments (:mod:`kvpersist.stack.warm.handoff`); None: rendered here.
 
     Returns the result (``state`` ``none`` when no warm file is configured, ``done`` when
     every prefetch completed, ``failed`` otherwise); the state file says the same. Raises
@@ -215,7 +216,7 @@ def warm(dep: Deployment, loc: Location, *, wait_s: float = DEFAULT_WAIT_S,
     t0 = time.monotonic()
     _write_state(loc, res)
     try:
-        _run(dep, loc, ws, res, wait_s, say)
+        _run(dep, loc, ws, res, wait_s, say, handoff or render_handoff(dep))
     except ConfigError as exc:
         _finish(loc, res, t0, str(exc))
         raise
@@ -241,19 +242,25 @@ def _write_state(loc: Location, res: WarmupResult) -> None:
     atomic_write_json(loc.warmup_state_file, res.state_document())
 
 
-def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s: float,
-         say: Progress) -> None:
-    # the sizes do not enter the key scheme nor the vLLM arguments tokenization reads; the
-    # arguments are those of the vLLM installed here, whose renderer computes the tokens
+def render_handoff(dep: Deployment) -> Handoff:
+    """What the warm-up uses of ``dep``'s rendering, for a warm-up no launch handed it to
+    (``kvp-admin warmup`` by hand, ``launch --warmup-only``): the sizes enter neither the key
+    scheme nor the arguments the tokens are computed with, and the arguments are those of the
+    vLLM installed here, whose renderer computes the tokens."""
     rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=dep.settings.l1_size_gb,
                       l2_capacity_gb=1.0, vllm_version=running_vllm_version(
                           dep.vllm_version, direct_process=True))
-    token_ids = _token_ids(dep, loc, ws, rendered.vllm_argv, res, say)
+    return Handoff.of(rendered.vllm_argv, rendered.lmcache_server_argv)
+
+
+def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s: float,
+         say: Progress, handoff: Handoff) -> None:
+    token_ids = _token_ids(dep, loc, ws, list(handoff.vllm_argv), res, say)
     root = _open_root(loc)
     try:
         pins = _reusable_pins(root, dep, loc, ws, res) if res.tokens_cached else None
         if pins is None:
-            pins = _compute_pins(root, dep, loc, ws, res, rendered.lmcache_server_argv,
+            pins = _compute_pins(root, dep, loc, ws, res, list(handoff.server_argv),
                                  token_ids)
         else:
             res.pins_reused = True
@@ -496,64 +503,3 @@ def _measure(root: _Root, loc: Location, res: WarmupResult, doc: dict[str, Any])
         res.warnings.append(str(root.error))
         return
     res.bytes = measure_pins(root.handle, pins).bytes
-
-
-# --------------------------------------------------------------------------- the child process
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvpersist.stack.warmup CONFIG [--wait S] [--json]``: load CONFIG (an
-    incomplete identity is accepted, as ``kvp-admin warmup`` does) and :func:`warm` it. The
-    result as JSON on stdout with ``--json`` (the document of ``kvp-admin warmup --json``),
-    else one summary line; returns 0 done or no warm set, 1 failed, 2 a bad config, warm set
-    or argument (the message on stderr)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m kvpersist.stack.warmup",
-        description="Prefetch CONFIG's warm set (KVP_WARMUP_FILE) from disk into the cache "
-                    "server's memory (the launch's warm-up step; kvp-admin warmup by hand).")
-    parser.add_argument("config", metavar="CONFIG")
-    parser.add_argument("--wait", dest="wait_s", type=_seconds, default=DEFAULT_WAIT_S,
-                        metavar="SECONDS", help="give up after SECONDS (default %(default)g)")
-    parser.add_argument("--json", dest="as_json", action="store_true",
-                        help="print the result as JSON")
-    parser.add_argument("--compute-missing", dest="compute", action="store_true",
-                        default=None, help="compute the chunks found on no tier with the "
-                        "deployment's vLLM (default: KVP_WARMUP_COMPUTE)")
-    args = parser.parse_args(argv)
-
-    def progress(line: str) -> None:
-        if not args.as_json:
-            print(f"  {line}", file=sys.stderr, flush=True)
-
-    try:
-        dep = load_deployment(args.config, allow_unpinned=True)
-        res = warm(dep, locate(dep), wait_s=args.wait_s, progress=progress,
-                   compute_missing=args.compute)
-    except KvpError as exc:
-        print(f"kvp-admin: {exc}", file=sys.stderr)
-        return exc.exit_code
-    if args.as_json:
-        print(json.dumps(res.to_dict(), indent=2, sort_keys=True))
-    else:
-        print(f"namespace {res.namespace}: {res.state}, {res.found_chunks}/"
-              f"{res.requested_chunks} chunks found, {res.seconds:.1f} s"
-              + (f"; error: {res.error}" if res.error else ""))
-    for w in res.warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    return res.exit_code
-
-
-def _seconds(text: str) -> float:
-    """A number of seconds from 0 to a day (``nan``, ``inf`` and ``1e308`` refused: the
-    deadline must come)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= value <= MAX_WAIT_S:
-        raise argparse.ArgumentTypeError(f"must be from 0 to {MAX_WAIT_S:g}: {text!r}")
-    return value
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Remove one conversation's chunk files from an open cache root (I/O).
 
-:func:`forget_files` is given the open root and the keys of a :class:`~kvpersist.l2.forget_plan.
+:func:`forget_files` is given the open root and the keys of a :class:`~kvpersist.l2.forget.plan.
 ForgetPlan` (their files already parse-checked as the namespace's chunks). It works as
 :mod:`kvpersist.l2.prune` does, on named files instead of a listing:
 
@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpersist.l2.forget_plan import ChunkKey
+from kvpersist.l2.forget.plan import ChunkKey
 from kvpersist.l2.layout import display_name, parse_chunk_name
 from kvpersist.l2.prune import ERRORS_CAP, prune_lock
 from kvpersist.l2.tree import RootDir, open_rel

@@ -1,9 +1,9 @@
 """Pin manifests on a cache root (I/O): write, read, measure, remove.
 
-``<root>/.kvpersist/pins/<namespace>.json`` (:mod:`kvpersist.l2.pins`). Everything is opened
+``<root>/.kvpersist/pins/<namespace>.json`` (:mod:`kvpersist.l2.pins.usage`). Everything is opened
 relative to directory descriptors, never through a symlink, as :mod:`kvpersist.l2.runs` does,
 and read as untrusted (:mod:`kvpersist.system.untrusted`: a FIFO, a device, a link, a directory,
-a file past :data:`~kvpersist.l2.pins.MAX_BYTES`, a document nested deep or holding NaN are
+a file past :data:`~kvpersist.l2.pins.usage.MAX_BYTES`, a document nested deep or holding NaN are
 each refused without hanging or reading it whole). Reading never creates anything; a
 manifest that is unreadable or not ours is reported by name and its namespace is *held*
 whole (every file of it counts as pinned: ``prune --stale/--unpinned/--to-budget`` leaves
@@ -22,7 +22,7 @@ from typing import Any
 
 from kvpersist.errors import MAX_PROBLEMS, KvpError, Problem, Problems
 from kvpersist.l2.layout import META_DIR, is_namespace
-from kvpersist.l2.pins import (
+from kvpersist.l2.pins.usage import (
     MAX_BYTES,
     MAX_CONTAINERS,
     PINS_DIR,
@@ -47,7 +47,7 @@ def pins_path(root: str | os.PathLike[str], namespace: str) -> str:
 def write_pins(root: RootDir, doc: dict[str, Any]) -> str:
     """Write a pin manifest (atomic, owner-only) into the root; return its path.
     Raises KvpError when it cannot be written (e.g. ``.kvpersist`` is a symlink) or would be
-    bigger than its readers accept (:data:`~kvpersist.l2.pins.MAX_BYTES`)."""
+    bigger than its readers accept (:data:`~kvpersist.l2.pins.usage.MAX_BYTES`)."""
     namespace = str(doc["namespace"])
     data = (json.dumps(doc, sort_keys=True) + "\n").encode()
     final = pins_name(namespace)
@@ -68,9 +68,9 @@ def write_pins(root: RootDir, doc: dict[str, Any]) -> str:
 def read_pins(root: RootDir) -> PinRead:
     """Every namespace's pins on ``root``: the readable manifests, and for each one that is
     unreadable, not ours, or naming files that are not its namespace's chunk files, a
-    *held* set (:func:`~kvpersist.l2.pins.held_set`) and a problem naming it (the first
+    *held* set (:func:`~kvpersist.l2.pins.usage.held_set`) and a problem naming it (the first
     :data:`~kvpersist.errors.MAX_PROBLEMS` listed, the others counted). A pins directory
-    that cannot be listed is :attr:`~kvpersist.l2.pins.PinRead.unreadable_dir` (every
+    that cannot be listed is :attr:`~kvpersist.l2.pins.usage.PinRead.unreadable_dir` (every
     namespace held). Never raises for what it reads; never creates anything."""
     pins: dict[str, PinSet] = {}
     problems = Problems()
@@ -119,7 +119,7 @@ def _read(dfd: int, name: str, namespace: str) -> tuple[PinSet | None, str]:
 
 def _load(dfd: int, name: str) -> Any:
     """The JSON document in ``name`` (never through a symlink, at most
-    :data:`~kvpersist.l2.pins.MAX_BYTES`); raises UnreadableFile (also when it is absent)."""
+    :data:`~kvpersist.l2.pins.usage.MAX_BYTES`); raises UnreadableFile (also when it is absent)."""
     try:
         return read_json(name, dir_fd=dfd, follow=False, max_bytes=MAX_BYTES,
                          max_containers=MAX_CONTAINERS, where=f"{META_DIR}/{PINS_DIR}/{name}")

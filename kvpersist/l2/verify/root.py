@@ -10,7 +10,7 @@ after every restart, forever. ``verify`` finds:
   AES-GCM authentication with the deployment's key (tampered, corrupted, written under another
   key) — LMCache would treat it as a miss every time;
 * ``temp``: an interrupted write (``<name>.tmp.<uuid>``) older than ``temp_age`` seconds;
-* ``type``, ``perm``, ``dup`` (:mod:`kvpersist.l2.verify_rules`): an entry under a chunk name
+* ``type``, ``perm``, ``dup`` (:mod:`kvpersist.l2.verify.rules`): an entry under a chunk name
   that is not a regular file (LMCache reads through a symlink, blocks on a FIFO), a chunk file
   the server's user cannot read, and the same frame under two names (a valid frame served as
   another chunk's KV).
@@ -44,7 +44,7 @@ which size to read first and whether a failing file is a ``size`` or an ``auth``
 (Files of another namespace are not authenticated, only compared with their group's most
 common size; with a key, one of another size is read and kept if it authenticates. With
 ``serde: none`` the size is all there is.) The order of reading
-(:mod:`kvpersist.l2.verify_order`: the warm-set pins first, then authentic sizes before sizes
+(:mod:`kvpersist.l2.verify.order`: the warm-set pins first, then authentic sizes before sizes
 seen to fail) is what keeps a flood of garbage files named like the namespace's chunks from
 using up a time bound before the authentic files are read.
 
@@ -85,8 +85,8 @@ from kvpersist.l2.frames import (
 )
 from kvpersist.l2.layout import QUARANTINE_DIR, display_name
 from kvpersist.l2.tree import RootDir, chunk_dirs, meta_dir, open_rel
-from kvpersist.l2.verify_order import Group, ReadOrder, failed_verdict
-from kvpersist.l2.verify_rules import dup_detail, perm_verdict, shared_frames, type_verdict
+from kvpersist.l2.verify.order import Group, ReadOrder, failed_verdict
+from kvpersist.l2.verify.rules import dup_detail, perm_verdict, shared_frames, type_verdict
 from kvpersist.system.untrusted import ChunkFile, UnreadableFile
 
 SCHEMA = "kvpersist.verify/1"

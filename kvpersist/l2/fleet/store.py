@@ -1,21 +1,21 @@
 """The fleet records on the shared tier's store (I/O; the rules are in
-:mod:`kvpersist.l2.fleet`): write and delete one host's record and its namespace's index
+:mod:`kvpersist.l2.fleet.records`): write and delete one host's record and its namespace's index
 entry, read a namespace's records through its index, or by a scan when the index is not
 kvpersist's.
 
 The index is untrusted like every key: it is read by one script (``EVAL``) that asks its
 size first (``SCARD``) and sends its members only when there are at most
-:data:`~kvpersist.l2.fleet.MAX_INDEX_MEMBERS` of them, each no longer than a host id
-(:data:`~kvpersist.l2.fleet.MAX_HOST_ID_BYTES`); a key of another type, or a larger set, is
+:data:`~kvpersist.l2.fleet.records.MAX_INDEX_MEMBERS` of them, each no longer than a host id
+(:data:`~kvpersist.l2.fleet.records.MAX_HOST_ID_BYTES`); a key of another type, or a larger set, is
 foreign: never fetched, never changed (a write then leaves it as it is and says so). Records
-are read by :func:`~kvpersist.l2.shared_store.read_values` (bounded the same way).
+are read by :func:`~kvpersist.l2.shared.store.read_values` (bounded the same way).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpersist.l2.fleet import (
+from kvpersist.l2.fleet.records import (
     MAX_HOST_ID_BYTES,
     MAX_INDEX_MEMBERS,
     Stored,
@@ -23,8 +23,8 @@ from kvpersist.l2.fleet import (
     parse_record_key,
     record_key,
 )
-from kvpersist.l2.fleet import match_pattern as records_pattern
-from kvpersist.l2.shared_store import (
+from kvpersist.l2.fleet.records import match_pattern as records_pattern
+from kvpersist.l2.shared.store import (
     READ_BATCH,
     ForeignKey,
     SharedStore,
@@ -128,9 +128,9 @@ class IndexRead:
 
 def read_index(store: SharedStore, ns: str, *, with_values: bool = True) -> IndexRead:
     """The members of ``ns``'s index (one bounded script: at most
-    :data:`~kvpersist.l2.fleet.MAX_INDEX_MEMBERS` members, each at most
-    :data:`~kvpersist.l2.fleet.MAX_HOST_ID_BYTES`, or none at all) and, ``with_values``,
-    their records (:func:`~kvpersist.l2.shared_store.read_values`: a record that lapsed has
+    :data:`~kvpersist.l2.fleet.records.MAX_INDEX_MEMBERS` members, each at most
+    :data:`~kvpersist.l2.fleet.records.MAX_HOST_ID_BYTES`, or none at all) and, ``with_values``,
+    their records (:func:`~kvpersist.l2.shared.store.read_values`: a record that lapsed has
     the value None). No scan. Raises what the store raises."""
     reply = store.client.eval(_SET_BOUNDED, 1, raw_key(index_key(ns)), MAX_INDEX_MEMBERS,
                               MAX_HOST_ID_BYTES)

@@ -1,5 +1,5 @@
 """A deployment's fleet record on its shared tier (I/O; the rules are in
-:mod:`kvpersist.l2.fleet`).
+:mod:`kvpersist.l2.fleet.records`).
 
 ``launch`` (and ``launch --foreground``, systemd) writes the record, with the launch's time
 (``since``) and the namespace's files and bytes on the cache root from the scan the launch
@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvpersist import __version__
 from kvpersist.config.deployment import Deployment
 from kvpersist.errors import KvpError
-from kvpersist.l2 import keys
-from kvpersist.l2.fleet import (
+from kvpersist.l2.fleet.records import (
     RECORD_TTL_S,
     FleetRecord,
     HealthStamp,
@@ -38,16 +37,17 @@ from kvpersist.l2.fleet import (
     record_key,
     serde_fingerprint,
 )
-from kvpersist.l2.fleet_store import (
+from kvpersist.l2.fleet.store import (
     delete_record,
     read_index,
     scan_record_keys,
     write_record,
 )
+from kvpersist.l2.keys import store as keys
 from kvpersist.l2.layout import display_name
-from kvpersist.l2.shared_keys import SKIPPED_SHOWN
-from kvpersist.l2.shared_store import READ_BATCH, connect, read_values, store_errors
-from kvpersist.stack.lmcache_exec import read_secret_file
+from kvpersist.l2.shared.credentials import read_secret_file
+from kvpersist.l2.shared.keys import SKIPPED_SHOWN
+from kvpersist.l2.shared.store import READ_BATCH, connect, read_values, store_errors
 from kvpersist.system.files import service_uids
 from kvpersist.system.untrusted import MAX_RECORD_BYTES, UnreadableFile, read_bytes
 
@@ -240,7 +240,7 @@ def read_namespace(store: Any, ns: str) -> tuple[list[FleetRecord], list[str]]:
     """The live records of ``ns`` through its index (no scan of the keyspace); when the
     index's key is not kvpersist's index (another type, too many members), through a scan
     of the record keys, with a problem naming the key. Raises what the store raises (see
-    :func:`kvpersist.l2.shared_store.store_errors`)."""
+    :func:`kvpersist.l2.shared.store.store_errors`)."""
 
     found = read_index(store, ns)
     idx = display_name(index_key(ns))
@@ -256,7 +256,7 @@ def read_namespace(store: Any, ns: str) -> tuple[list[FleetRecord], list[str]]:
 
 def read_keys(store: Any, keys: list[str]) -> tuple[list[FleetRecord], list[str]]:
     """The live records of ``keys`` (record keys a scan found), read and decoded one batch
-    at a time (each value bounded: :func:`kvpersist.l2.shared_store.read_values`). Raises
+    at a time (each value bounded: :func:`kvpersist.l2.shared.store.read_values`). Raises
     what the store raises."""
 
     def found() -> Iterator[tuple[str, Stored]]:

@@ -17,7 +17,7 @@ the cache from empty; the namespace does not change (the key is not a KV-compati
 field), which is why launch records the fingerprint and warns when it changes.
 
 Each namespace has its own key (:mod:`kvpersist.config.key_paths` says where,
-:mod:`kvpersist.l2.keyplan` decides which key a launch uses and what ``shred`` destroys):
+:mod:`kvpersist.l2.keys.plan` decides which key a launch uses and what ``shred`` destroys):
 :func:`prepare_launch_key` is that step of a launch, :func:`destroy_key` the first step of a
 shred, :func:`write_tombstone` its record (docs/keys-and-shred.md).
 """
@@ -46,7 +46,7 @@ from kvpersist.config.key_paths import (
     tombstone_path,
 )
 from kvpersist.errors import EXIT_USAGE, KvpError
-from kvpersist.l2.keyplan import ADOPT, LaunchKeyFacts, LaunchKeyPlan, plan_launch_key
+from kvpersist.l2.keys.plan import ADOPT, LaunchKeyFacts, LaunchKeyPlan, plan_launch_key
 from kvpersist.system.files import (
     atomic_write,
     atomic_write_json,
@@ -169,7 +169,7 @@ def record_fingerprint(state_dir: str | os.PathLike[str], fp: str, namespace: st
 
 def launch_key_facts(state_dir: str, namespace: str, key_file: str, *, has_files: bool,
                      manifest_file: str) -> LaunchKeyFacts:
-    """The facts :func:`~kvpersist.l2.keyplan.plan_launch_key` decides on (lstat only)."""
+    """The facts :func:`~kvpersist.l2.keys.plan.plan_launch_key` decides on (lstat only)."""
     explicit = key_file != namespace_key_path(state_dir, namespace)
     return LaunchKeyFacts(
         explicit=explicit, own_key=os.path.lexists(key_file),
@@ -193,7 +193,7 @@ def prepare_launch_key(state_dir: str, namespace: str, key_file: str, *, has_fil
                        manifest_file: str, also: tuple[int, ...] = ()) -> LaunchKey:
     """Make ``namespace``'s key ready before the server starts: adopt the root key (a 0600
     copy), create a new one, or use the one there (:func:`launch_key_facts`, then
-    :func:`~kvpersist.l2.keyplan.plan_launch_key`); record its fingerprint in the
+    :func:`~kvpersist.l2.keys.plan.plan_launch_key`); record its fingerprint in the
     namespace's key directory and warn when it changed. Call it before the manifest is
     written (a manifest means "launched before"). Raises KeyError_ for a key that cannot be
     read or written."""

@@ -58,7 +58,7 @@ def held_set(namespace: str, why: str) -> PinSet:
 
 @dataclass(frozen=True)
 class PinRead:
-    """What :func:`kvpersist.l2.pin_store.read_pins` found on a root: the pins by namespace
+    """What :func:`kvpersist.l2.pins.store.read_pins` found on a root: the pins by namespace
     (held ones included), the problems met (each names its file), and why the pins directory
     could not be listed ("" when it could: then every namespace is held)."""
 

@@ -3,15 +3,15 @@
 Order, wherever a deployment starts (``kvp-admin launch``, the systemd units, the
 ``KV_PERSIST=1`` hook): the cache server is healthy → vLLM answers and has registered its KV
 layout with the server (a vLLM worker registers before the OpenAI server answers) → the
-prime (:mod:`kvpersist.stack.prime`: one short request, so that the first user does not
-pay vLLM's first-request cost) → the warm-up (:mod:`kvpersist.stack.warmup`, the engine
+prime (:mod:`kvpersist.stack.warm.prime`: one short request, so that the first user does not
+pay vLLM's first-request cost) → the warm-up (:mod:`kvpersist.stack.warm.run`, the engine
 ``kvp-admin warmup CONFIG --wait S`` runs too: the warm set's chunks L2 → L1) → ready. A
 prime or a warm-up that fails or times out never takes the deployment down: vLLM keeps
 serving, cold, and health reports a failed warm-up *degraded* (component ``warmup``) until the
 next warm-up succeeds or the cache server restarts.
 
 The warm-up runs as a child process (it runs as the service user and imports vLLM):
-``python -m kvpersist.stack.warmup CONFIG --wait S --json``, given the config argument and
+``python -m kvpersist.stack.warm.run CONFIG --wait S --json``, given the config argument and
 the environment the launch loaded the deployment with, so that it loads the same deployment
 (once: another process cannot be handed the parent's). Its pid is kept in
 ``S/pids/<name>.warmup.pid`` after it ends (checked against :data:`WARMUP_MARKERS`), and its
@@ -35,8 +35,9 @@ from typing import Any
 
 from kvpersist.errors import KvpError
 from kvpersist.stack.locate import Location
-from kvpersist.stack.prime import PRIME_TIMEOUT_S, PrimeRun, prime_vllm
 from kvpersist.stack.processes import vllm_ready
+from kvpersist.stack.warm.handoff import Handoff, write_handoff
+from kvpersist.stack.warm.prime import PRIME_TIMEOUT_S, PrimeRun, prime_vllm
 from kvpersist.system import procs
 from kvpersist.system.untrusted import (
     MAX_STATE_BYTES,
@@ -45,10 +46,11 @@ from kvpersist.system.untrusted import (
     read_tail,
 )
 
-#: the warm-up child's module (``python -m``; the engine and its ``main``)
-WARMUP_MODULE = "kvpersist.stack.warmup"
-#: argv markers of the warm-up child (its pid file is checked against them)
-WARMUP_MARKERS = (WARMUP_MODULE,)
+#: the warm-up child's module (``python -m``): kvp-admin's own command line
+WARMUP_MODULE = "kvpersist.cli"
+#: argv markers of the warm-up child (its pid file is checked against them): only the child
+#: a launch starts is handed the rendered plan
+WARMUP_MARKERS = (WARMUP_MODULE, "--rendered")
 #: seconds a warm-up may run past its own ``--wait`` (process start, the tokenizer's import)
 #: before the launch stops it; also how long past that a "warming" record without a known
 #: process still counts as warming
@@ -259,11 +261,12 @@ class WarmupRun:
                 "found_chunks": rec.get("found_chunks"), "bytes": rec.get("bytes")}
 
 
-def warmup_argv(config: str, wait_s: float, *, python: str | None = None) -> list[str]:
-    """The warm-up command (pure): ``python -m kvpersist.stack.warmup CONFIG --wait S
-    --json`` (the same arguments, output and exit codes as ``kvp-admin warmup``)."""
-    return [python or sys.executable, "-m", WARMUP_MODULE, config, "--wait", f"{wait_s:g}",
-            "--json"]
+def warmup_argv(config: str, wait_s: float, handoff_file: str, *,
+                python: str | None = None) -> list[str]:
+    """The warm-up command (pure): ``python -m kvpersist.cli warmup CONFIG --wait S --json
+    --rendered FILE``: ``kvp-admin warmup`` handed the launch's rendered plan."""
+    return [python or sys.executable, "-m", WARMUP_MODULE, "warmup", config,
+            "--wait", f"{wait_s:g}", "--json", "--rendered", handoff_file]
 
 
 def service_ids(loc: Location) -> tuple[int, int] | None:
@@ -281,17 +284,18 @@ def service_ids(loc: Location) -> tuple[int, int] | None:
     return (pw.pw_uid, pw.pw_gid) if pw.pw_uid != 0 else None
 
 
-def run_warmup(loc: Location, config: str, *, env: Mapping[str, str],
+def run_warmup(loc: Location, config: str, handoff: Handoff, *, env: Mapping[str, str],
                wait_s: float | None = None, cwd: str | None = None,
                progress: Progress = _quiet) -> WarmupRun:
     """Run the warm-up (:func:`warmup_argv`) as a child (output appended to the warm-up
     log, pid in the warm-up pid file, kept after it ends; as KVP_SERVICE_USER when run by
     root) and wait for it at most S + :data:`GRACE_S` seconds (then stop it). S defaults to
     KVP_WARMUP_WAIT. ``config`` and ``env`` are what the deployment was loaded with: the
-    child loads the same one. Never raises for a warm-up that fails: the result says so;
-    vLLM keeps serving either way."""
+    child loads the same one; ``handoff`` (the rendered arguments it uses) is written to
+    ``loc.warmup_handoff_file`` for it. Never raises for a warm-up that fails: the result
+    says so; vLLM keeps serving either way."""
     wait = loc.warmup_wait if wait_s is None else wait_s
-    argv = warmup_argv(config, wait)
+    argv = warmup_argv(config, wait, loc.warmup_handoff_file)
     ids = service_ids(loc)
     if ids is not None:
         # the service user's home and JIT cache, as in the cache server's unit
@@ -306,9 +310,10 @@ def run_warmup(loc: Location, config: str, *, env: Mapping[str, str],
             os.makedirs(log_dir, mode=0o700)
             if ids is not None:
                 os.chown(log_dir, *ids, follow_symlinks=False)
+        write_handoff(loc.warmup_handoff_file, handoff, ids)
         proc = procs.start_background(argv, log_path=loc.warmup_log, env=env, cwd=cwd,
                                       as_ids=ids)
-    except OSError as exc:
+    except (OSError, KvpError) as exc:
         return WarmupRun("failed", f"cannot start the warm-up: {exc}",
                          time.monotonic() - t0)
     try:
@@ -385,11 +390,11 @@ class AfterVllm:
     warmup: WarmupRun
 
 
-def warmup_after_vllm(loc: Location, config: str, *, warm_file: str,
+def warmup_after_vllm(loc: Location, config: str, handoff: Handoff, *, warm_file: str,
                       env: Mapping[str, str], deadline_s: float, cwd: str | None = None,
                       progress: Progress = _quiet) -> AfterVllm:
     """For the units and the hook, which start vLLM themselves: wait until vLLM serves the
-    namespace, prime it (:mod:`kvpersist.stack.prime`), then :func:`run_warmup`, all of it
+    namespace, prime it (:mod:`kvpersist.stack.warm.prime`), then :func:`run_warmup`, all of it
     within ``deadline_s`` seconds (the vLLM unit's start timeout must not expire under it):
     the warm-up gets KVP_WARMUP_WAIT or what is left, whichever is less. Without a warm set
     (``warm_file`` empty) the warm-up is skipped, the prime is not. Never raises for a vLLM
@@ -413,7 +418,7 @@ def warmup_after_vllm(loc: Location, config: str, *, warm_file: str,
     if wait < 1.0:
         return AfterVllm(primed, WarmupRun(
             "failed", f"no time left for a warm-up within {deadline_s:.0f} s", elapsed))
-    return AfterVllm(primed, run_warmup(loc, config, env=env, wait_s=wait, cwd=cwd,
+    return AfterVllm(primed, run_warmup(loc, config, handoff, env=env, wait_s=wait, cwd=cwd,
                                         progress=progress))
 
 

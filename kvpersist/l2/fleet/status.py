@@ -1,18 +1,18 @@
 """``kvp-admin fleet status`` (pure): per namespace, the hosts whose fleet records name it,
 their serde-key agreement, the last health each recorded and their NVMe use.
 
-Input: what the namespace's index named (:func:`kvpersist.l2.fleet_store.read_index`: each
+Input: what the namespace's index named (:func:`kvpersist.l2.fleet.store.read_index`: each
 member's host id and its record as stored, None when the record is gone), read without a
 scan of the store. Each member is one row:
 
-* ``live``: its record decodes (:func:`~kvpersist.l2.fleet.decode_record`) and is within its
+* ``live``: its record decodes (:func:`~kvpersist.l2.fleet.records.decode_record`) and is within its
   TTL by its own fields (``updated_at + ttl_s``);
 * ``stale``: its record decodes but ``updated_at + ttl_s`` is past (the store still returned
   it: another clock, or a TTL the store did not apply); not counted as serving;
 * ``gone``: the index names it but the store has no record (it lapsed; the next write of a
   record removes the member);
 * a record that does not decode is foreign: no row, a problem (the first
-  :data:`~kvpersist.l2.shared_keys.SKIPPED_SHOWN` named, the rest counted).
+  :data:`~kvpersist.l2.shared.keys.SKIPPED_SHOWN` named, the rest counted).
 
 The live hosts of a namespace **agree** when they all have the same serde and key
 fingerprint; **disagree** otherwise (chunks each side stores miss on the other); a namespace
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpersist.l2.fleet import FleetRecord, Stored, decode_record, record_key
-from kvpersist.l2.shared_keys import SKIPPED_SHOWN
+from kvpersist.l2.fleet.records import FleetRecord, Stored, decode_record, record_key
+from kvpersist.l2.shared.keys import SKIPPED_SHOWN
 
 SCHEMA = "kvpersist.fleet-status/1"
 STATES = ("live", "stale", "gone")

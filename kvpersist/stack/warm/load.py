@@ -17,7 +17,7 @@ it, so its prefix is in vLLM's own prefix cache and a load would move nothing.
 Nothing is stored: every full chunk of the prompt is on the server already, the extra token
 is less than a chunk, and one generated token needs no decode step. The entries' prefixes stay
 in vLLM's own prefix cache until vLLM evicts it. The request carries the warm-up's ``user``
-field (:data:`~kvpersist.stack.warm_compute.COMPUTE_USER`). It is bounded by the warm-up's
+field (:data:`~kvpersist.stack.warm.compute.COMPUTE_USER`). It is bounded by the warm-up's
 deadline and never fails the warm-up: a load that fails is a warning, vLLM serves either way.
 """
 
@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvpersist.stack import warm_compute
+from kvpersist.stack.warm import compute as warm_compute
 
 #: entries loaded at most: the second and third loads after a start are still slower than
 #: later ones (0.036-0.043 s and 0.024-0.027 s against 0.015 s for 8 chunks); a load of an

@@ -1,5 +1,5 @@
 """Talk to the shared tier's store (Redis/Valkey, standalone or cluster) for ``report``,
-``prune`` and ``health``: the I/O half of :mod:`kvpersist.l2.shared_keys`.
+``prune`` and ``health``: the I/O half of :mod:`kvpersist.l2.shared.keys`.
 
 Listing is server-side iteration only: ``SCAN MATCH`` on every primary node (never ``KEYS``);
 value sizes come from ``STRLEN`` in pipelines of one SCAN page. A prune deletes one namespace
@@ -8,7 +8,7 @@ refreshed per batch, released only by its holder), so two hosts never prune the 
 namespace at once. Running it again deletes nothing more.
 
 Every key is untrusted: one of another type than its name says (``WRONGTYPE``) is foreign,
-counted and skipped (:class:`~kvpersist.l2.shared_keys.Skipped`), never read as what it is
+counted and skipped (:class:`~kvpersist.l2.shared.keys.Skipped`), never read as what it is
 not and never deleted; a prune deletes only keys that *parse* as the namespace's chunk keys
 (the SCAN pattern only narrows the walk), each one only if it is a string, checked and
 deleted in one script (no ``TYPE``: the recommended ACL does not grant it). Keys are sent back
@@ -17,9 +17,10 @@ as the bytes the store gave (decoded with ``surrogateescape``).
 Every value is untrusted too, and so is its size: a fleet record, a prune lock's holder and a
 namespace's index are read by scripts (``EVAL``) that ask the length first (``STRLEN``,
 ``SCARD``) and send the value only when it is small enough to be what its name says
-(:data:`~kvpersist.l2.fleet.MAX_RECORD_BYTES`, :data:`~kvpersist.l2.fleet.MAX_INDEX_MEMBERS`);
-a 100 MB value or a set of a million members is never fetched, only counted as foreign.
-Checking and reading in one script leaves no window for a value to grow in between.
+(:data:`~kvpersist.l2.fleet.records.MAX_RECORD_BYTES`,
+:data:`~kvpersist.l2.fleet.records.MAX_INDEX_MEMBERS`); a 100 MB value or a set of a
+million members is never fetched, only counted as foreign. Checking and reading in one
+script leaves no window for a value to grow in between.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 
 from kvpersist.config.shared_tier import SharedSecret, SharedTier
 from kvpersist.errors import CheckFailed, KvpError
-from kvpersist.l2.fleet import (
+from kvpersist.l2.fleet.records import (
     MAX_RECORD_BYTES,
     WRONG_TYPE,
     Oversized,
@@ -44,7 +45,7 @@ from kvpersist.l2.fleet import (
     is_record_key,
 )
 from kvpersist.l2.layout import display_name
-from kvpersist.l2.shared_keys import (
+from kvpersist.l2.shared.keys import (
     NOT_A_CHUNK,
     NOT_A_STRING,
     Skipped,
@@ -413,7 +414,7 @@ class SharedUsage:
     other_keys: int = 0
     #: chunk-named keys of another type than a string (foreign)
     skipped: Skipped = field(default_factory=Skipped)
-    #: kvpersist's fleet records (kvpersist.l2.fleet), apart from the other keys
+    #: kvpersist's fleet records (kvpersist.l2.fleet.records), apart from the other keys
     record_keys: list[str] = field(default_factory=list)
     #: every fleet key: the records and the namespaces' index sets
     fleet_keys: int = 0
@@ -562,8 +563,8 @@ def read_values(store: SharedStore, keys: list[str], *,
     """(key, value) of ``keys``, each value read only when it is at most ``max_bytes``
     (one script per key, pipelined by :data:`READ_BATCH`; the cluster client routes each
     to its node): a key that is gone has the value None, one of another type
-    :data:`~kvpersist.l2.fleet.WRONG_TYPE`, a longer one
-    :class:`~kvpersist.l2.fleet.Oversized` (never fetched)."""
+    :data:`~kvpersist.l2.fleet.records.WRONG_TYPE`, a longer one
+    :class:`~kvpersist.l2.fleet.records.Oversized` (never fetched)."""
     out: list[tuple[str, Stored]] = []
     for i in range(0, len(keys), READ_BATCH):
         batch = keys[i:i + READ_BATCH]
