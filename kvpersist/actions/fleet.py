@@ -14,8 +14,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 
-from kvpersist.config.deployment import Deployment
-from kvpersist.config.loader import list_config_names, load_deployment
+from kvpersist.config.loader import deployments_with_shared_tier
 from kvpersist.errors import EXIT_USAGE, KvpError, UsageError
 from kvpersist.l2.fleet.records import index_key
 from kvpersist.l2.fleet.status import FleetStatus, NamespaceStatus, namespace_status
@@ -34,26 +33,6 @@ class StoreUnreachable(KvpError):
     exit_code = EXIT_USAGE
 
 
-def deployments(configs: Sequence[str]) -> list[Deployment]:
-    """The deployments with a shared tier: ``configs`` (each must have one), or every config
-    under configs/ that loads and has one. Raises UsageError, ConfigError."""
-    if configs:
-        deps = [load_deployment(c) for c in configs]
-        missing = [d.name for d in deps if not d.settings.shared_tier]
-        if missing:
-            raise UsageError(f"{', '.join(missing)}: no shared tier (KVP_SHARED_TIER is empty)")
-        return deps
-    out = []
-    for name in list_config_names():
-        try:
-            dep = load_deployment(name)
-        except Exception:  # noqa: BLE001 - a config that does not load is not this tier's
-            continue
-        if dep.settings.shared_tier:
-            out.append(dep)
-    return out
-
-
 def fleet_status(configs: Sequence[str] = (), namespaces: Sequence[str] = (), *,
                  timeout: float = 3.0) -> FleetStatus:
     """The fleet status of the configured namespaces and ``namespaces``. Raises UsageError
@@ -64,7 +43,7 @@ def fleet_status(configs: Sequence[str] = (), namespaces: Sequence[str] = (), *,
         problem = namespace_problem(ns)
         if problem:
             raise UsageError(f"--namespace {display_name(ns)}: {problem}")
-    deps = deployments(configs)
+    deps = deployments_with_shared_tier(configs)
     if not deps:
         raise UsageError("no deployment config has a shared tier; name one with --config")
     tiers = {d.shared for d in deps}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.config.deployment import Deployment
-from kvpersist.config.loader import list_config_names, load_deployment
+from kvpersist.config.loader import deployments_with_shared_tier
 from kvpersist.config.shared_tier import SharedTier
 from kvpersist.errors import KvpError, UsageError
 from kvpersist.l2.fleet import host as fleet
@@ -55,22 +55,9 @@ def shared_context(configs: Sequence[str]) -> SharedContext:
     """Load the deployments that use a shared tier. Raises UsageError when none does or they
     name different tiers, ConfigError for a config that does not load."""
 
-    if configs:
-        deps = [load_deployment(c) for c in configs]
-        missing = [d.name for d in deps if not d.settings.shared_tier]
-        if missing:
-            raise UsageError(f"{', '.join(missing)}: no shared tier (KVP_SHARED_TIER is empty)")
-    else:
-        deps = []
-        for name in list_config_names():
-            try:
-                dep = load_deployment(name)
-            except Exception:  # noqa: BLE001 - a config that does not load is not this tier's
-                continue
-            if dep.settings.shared_tier:
-                deps.append(dep)
-        if not deps:
-            raise UsageError("no deployment config has a shared tier; name one with --config")
+    deps = deployments_with_shared_tier(configs)
+    if not deps:
+        raise UsageError("no deployment config has a shared tier; name one with --config")
     tiers = {d.shared for d in deps}
     if len(tiers) != 1:
         raise UsageError("the configs name different shared tiers; give --config for one")
