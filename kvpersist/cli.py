@@ -57,7 +57,7 @@ COMMANDS: dict[str, Entry] = {
                     "Show whether CONFIG's cache server and vLLM run (pid files checked, not "
                     "trusted)."),
     "health": Entry("kvpersist.commands.health:health",
-                    "Check CONFIG's cache server, cache root, vLLM and its warm-up."),
+                    "Check CONFIG's cache server, cache root, vLLM, its warm-up and its canary."),
     "fleet": Entry("kvpersist.commands.fleet:fleet",
                    "The hosts sharing the shared tier, from their fleet records."),
     "metrics": Entry("kvpersist.commands.metrics:metrics",
@@ -77,6 +77,8 @@ COMMANDS: dict[str, Entry] = {
     "warmup": Entry("kvpersist.commands.warmup:warmup",
                     "Prefetch CONFIG's warm set (KVP_WARMUP_FILE) from disk into the cache "
                     "server's memory."),
+    "canary": Entry("kvpersist.commands.canary:canary",
+                    "The namespace's known-answer canary: what it found, a run now, reset."),
     "forget": Entry("kvpersist.commands.forget:forget",
                     "Remove one conversation's KV chunks from every tier: dry run unless "
                     "--apply."),

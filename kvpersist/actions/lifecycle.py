@@ -17,6 +17,7 @@ from kvpersist.l2.fleet.host import RecordOutcome
 from kvpersist.stack import crash_window
 from kvpersist.stack import launch as lc
 from kvpersist.stack import processes as proc
+from kvpersist.stack.canary.run import CanaryRun
 from kvpersist.stack.health import health_report
 from kvpersist.stack.launch_options import DEFAULTS, STOP_TIMEOUT, LaunchOptions
 from kvpersist.stack.locate import Location, locate
@@ -98,6 +99,8 @@ class LaunchOutcome:
             "crash_window": res.crash.to_dict() if res.crash is not None else None,
             "prime": res.prime.to_dict() if res.prime is not None else None,
             "warmup": res.warmup.to_dict() if res.warmup is not None else None,
+            "canary": res.canary.to_dict() if res.canary is not None else None,
+            "recompute": res.recompute or None,
             "fleet_record": (res.fleet_record.to_dict() if res.fleet_record is not None
                              else None),
         }
@@ -129,10 +132,20 @@ class WarmupOnlyOutcome:
     warmup: WarmupRun
     #: the priming request (None: vLLM did not serve in time)
     prime: PrimeRun | None = None
+    #: the canary's run (None: not run)
+    canary: CanaryRun | None = None
+
+    @property
+    def canary_failed(self) -> bool:
+        """This step's canary failed: exit 3, so that the vLLM unit fails (and its restart
+        starts vLLM without the cache) and run-vllm-with-persist.sh stops vLLM
+        (docs/canary.md)."""
+        return self.canary is not None and self.canary.state == "failed"
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config, "namespace": self.namespace,
                 "prime": self.prime.to_dict() if self.prime is not None else None,
+                "canary": self.canary.to_dict() if self.canary is not None else None,
                 "warmup": self.warmup.to_dict()}
 
 
@@ -153,7 +166,7 @@ def warmup_only(config: str, *, deadline_s: float = 1800.0,
                              env=dict(os.environ if environ is None else environ),
                              deadline_s=deadline_s, progress=logged)
     logged(lc.warmup_summary(step.warmup))
-    return WarmupOnlyOutcome(dep.name, dep.namespace, step.warmup, step.prime)
+    return WarmupOnlyOutcome(dep.name, dep.namespace, step.warmup, step.prime, step.canary)
 
 
 @dataclass(frozen=True)
@@ -304,10 +317,12 @@ def status(config: str) -> StatusOutcome:
 
 
 def health(config: str, *, timeout: float = 3.0, expect_vllm: bool = True,
-           wait: float = 0.0, refresh_record: bool = False) -> HealthReport:
+           wait: float = 0.0, refresh_record: bool = False,
+           with_canary: bool = False) -> HealthReport:
     """Probe the deployment (see :mod:`kvpersist.stack.health`); never scans the root.
-    ``refresh_record``: refresh this host's fleet record while the cache server answers."""
+    ``refresh_record``: refresh this host's fleet record while the cache server answers;
+    ``with_canary``: run the known-answer canary first."""
 
     dep, loc = load_located(config)
     return health_report(dep, loc, timeout=timeout, expect_vllm=expect_vllm, wait=wait,
-                         refresh_record=refresh_record)
+                         refresh_record=refresh_record, with_canary=with_canary)

@@ -56,6 +56,19 @@ from kvpersist.system.untrusted import show_path
 
 PREFIX = "kvpersist_"
 _HEALTH_VALUE = {"ok": 0, "degraded": 1, "down": 2, "warming": 3}
+_CANARY_VALUE = {"passed": 0, "unknown": 1, "failed": 2}
+
+
+def _epoch(stamp: Any) -> float | None:
+    """``2026-12-06T04:30:00Z`` -> seconds since the epoch (None for anything else)."""
+    from datetime import UTC, datetime
+
+    if not isinstance(stamp, str):
+        return None
+    try:
+        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
 INFO_LABELS = ("model_id", "model_revision", "kv_cache_dtype", "tensor_parallel_size",
                "served_model_name", "config")
 
@@ -304,6 +317,20 @@ def health_families(exp: Exposition, rep: HealthReport, now_s: float,
               lab, 1 if rep.facts.server_healthcheck else 0)
     exp.gauge("vllm_up", "1 when vLLM answers /health (absent when not checked).", lab,
               (1 if rep.facts.vllm_health else 0) if rep.facts.expect_vllm else None)
+    canary = rep.facts.canary
+    if canary is not None:
+        last = canary.get("last") or {}
+        state = "failed" if canary.get("state") == "failed" else last.get("state")
+        exp.gauge("canary_state", "The namespace's known-answer canary: 0 passed, 1 unknown "
+                  "(its last run could not compare), 2 failed (vLLM serves without the cache "
+                  "until `kvp-admin canary reset`); absent before a first run.", lab,
+                  _CANARY_VALUE.get(str(state)))
+        exp.gauge("canary_last_pass_timestamp_seconds", "When the canary last passed.", lab,
+                  _epoch(canary.get("last_passed_at")))
+        diff = (last.get("verdict") or {}).get("max_diff")
+        exp.gauge("canary_max_logprob_diff", "The largest logprob difference from the "
+                  "reference in the canary's last run (nats; absent when it compared "
+                  "nothing).", lab, diff if isinstance(diff, (int, float)) else None)
     if store is not None:
         exp.info("deployment_shared_tier", "The shared-tier store the deployment uses (join on "
                  "store).", lab, {"store": store[0], "adapter": store[1]})

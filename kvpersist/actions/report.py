@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from kvpersist.l2.inventory import open_existing, resolve_inventory
 from kvpersist.l2.report import Report, report_on
 from kvpersist.l2.scan import ProgressFn
+from kvpersist.stack.canary.run import canary_status
+from kvpersist.stack.locate import locate
 
 __all__ = ["Report", "report"]
 
@@ -17,4 +19,13 @@ def report(root: str | None, configs: Sequence[str] = (), *,
     manifests and the configured deployments. Raises UsageError for a missing root."""
     inv = resolve_inventory(root, configs)
     with open_existing(inv.root) as handle:
-        return report_on(handle, inv, progress=progress)
+        rep = report_on(handle, inv, progress=progress)
+    canaries = {d.namespace: canary_status(locate(d)) for d in inv.deployments}
+    for row in rep.doc["namespaces"]:
+        # the canary of each configured deployment's namespace (docs/canary.md): failed
+        # means vLLM serves it without the cache until `kvp-admin canary reset`
+        c = canaries.get(row["prefix"])
+        row["canary"] = None if c is None else {
+            "state": c["state"], "failed_at": (c.get("failed") or {}).get("at"),
+            "last_passed_at": c.get("last_passed_at")}
+    return rep

@@ -25,7 +25,10 @@ def _when(t: float | None, now: float) -> str:
 def _health(h: dict[str, Any] | None) -> str:
     from kvpersist.l2.fleet.records import format_age
 
-    return "-" if h is None else f"{h['status']} ({format_age(h['age_s'])} ago)"
+    if h is None:
+        return "-"
+    canary = ", CANARY FAILED" if h.get("canary") == "failed" else ""
+    return f"{h['status']}{canary} ({format_age(h['age_s'])} ago)"
 
 
 def _nvme(n: dict[str, Any] | None) -> str:

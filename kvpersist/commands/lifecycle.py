@@ -37,6 +37,10 @@ _vllm_timeout = click.option("--vllm-timeout", type=SECONDS, default=DEFAULTS.vl
 _no_warmup = click.option("--no-warmup", is_flag=True,
                           help="Report ready as soon as vLLM serves, without the priming "
                                "request and the warm-up.")
+_no_canary = click.option(
+    "--no-canary", is_flag=True,
+    help="Do not run the known-answer canary this time (docs/canary.md; KVP_CANARY=false: "
+         "never). A namespace whose canary failed stays without the cache either way.")
 _warmup_wait = click.option(
     "--warmup-wait", type=WAIT, default=None, metavar="SECONDS",
     help="Bound of the warm-up (kvp-admin warmup --wait) [default: KVP_WARMUP_WAIT, 120 s]; a "
@@ -72,12 +76,13 @@ _warmup_wait = click.option(
               help="Preflight only (identity, budget, cache root, ports, weights); start "
                    "nothing. Exit 0 if a launch could proceed, 2 listing every problem.")
 @_no_warmup
+@_no_canary
 @_warmup_wait
 @click.option("--warmup-only", is_flag=True,
               help="Start nothing: wait until the deployment's vLLM (started by a unit or a "
                    "recipe) serves the namespace, then warm up, all within --deadline; for "
                    "the vLLM unit's ExecStartPost and the KV_PERSIST=1 hook. Exit 0 even "
-                   "when the warm-up fails.")
+                   "when the warm-up fails; 3 when the canary fails (docs/canary.md).")
 @click.option("--deadline", type=SECONDS, default=1800.0, show_default=True,
               metavar="SECONDS",
               help="With --warmup-only: seconds for the wait and the warm-up together (the "
@@ -87,8 +92,8 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
            allow_unpinned: bool, allow_tmp_cleanup: bool, allow_unsupported_vllm: bool,
            crash_rate: float,
            crash_seconds: float, check: bool,
-           no_warmup: bool, warmup_wait: float | None, warmup_only: bool, deadline: float,
-           as_json: bool) -> None:
+           no_warmup: bool, no_canary: bool, warmup_wait: float | None, warmup_only: bool,
+           deadline: float, as_json: bool) -> None:
     """Preflight CONFIG, start whatever of its lmcache server and vLLM does not run, warm up.
 
     The two are independent processes: a running one is left as it is (and said so). After
@@ -100,9 +105,10 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
     if warmup_wait is not None and warmup_wait <= 0:
         raise UsageError("--warmup-wait must be > 0 seconds")
     if warmup_only:
-        if check or foreground or no_warmup or warmup_wait is not None:
+        if check or foreground or no_warmup or no_canary or warmup_wait is not None:
             raise UsageError("--warmup-only cannot be combined with --check, --foreground, "
-                             "--no-warmup or --warmup-wait (it takes KVP_WARMUP_WAIT)")
+                             "--no-warmup, --no-canary or --warmup-wait (it takes "
+                             "KVP_WARMUP_WAIT and KVP_CANARY)")
         if deadline <= 0:
             raise UsageError("--deadline must be > 0 seconds")
         ready = lifecycle.warmup_only(config, deadline_s=deadline, progress=_progress)
@@ -111,12 +117,17 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
         else:
             from kvpersist.stack.launch import warmup_summary
 
+            if ready.canary is not None:
+                click.echo(f"{ready.config}: {ready.canary.summary()}")
             click.echo(f"{ready.config}: {warmup_summary(ready.warmup)}")
+        if ready.canary_failed:
+            exit_with(3)
         return
 
     opts = LaunchOptions(with_vllm=not no_vllm, foreground=foreground, server_timeout=timeout,
                          vllm_timeout=vllm_timeout, crash_rate_mb_s=crash_rate or None,
                          crash_seconds=crash_seconds, warmup=not no_warmup,
+                         canary=not no_canary,
                          warmup_wait=warmup_wait, allow_unpinned=allow_unpinned,
                          allow_tmp_cleanup=allow_tmp_cleanup,
                          allow_unsupported_vllm=allow_unsupported_vllm)
@@ -136,6 +147,7 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
     info = out.to_dict()
     if as_json:
         echo_json(info)
+        _exit_if_canary_failed(out)
         return
     plan = out.plan
     click.echo(f"lmcache server  pid {info['lmcache']['pid']}  {plan.server_http_url}  "
@@ -153,6 +165,22 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
         click.echo(f"warm-up         {warmup_summary(out.result.warmup)}")
     if out.result.prime is not None:
         click.echo(f"prime           {out.result.prime.summary()}")
+    if out.result.canary is not None:
+        click.echo(f"canary          {out.result.canary.summary()}")
+    if out.result.recompute:
+        click.echo(f"RECOMPUTE       vLLM serves without the cache: {out.result.recompute}")
+    _exit_if_canary_failed(out)
+
+
+def _exit_if_canary_failed(out: lifecycle_types.LaunchOutcome) -> None:
+    """Exit 1 when this launch's canary failed: the deployment serves, recomputed, and
+    the operator must look (docs/canary.md)."""
+    canary = out.result.canary
+    if canary is not None and canary.state == "failed":
+        click.echo("kvp-admin: the canary failed: vLLM serves without the cache until "
+                   "`kvp-admin canary reset CONFIG --apply` (see `kvp-admin canary show "
+                   "CONFIG`)", err=True)
+        exit_with(1)
 
 
 @click.command("stop")
@@ -224,10 +252,11 @@ def _echo_stopped(out: lifecycle_types.StopOutcome) -> None:
 @_server_timeout
 @_vllm_timeout
 @_no_warmup
+@_no_canary
 @_warmup_wait
 @json_option
 def restart(config: str, only: str | None, stop_timeout: float, timeout: float,
-            vllm_timeout: float, no_warmup: bool, warmup_wait: float | None,
+            vllm_timeout: float, no_warmup: bool, no_canary: bool, warmup_wait: float | None,
             as_json: bool) -> None:
     """Restart CONFIG, or only its vLLM or its cache server; L2 files stay on disk.
 
@@ -239,10 +268,11 @@ def restart(config: str, only: str | None, stop_timeout: float, timeout: float,
     if warmup_wait is not None and warmup_wait <= 0:
         raise UsageError("--warmup-wait must be > 0 seconds")
     opts = LaunchOptions(server_timeout=timeout, vllm_timeout=vllm_timeout,
-                         warmup=not no_warmup, warmup_wait=warmup_wait)
+                         warmup=not no_warmup, canary=not no_canary, warmup_wait=warmup_wait)
     out = lifecycle.restart(config, opts, only=only, timeout=stop_timeout, progress=_progress)
     if as_json:
         echo_json(out.to_dict())
+        _exit_if_canary_failed(out.launch)
         return
     _echo_stopped(out.stop)
     info = out.launch.to_dict()
@@ -250,6 +280,9 @@ def restart(config: str, only: str | None, stop_timeout: float, timeout: float,
     click.echo(f"lmcache server  pid {info['lmcache']['pid']}")
     if info["vllm"]:
         click.echo(f"vLLM            pid {info['vllm']['pid']}")
+    if out.launch.result.canary is not None:
+        click.echo(f"canary          {out.launch.result.canary.summary()}")
+    _exit_if_canary_failed(out.launch)
 
 
 @click.command("status")

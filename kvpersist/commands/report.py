@@ -95,7 +95,8 @@ def format_report(doc: dict[str, Any]) -> str:
             model = f"{model}@{str(rev)[:8]}"
         rows.append([
             r["namespace"] or f"{r['prefix']} (not a namespace)",
-            r["status"] + ("*" if r["active"] else ""),
+            r["status"] + ("*" if r["active"] else "")
+            + (" CANARY FAILED" if (r.get("canary") or {}).get("state") == "failed" else ""),
             model,
             ",".join(str(t) for t in r["tp_sizes"]) or "-",
             man.get("kv_cache_dtype") or "-",

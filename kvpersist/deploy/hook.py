@@ -12,7 +12,9 @@ arguments applied:
   clients keep using the same name;
 * ``--kv-transfer-config`` pointing at the deployment's cache server is appended, and the
   flags the deployment's vLLM release needs with LMCache's connector (``rendered_flags``:
-  ``--disable-extensible-kv-cache`` for 0.34, docs/vllm-versions.md).
+  ``--disable-extensible-kv-cache`` for 0.34, docs/vllm-versions.md) — except while the
+  namespace's canary has failed (the render's ``recompute``, docs/canary.md): then vLLM
+  runs without the connector and recomputes, until ``kvp-admin canary reset``.
 
 The recipe's arguments are read with the flag table of the release the rendering was made for
 (``vllm.version`` of the render JSON).
@@ -144,6 +146,8 @@ def persist_argv(argv: list[str], rendered: dict[str, Any]) -> list[str]:
     if not any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in out):
         served = rendered["manifest"]["deployment"]["served_model_name"]
         out += ["--served-model-name", served]
+    if rendered.get("recompute"):  # the namespace's canary failed: no cache connector
+        return [*out, *_release_flags(rendered)]
     ktc = json.dumps(rendered["kv_transfer_config"], sort_keys=True, separators=(",", ":"))
     return [*out, "--kv-transfer-config", ktc, *_release_flags(rendered)]
 

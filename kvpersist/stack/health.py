@@ -32,11 +32,14 @@ from kvpersist.l2.fleet import host as fleet
 from kvpersist.l2.fleet.host import fleet_facts
 from kvpersist.l2.shared.credentials import read_secret_file
 from kvpersist.l2.shared.store import probe
+from kvpersist.stack.canary.run import canary_status, run_canary
+from kvpersist.stack.canary.verdict import canary_health
 from kvpersist.stack.health_root import RootFacts, root_checks
 from kvpersist.stack.locate import Location
 from kvpersist.stack.processes import server_state, vllm_state
 from kvpersist.stack.render import serde_warnings
 from kvpersist.stack.warm.readiness import WarmupFacts, gather, judge
+from kvpersist.stack.warm.run import cached_token_ids
 from kvpersist.system import procs
 from kvpersist.system.files import fs_info, service_uids
 from kvpersist.system.untrusted import (
@@ -101,6 +104,10 @@ class Facts:
     shared_tier: dict[str, Any] | None = None
     #: the warm-up's record, pid file and the server's start (None: not checked, --no-vllm)
     warmup: WarmupFacts | None = None
+    #: the namespace's canary record (kvpersist.stack.canary.run.canary_status; None: not
+    #: checked, --no-vllm) and this health run's own canary run (None: not asked for)
+    canary: dict[str, Any] | None = None
+    canary_run: dict[str, Any] | None = None
     errors: list[str] = field(default_factory=list)
 
 
@@ -184,6 +191,7 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
                 f.vllm_kv_checked, f.vllm_kv_port = True, _kv_port_of(vst.pid)
 
         f.warmup = gather(plan, pid)
+        f.canary = canary_status(plan)
     return f
 
 
@@ -423,6 +431,10 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
         judged = judge(f.warmup, f.namespace)
         if judged is not None:
             checks.append(Check("warmup", *judged))
+    if f.canary is not None:
+        checks.append(Check("canary", *canary_health(
+            f.canary, f.canary_run,
+            vllm_has_connector=f.vllm_kv_port is not None if f.vllm_kv_checked else None)))
     return overall(checks), checks
 
 
@@ -433,7 +445,8 @@ def overall(checks: list[Check]) -> str:
 
 
 #: The components of a deployment, each a group of checks (``kvpersist_component_health``).
-COMPONENTS = ("cache_server", "cache_root", "vllm", "wiring", "shared_tier", "warmup")
+COMPONENTS = ("cache_server", "cache_root", "vllm", "wiring", "shared_tier", "warmup",
+              "canary")
 
 
 def component_of(check: str) -> str:
@@ -451,6 +464,8 @@ def component_of(check: str) -> str:
         return "shared_tier"
     if check == "warmup" or check.startswith("warmup."):
         return "warmup"
+    if check == "canary":
+        return "canary"
     return "wiring"
 
 
@@ -505,9 +520,22 @@ class HealthReport:
                            "reserve_bytes": f.reserve_bytes, "budget": f.budget},
             "shared_tier": f.shared_tier,
             "warmup": _warmup_dict(f.warmup, loc),
+            "canary": None if f.canary is None else {**f.canary, "run": f.canary_run,
+                                                     "record": loc.canary_file},
             "fleet_record": self.fleet_record,
             "errors": f.errors,
         }
+
+
+def _canary_state(f: Facts) -> str | None:
+    """The canary state a fleet record carries (None: not checked)."""
+    if f.canary is None:
+        return None
+    if f.canary.get("state") == "failed":
+        return "failed"
+    last = f.canary_run or f.canary.get("last") or {}
+    state = last.get("state") or f.canary.get("state")
+    return state if state in ("passed", "unknown", "none") else "unknown"
 
 
 def _warmup_dict(w: WarmupFacts | None, loc: Location) -> dict[str, Any] | None:
@@ -521,17 +549,27 @@ def _warmup_dict(w: WarmupFacts | None, loc: Location) -> dict[str, Any] | None:
 
 def health_report(dep: Deployment, loc: Location, *, timeout: float = 3.0,
                   expect_vllm: bool = True, wait: float = 0.0,
-                  interval: float = 2.0, refresh_record: bool = False) -> HealthReport:
+                  interval: float = 2.0, refresh_record: bool = False,
+                  with_canary: bool = False) -> HealthReport:
     """Probe (again until healthy or ``wait`` seconds pass: a deployment that is warming is
     waited for) and return the verdict.
 
     ``refresh_record``: with a shared tier, when this deployment's cache server answers,
     write this host's fleet record again, with ``status`` (its TTL restarts;
     :mod:`kvpersist.l2.fleet.host`);
-    a failure adds a *degraded* ``shared_tier.fleet_record`` check, never more."""
+    a failure adds a *degraded* ``shared_tier.fleet_record`` check, never more.
+
+    ``with_canary``: run the known-answer canary first (``health --canary``, the health timer;
+    :mod:`kvpersist.stack.canary.run`) when vLLM is expected and serves."""
     deadline = time.monotonic() + max(0.0, wait)
+    run: dict[str, Any] | None = None
+    if with_canary and expect_vllm and loc.vllm(timeout).healthy():
+        n = dep.settings.canary_warm_sample
+        ids = cached_token_ids(dep, loc)[0] if n else None
+        run = run_canary(loc, when="health", warm_ids=ids, warm_n=n).to_dict()
     while True:
         facts = probe_all(dep, loc, timeout=timeout, expect_vllm=expect_vllm)
+        facts.canary_run = run
         status, checks = verdict(facts)
         if status == "healthy" or time.monotonic() >= deadline:
             break
@@ -541,6 +579,7 @@ def health_report(dep: Deployment, loc: Location, *, timeout: float = 3.0,
     if refresh_record and dep.settings.shared_tier and serving:
 
         outcome = fleet.write(dep, timeout=min(timeout, fleet.TIMEOUT_S), health=status,
+                              canary=_canary_state(facts),
                               started=fleet.started_at(loc.server_pid_file))
         record = outcome.to_dict()
         checks.append(Check("shared_tier.fleet_record", "ok" if outcome.ok else "degraded",

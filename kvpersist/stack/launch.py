@@ -29,10 +29,12 @@ from kvpersist.l2.fleet.host import RecordOutcome
 from kvpersist.l2.inventory import Sizing
 from kvpersist.l2.keys import store as keys
 from kvpersist.stack import crash_window, vllm_args
+from kvpersist.stack.canary.run import CanaryRun, recompute_reason, run_canary
+from kvpersist.stack.canary.verdict import FAILED
 from kvpersist.stack.crash_window import CrashCheck
 from kvpersist.stack.launch_options import DEFAULTS, LaunchOptions
 from kvpersist.stack.locate import Location
-from kvpersist.stack.plan import LaunchPlan, Prepared
+from kvpersist.stack.plan import LaunchPlan, Prepared, recompute_plan
 from kvpersist.stack.preflight import Preflight, preflight, root_creation_note
 from kvpersist.stack.processes import (
     Progress,
@@ -43,6 +45,7 @@ from kvpersist.stack.processes import (
     server_state,
     spawn_server,
     spawn_vllm,
+    stop_vllm,
     vllm_state,
     wait_ready,
 )
@@ -139,6 +142,10 @@ class LaunchResult:
     prime: PrimeRun | None = None
     #: the cache server's pid: the one started, or the one that ran already
     server_pid: int | None = None
+    #: the canary's run (None: not run: no vLLM started, ``--no-canary``, KVP_CANARY off)
+    canary: CanaryRun | None = None
+    #: why vLLM serves without the cache connector ('' : it has it); see docs/canary.md
+    recompute: str = ""
 
 
 @dataclass(frozen=True)
@@ -283,8 +290,22 @@ def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
     if vllm is not None and opts.warmup:
         primed = prime_vllm(plan)
         progress(primed.summary())
+    canary: CanaryRun | None = None
+    recompute = rendered.recompute
+    if recompute and vllm is not None:
+        progress(f"WARNING: vLLM serves WITHOUT the cache (recompute): {recompute}")
+    elif opts.canary and plan.canary_enabled and (vllm is not None or (
+            server is not None and now.vllm is not None and now.vllm.running)):
+        # a vLLM started here, or one that runs on beside the cache server started here
+        canary = run_canary(plan, when="launch", tier="l2" if server is not None else "l1")
+        progress(canary.summary())
+        if canary.state == FAILED:
+            prepared, vllm = _serve_recomputed(prepared, opts, progress)
+            plan, recompute = prepared.plan, prepared.rendered.recompute
     warm: WarmupRun | None = None
-    if opts.with_vllm and (vllm is not None or plan.vllm_mode == "process"):
+    if recompute and opts.with_vllm:
+        warm = WarmupRun("skipped", "vLLM serves without the cache (the canary failed)")
+    elif opts.with_vllm and (vllm is not None or plan.vllm_mode == "process"):
         if opts.warmup and not dep.settings.warmup_file:
             warm = NO_WARM_SET
         elif opts.warmup:
@@ -295,7 +316,22 @@ def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
             progress(warmup_summary(warm))
     server_pid = server.pid if server is not None else now.server.pid
     return LaunchResult(plan, tuple(notes), server, vllm, crash, warm, record, primed,
-                        server_pid)
+                        server_pid, canary, recompute)
+
+
+def _serve_recomputed(prepared: Prepared, opts: LaunchOptions,
+                      progress: Progress) -> tuple[Prepared, Started]:
+    """The canary failed: stop the vLLM this launch started (it must not serve from a cache
+    path that failed) and start it again without the cache connector. Returns the plan it
+    runs under and its start."""
+    plan = prepared.plan
+    progress("stopping vLLM: it must not serve from a cache path that failed; starting it "
+             "again WITHOUT the cache connector (recompute; the namespace's files are kept)")
+    stop_vllm(plan, timeout=max(opts.server_timeout, 60.0))
+    again = recompute_plan(prepared, recompute_reason(plan))
+    vllm = wait_ready(spawn_vllm(again.plan, progress=progress), opts.vllm_timeout)
+    progress(f"vLLM serves, recomputing, in {vllm.seconds:.1f} s (pid {vllm.pid})")
+    return again, vllm
 
 
 def _exec_server(prepared: Prepared, srv: procs.PidState, opts: LaunchOptions,

@@ -38,6 +38,9 @@ class LaunchOptions:
     crash_seconds: float | None = CRASH_SECONDS
     #: prime vLLM and warm up before ready (``--no-warmup``: neither)
     warmup: bool = True
+    #: run the known-answer canary after vLLM serves, before the warm-up (``--no-canary``:
+    #: not this launch; KVP_CANARY=false: never)
+    canary: bool = True
     #: the warm-up's bound in seconds (None: KVP_WARMUP_WAIT)
     warmup_wait: float | None = None
     #: an incomplete identity gets a one-off namespace (``--allow-unpinned``)

@@ -22,6 +22,7 @@ Files of a deployment (``S`` = ``KVP_STATE_DIR``, default ``<cache root>/.kvpers
   token ids it cached, ``S/pids/<name>.warmup.pid``: the pid of the warm-up a launch started
   (kept after it ends, so that health can tell a warm-up that died from one still running),
   ``S/logs/warmup.log``: its output
+* ``S/canary/<namespace>.json``: the namespace's canary record (kvpersist.stack.canary)
 * ``S/models/<namespace>`` → the weights: vLLM runs in ``S/models`` with
   ``--model <namespace>``, so LMCache's model name (and every file name) is the namespace.
 """
@@ -35,6 +36,8 @@ from kvpersist.config.deployment import Deployment
 from kvpersist.config.values import url_host
 from kvpersist.l2.frames import max_chunk_file_bytes
 from kvpersist.l2.layout import MANIFESTS_DIR, PID_FILE
+from kvpersist.stack.canary.record import record_path
+from kvpersist.stack.canary.verdict import tolerance_for
 from kvpersist.system.http_client import DEFAULT_TIMEOUT
 from kvpersist.system.lmcache_client import LMCacheClient
 from kvpersist.system.vllm_client import VllmClient
@@ -92,6 +95,13 @@ class Location:
     warmup_wait: float
     #: the largest chunk file the namespace's geometry allows (a larger one is never read)
     chunk_max_bytes: int
+    #: the canary (kvpersist.stack.canary): its record, whether it runs, its prompt's
+    #: chunks of ``canary_chunk_size`` tokens, its tolerance
+    canary_file: str = ""
+    canary_enabled: bool = True
+    canary_chunk_size: int = 256
+    canary_chunks: int = 2
+    canary_tolerance: float = 0.0
 
     def lmcache(self, timeout: float = DEFAULT_TIMEOUT) -> LMCacheClient:
         """The client of the deployment's cache server's admin port (no I/O until a call)."""
@@ -151,4 +161,10 @@ def locate(dep: Deployment) -> Location:
         warmup_handoff_file=os.path.join(state, "warmup-handoff.json"),
         warmup_wait=s.warmup_wait,
         chunk_max_bytes=max_chunk_file_bytes(dep.identity_values, dep.generic.chunk_size),
+        canary_file=record_path(state, dep.namespace),
+        canary_enabled=s.canary,
+        canary_chunk_size=dep.generic.chunk_size,
+        canary_chunks=s.canary_chunks,
+        canary_tolerance=tolerance_for(str(dep.identity_values.get("kv_cache_dtype", "auto")),
+                                       s.canary_tolerance),
     )

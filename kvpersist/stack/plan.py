@@ -20,6 +20,7 @@ from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import load_deployment
 from kvpersist.l2.hot_files import off_reason
 from kvpersist.l2.inventory import Sizing, size_deployment
+from kvpersist.stack.canary.run import recompute_reason
 from kvpersist.stack.launch_options import DEFAULTS, LaunchOptions
 from kvpersist.stack.lmcache_exec import exec_argv
 from kvpersist.stack.locate import Location, locate, vllm_mode
@@ -125,9 +126,23 @@ def prepare_launch(config: str, opts: LaunchOptions = DEFAULTS, *,
     rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=sizing.l1_size_gb,
                       l2_capacity_gb=sizing.l2_capacity_gb, lmcache_bin=lmcache_bin(),
                       vllm_version=running_vllm_version(
-                          dep.vllm_version, direct_process=vllm_mode(dep) == "process"))
+                          dep.vllm_version, direct_process=vllm_mode(dep) == "process"),
+                      recompute=recompute_reason(locate(dep)))
     return Prepared(dep, sizing, rendered, plan_launch(dep, rendered, env), config, env)
 
 
-__all__ = ["LaunchPlan", "Prepared", "lmcache_bin", "plan_launch",
-           "prepare_launch"]
+def recompute_plan(prepared: Prepared, why: str) -> Prepared:
+    """``prepared`` rendered and planned again with vLLM WITHOUT the cache connector (its
+    canary failed: ``why``). Raises ConfigError as :func:`render` does."""
+    dep, sizing = prepared.dep, prepared.sizing
+    rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=sizing.l1_size_gb,
+                      l2_capacity_gb=sizing.l2_capacity_gb, lmcache_bin=lmcache_bin(),
+                      vllm_version=running_vllm_version(
+                          dep.vllm_version, direct_process=vllm_mode(dep) == "process"),
+                      recompute=why)
+    return replace(prepared, rendered=rendered,
+                   plan=plan_launch(dep, rendered, prepared.environ))
+
+
+__all__ = ["LaunchPlan", "Prepared", "lmcache_bin", "plan_launch", "prepare_launch",
+           "recompute_plan"]

@@ -62,6 +62,19 @@ def test_a_record_with_the_new_fields_round_trips() -> None:
     assert decode_record(FULL.key, FULL.encode()) == (FULL, "")
 
 
+def test_a_record_carries_the_canary_a_health_run_read() -> None:
+    """docs/canary.md: fleet status shows a host whose namespace's canary failed; a value
+    this kvpersist does not know is dropped, not trusted."""
+    failed = replace(FULL, health=HealthStamp("degraded", NOW - 60, "failed"))
+    assert json.loads(failed.encode())["health"]["canary"] == "failed"
+    assert decode_record(failed.key, failed.encode()) == (failed, "")
+    odd = json.loads(failed.encode())
+    odd["health"]["canary"] = "great"
+    back, why = decode_record(failed.key, json.dumps(odd).encode())
+    assert why == "" and back is not None and back.health is not None
+    assert back.health.canary is None
+
+
 def test_an_older_record_without_them_decodes_with_none() -> None:
     old = {"schema": "kvpersist.fleet-record/1", "namespace": NS, "host": "host-a",
            "host_id": rec().host_id, "deployment": "demo", "version": "0.2.0",
@@ -249,7 +262,7 @@ def test_new_fields_are_shown_with_their_ages() -> None:
     doc = FleetStatus({"endpoint": "127.0.0.1:6379", "cluster": False}, (st,), NOW).to_dict()
     [h] = doc["namespaces"][0]["hosts"]
     assert h["since"] == NOW - 7200
-    assert h["health"] == {"status": "healthy", "at": NOW - 60, "age_s": 60.0}
+    assert h["health"] == {"status": "healthy", "at": NOW - 60, "age_s": 60.0, "canary": None}
     assert h["nvme"] == {"files": 1234, "bytes": 5 << 30, "at": NOW - 7200, "age_s": 7200.0}
     text = format_status(doc)
     assert "healthy (60 s ago)" in text and "1,234 files" in text and "(2 h)" in text

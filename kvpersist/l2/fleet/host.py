@@ -153,7 +153,7 @@ def previous(store: Any, rec: FleetRecord) -> FleetRecord | None:
 
 
 def write(dep: Deployment, *, timeout: float = TIMEOUT_S, launched: bool = False,
-          nvme: NvmeUse | None = None, health: str = "",
+          nvme: NvmeUse | None = None, health: str = "", canary: str | None = None,
           started: float | None = None) -> RecordOutcome:
     """Write (or refresh) this host's record of ``dep`` with its TTL. Never raises.
 
@@ -174,7 +174,7 @@ def write(dep: Deployment, *, timeout: float = TIMEOUT_S, launched: bool = False
         return RecordOutcome("failed", key, f"{exc}; the deployment serves without it, "
                              "`kvp-admin health` writes it once the store answers")
     try:
-        stamp = HealthStamp(health, rec.updated_at) if health else None
+        stamp = HealthStamp(health, rec.updated_at, canary) if health else None
         if launched:
             rec = replace(rec, since=rec.updated_at, nvme=nvme, health=stamp)
         else:

@@ -142,6 +142,8 @@ def is_record_key(key: str) -> bool:
 
 #: the statuses a health run records (``kvp-admin health``'s verdicts)
 HEALTH_STATES = ("healthy", "degraded", "warming", "down")
+#: the canary states a health run records (docs/canary.md; ``none``: no run yet)
+CANARY_STATES = ("passed", "failed", "unknown", "none")
 #: the latest time an optional field may name (unix seconds, the year 5138): a larger number
 #: is not a time a host wrote
 MAX_TIME_S = 100_000_000_000
@@ -158,6 +160,9 @@ class HealthStamp:
 
     status: str  # one of HEALTH_STATES
     at: float
+    #: the namespace's canary on the host as that health run read it (one of
+    #: CANARY_STATES; None: not known, e.g. a record of an older kvpersist)
+    canary: str | None = None
 
 
 @dataclass(frozen=True)
@@ -197,7 +202,10 @@ class FleetRecord:
     def to_dict(self) -> dict[str, Any]:
         """The record as stored; an optional field that is None is left out (a record
         without them is the one an older kvpersist writes and reads)."""
-        return {"schema": SCHEMA, **{k: v for k, v in asdict(self).items() if v is not None}}
+        doc = {k: v for k, v in asdict(self).items() if v is not None}
+        if isinstance(doc.get("health"), dict) and doc["health"].get("canary") is None:
+            doc["health"].pop("canary")  # as an older kvpersist writes it
+        return {"schema": SCHEMA, **doc}
 
     def expires_at(self) -> float:
         """When the record lapses by its own fields (``updated_at + ttl_s``)."""
@@ -319,8 +327,9 @@ def _optional_fields(doc: dict[str, Any]) -> dict[str, Any]:
     """The optional fields of a record that passed :func:`_field_problem` (pure)."""
     since, health, nvme = doc.get("since"), doc.get("health"), doc.get("nvme")
     return {"since": None if since is None else float(since),
-            "health": None if health is None else HealthStamp(health["status"],
-                                                              float(health["at"])),
+            "health": None if health is None else HealthStamp(
+                health["status"], float(health["at"]),
+                health.get("canary") if health.get("canary") in CANARY_STATES else None),
             "nvme": None if nvme is None else NvmeUse(nvme["files"], nvme["bytes"],
                                                       float(nvme["at"]))}
 

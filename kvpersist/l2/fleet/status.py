@@ -57,7 +57,8 @@ class HostRow:
                 "expires_in_s": round(r.expires_at() - now, 1), "since": r.since,
                 "health": None if r.health is None else {
                     "status": r.health.status, "at": r.health.at,
-                    "age_s": round(max(0.0, now - r.health.at), 1)},
+                    "age_s": round(max(0.0, now - r.health.at), 1),
+                    "canary": r.health.canary},
                 "nvme": None if r.nvme is None else {
                     "files": r.nvme.files, "bytes": r.nvme.bytes, "at": r.nvme.at,
                     "age_s": round(max(0.0, now - r.nvme.at), 1)}}

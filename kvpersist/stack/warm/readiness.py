@@ -34,6 +34,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvpersist.errors import KvpError
+from kvpersist.stack.canary.run import CanaryRun, recompute_reason, run_canary
+from kvpersist.stack.canary.verdict import FAILED
 from kvpersist.stack.locate import Location
 from kvpersist.stack.processes import vllm_ready
 from kvpersist.stack.warm.handoff import Handoff, write_handoff
@@ -388,6 +390,9 @@ class AfterVllm:
 
     prime: PrimeRun | None
     warmup: WarmupRun
+    #: the canary's run (None: not run: vLLM did not serve, KVP_CANARY off, or the
+    #: namespace serves recomputed after a failure)
+    canary: CanaryRun | None = None
 
 
 def warmup_after_vllm(loc: Location, config: str, handoff: Handoff, *, warm_file: str,
@@ -411,15 +416,26 @@ def warmup_after_vllm(loc: Location, config: str, handoff: Handoff, *, warm_file
     progress(f"vLLM serves after {time.monotonic() - t0:.1f} s")
     primed = prime_vllm(loc, timeout=min(PRIME_TIMEOUT_S, max(1.0, deadline_s / 4)))
     progress(primed.summary())
+    canary: CanaryRun | None = None
+    if recompute_reason(loc):
+        progress("vLLM serves without the cache (the canary failed): no canary, no warm-up")
+        return AfterVllm(primed, WarmupRun("skipped", "vLLM serves without the cache (the "
+                                           "canary failed)"))
+    if loc.canary_enabled:
+        canary = run_canary(loc, when="readiness")
+        progress(canary.summary())
+        if canary.state == FAILED:
+            return AfterVllm(primed, WarmupRun("skipped", "the canary failed"), canary)
     if not warm_file:
-        return AfterVllm(primed, NO_WARM_SET)
+        return AfterVllm(primed, NO_WARM_SET, canary)
     elapsed = time.monotonic() - t0
     wait = min(loc.warmup_wait, deadline_s - elapsed - GRACE_S)
     if wait < 1.0:
         return AfterVllm(primed, WarmupRun(
-            "failed", f"no time left for a warm-up within {deadline_s:.0f} s", elapsed))
+            "failed", f"no time left for a warm-up within {deadline_s:.0f} s", elapsed),
+            canary)
     return AfterVllm(primed, run_warmup(loc, config, handoff, env=env, wait_s=wait, cwd=cwd,
-                                        progress=progress))
+                                        progress=progress), canary)
 
 
 __all__ = ["GRACE_S", "AfterVllm", "NO_WARM_SET", "WARMUP_MARKERS", "WARMUP_MODULE", "WarmupFacts",

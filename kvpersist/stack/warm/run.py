@@ -383,6 +383,22 @@ def _token_ids(dep: Deployment, loc: Location, ws: WarmSet, vllm_argv: list[str]
     return tok.token_ids
 
 
+def cached_token_ids(dep: Deployment, loc: Location) -> tuple[list[list[int]] | None, str]:
+    """The warm set's token ids as the last warm-up cached them (never computed here: that
+    needs vLLM's renderer), and why there are none ('' when there are). For the canary's
+    warm-set sample (kvpersist.stack.canary.warm_sample). Raises ConfigError for a warm file
+    that cannot be read."""
+    if not dep.settings.warmup_file or dep.identity is None:
+        return None, "the deployment has no warm set (KVP_WARMUP_FILE)"
+    ws = read_warm_set(dep)
+    res = WarmupResult(loc.namespace, "none", "")
+    ids = _cached_ids(loc, ws, dep.identity.chat_template_sha256, res)
+    if ids is None:
+        return None, ("the warm set's token ids are not cached yet (a warm-up caches them)"
+                      + (f": {'; '.join(res.warnings)}" if res.warnings else ""))
+    return ids, ""
+
+
 def _cached_ids(loc: Location, ws: WarmSet, template_sha256: str,
                 res: WarmupResult) -> list[list[int]] | None:
     """The warm set's token ids from its cache in ``loc.warmup_tokens_dir``, or None when
