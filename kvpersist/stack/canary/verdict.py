@@ -31,10 +31,12 @@ UNKNOWN = "unknown"
 STATES = (PASSED, FAILED, UNKNOWN)
 
 #: max |logprob difference| (nats) accepted per KV cache dtype: vLLM's own spread measured on
-#: this stack (docs/benchmarks.md "Canary tolerance") times a margin
-TOLERANCE: dict[str, float] = {"float32": 1e-3, "bfloat16": 0.15, "float16": 0.15}
-#: a dtype not measured (the fp8 KV caches): the loosest measured bound
-DEFAULT_TOLERANCE = max(TOLERANCE.values())
+#: this stack (docs/benchmarks.md "Canary tolerance": in float32 at most 9.5e-7, in bfloat16
+#: at most 0.0079, both with other requests batched in; 0 alone) times a margin (about 1,000
+#: and 5); float16 is taken as bfloat16 (not measured)
+TOLERANCE: dict[str, float] = {"float32": 1e-3, "bfloat16": 0.04, "float16": 0.04}
+#: a dtype not measured (the fp8 KV caches, ``auto``): twice the loosest measured bound
+DEFAULT_TOLERANCE = 2 * max(TOLERANCE.values())
 
 
 def tolerance_for(kv_dtype: str, override: float = 0.0) -> float:
