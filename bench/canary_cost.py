@@ -1,7 +1,8 @@
 """What the canary costs a launch: ``restart --only vllm`` with the canary against the same
 restart with ``--no-canary``, paired and alternating, on one relocated cpu-demo deployment
-(the demo's tiny generated model, vLLM's CPU build, a real lmcache server), plus the canary's
-own seconds as the launch reports them (docs/benchmarks.md, "Canary: cost at launch").
+(the demo's tiny generated model, vLLM's CPU build, a real lmcache server; no warm set, so the
+launch primes vLLM and then runs the canary), plus the canary's own seconds as the launch
+reports them (docs/benchmarks.md, "Canary: cost at launch").
 
 usage: python bench/canary_cost.py [--rounds N] [--out FILE]   (about 1 minute a round)
 Prints and writes one JSON document.
@@ -36,12 +37,12 @@ def main() -> None:
         (Path(tmp) / "dep" / "cache").mkdir(parents=True, mode=0o700)
         s = Stack(Path(tmp) / "dep", model=model)
         try:
-            first = s.launch("--no-warmup")
+            first = s.launch()
             doc["first_launch_canary"] = first["canary"]
 
             def restart(*extra: str) -> tuple[float, dict[str, Any]]:
                 t0 = time.monotonic()
-                out = s.kvp_json("restart", s.config, "--only", "vllm", "--no-warmup", *extra)
+                out = s.kvp_json("restart", s.config, "--only", "vllm", *extra)
                 return time.monotonic() - t0, out["launch"]
 
             for _ in range(a.rounds):

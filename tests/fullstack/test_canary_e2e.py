@@ -9,19 +9,22 @@ One deployment, in order:
 2. ``restart --only vllm``: a new vLLM retrieves the canary from the running server (path
    ``lmcache``); ``restart --only server``: vLLM keeps serving it from its own prefix cache;
    ``restart``: a new vLLM and a new server, from L2; ``health --canary`` runs it again.
-3. A frame that authenticates (the namespace's key) but holds another chunk's KV is planted
-   under the name of the canary's first chunk; ``launch``: the canary fails, the launch
-   exits 1, vLLM is started again without the cache connector; the user's chat is then
-   recomputed and equals the cold answer; health (1), ``canary show``, metrics and ``render``
-   say why; a second launch keeps serving recomputed.
-4. ``verify --apply`` quarantines the planted copy, ``canary reset --apply``, ``restart``:
-   the canary passes again and the chat hits the cache.
+3. Another chunk's KV is encrypted under the namespace's key with a fresh IV (with
+   LMCache's own key derivation and the AES-GCM of ``cryptography``: a frame LMCache itself
+   could have written, as in LMCache #4492, which neither ``verify`` nor the frame record
+   can tell from a chunk stored again) and put under the name of the canary's first chunk;
+   ``launch``: the canary fails, the launch exits 1, vLLM is started again without the
+   cache connector; the user's chat is then recomputed and equals the cold answer; health
+   (1), ``canary show``, metrics and ``render`` say why; ``verify`` finds nothing; a restart
+   keeps serving recomputed.
+4. The operator drops the namespace's chunks (``prune --namespace --apply --force``),
+   ``canary reset --apply``, launches: the canary passes again, a new reference.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,9 +113,8 @@ def test_a_planted_wrong_chunk_fails_the_canary_and_the_namespace_is_recomputed(
     canary_files, _ = chunk_files(scheme, ns, 1, STATE["tokens"])
     target = stack.root / canary_files[0]
     donor = next(p for p in stack.chunk_files(ns) if p.name not in canary_files)
-    planted = target.with_name("planted~")
-    shutil.copyfile(donor, planted)  # a valid frame of another chunk, the namespace's key
-    planted.rename(target)
+    master = (stack.state_dir / "keys" / ns / "l2-master.key").read_bytes()
+    reframe(donor, target, master)
     STATE["planted"] = (target.name, donor.name)
 
     r = stack.kvp("launch", stack.config, "--no-warmup", "--json")
@@ -145,18 +147,40 @@ def test_a_planted_wrong_chunk_fails_the_canary_and_the_namespace_is_recomputed(
     assert _chat(stack).text == STATE["cold"]
 
 
-def test_verify_then_reset_and_the_canary_passes_again(stack: Stack) -> None:
-    v = stack.kvp_json("verify", stack.config, "--apply", check=False)
-    names = {Path(f["path"]).name for f in v["findings"]}
-    assert set(STATE["planted"]) <= names  # one frame under two names: both quarantined
+def test_the_namespace_dropped_and_reset_passes_again(stack: Stack) -> None:
+    # verify sees nothing wrong: the planted frame authenticates and is no copy
+    v = stack.kvp_json("verify", stack.config, check=False)
+    assert STATE["planted"][0] not in {Path(f["path"]).name for f in v["findings"]}
+    stack.stop()
+    stack.kvp_json("prune", "--config", stack.config, "--namespace", STATE["ns"], "--apply",
+                   "--force")
+    assert not (stack.root / STATE["planted"][0]).exists()
     dry = stack.kvp_json("canary", "reset", stack.config)
     assert dry["applied"] is False and dry["was"]["state"] == "failed"
     assert stack.render()["recompute"]
     stack.kvp_json("canary", "reset", stack.config, "--apply")
     assert not stack.render()["recompute"]
-    doc = stack.kvp_json("restart", stack.config, "--only", "vllm", "--no-warmup")
-    c = _canary(doc["launch"])
-    assert c["state"] == "passed" and c["reference_computed"] and not doc["launch"]["recompute"]
+    doc = stack.launch("--no-warmup")
+    c = _canary(doc)
+    assert c["state"] == "passed" and c["reference_computed"] and not doc["recompute"]
     assert _chat(stack).text == STATE["cold"]
-    assert vllm_metric(stack.vllm_url, HITS) > 0
     stack.stop()
+
+
+def reframe(donor: Path, target: Path, master: bytes) -> None:
+    """Put ``donor``'s KV under ``target``'s name as a new aesgcm frame (a fresh IV), the way
+    LMCache's serde writes one: ``[1][iv][AES-GCM(key, iv, kv)]`` padded to 4 KiB, the key
+    derived from the master key by LMCache's own HKDF key provider (no cache salt)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from lmcache.v1.distributed.serde.key_provider import HkdfKeyProvider
+
+    from kvpersist.l2.frames import decrypt
+
+    key = HkdfKeyProvider(master, 16, b"lmcache-l2-aesgcm-v1").get_key("")
+    kv = decrypt(donor.read_bytes(), key, None)
+    assert kv is not None, "the donor does not authenticate"
+    iv = os.urandom(12)
+    frame = b"\x01" + iv + AESGCM(key).encrypt(iv, kv, None)
+    tmp = target.with_name("planted~")
+    tmp.write_bytes(frame + b"\0" * (-len(frame) % 4096))
+    tmp.rename(target)
