@@ -57,6 +57,7 @@ import struct
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 from kvpersist.l2.layout import BIN_SUFFIX, display_name, valid_salt
 
@@ -89,10 +90,9 @@ def identity_of(header: bytes) -> bytes | None:
     return bytes(header[1:HEADER_BYTES])
 
 
-@dataclass(frozen=True, slots=True)
-class Binding:
+class Binding(NamedTuple):
     """The frame a name held when it was seen: its identity, and the file's inode and ctime
-    then (0: not known)."""
+    then (0: not known). A tuple: a record holds one per chunk file, and decodes them all."""
 
     identity: bytes
     ino: int = 0
