@@ -137,8 +137,8 @@ def _refused(where: str, why: str) -> str:
             "held are forgotten: a frame moved meanwhile under another name is not found)")
 
 
-class _Refused(Exception):
-    pass
+class _Refused(KvpError):
+    """Why a record file is not read (caught here: a refused record is a warning)."""
 
 
 def _read_bounded(dfd: int, name: str, root: RootDir) -> bytes:
@@ -260,8 +260,8 @@ def bind_frames(record: FrameRecord, listed: Iterable[Seen], ivs: Mapping[str, b
     its first bytes read with ``read_header``, while ``out_of_time`` says no (the rest is
     ``unchecked``: not judged, not learned, read by the next check). ``skip``: names that are
     findings already (not read, not judged). ``complete``: whether ``listed`` is every chunk
-    file of the namespace (then a recorded name not listed is gone); scrub's listing of a
-    window is not.
+    file of the namespace (then a recorded name not listed is gone); a listing of a window
+    is not.
 
     Returns the findings (the file, its kind ``moved`` or ``dup``, the detail) and the
     summary; ``record`` is updated in place (not written)."""
