@@ -66,8 +66,9 @@ COMMANDS: dict[str, Entry] = {
                      "health, last verify and prune, keys and memory of the shared tier."),
     "verify": Entry("kvpersist.commands.verify:verify",
                     "Check CONFIG's cache root: wrong sizes, frames failing authentication "
-                    "with the deployment's key, one frame under two names, links, FIFOs and "
-                    "unreadable files under chunk names, stale temp files."),
+                    "with the deployment's key, one frame under two names, a frame recorded "
+                    "under another chunk's name, links, FIFOs and unreadable files under "
+                    "chunk names, stale temp files."),
     "scrub": Entry("kvpersist.commands.scrub:scrub",
                    "Zero the padding after the aesgcm frame of CONFIG's chunk files (stale L1 "
                    "bytes, often plaintext KV of other chunks)."),

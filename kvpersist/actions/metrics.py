@@ -231,6 +231,9 @@ def root_families(exp: Exposition, facts: RootFacts, now_s: float) -> None:
               (1 if verify["ok"] else 0) if verify else None)
     exp.gauge("last_verify_findings", "Findings of the last verify.", r,
               int(verify["counts"].get("findings", 0)) if verify else None)
+    exp.gauge("last_verify_moved", "Findings of the last verify that are a frame recorded "
+              "under another chunk's name (moved).", r,
+              int(verify["counts"].get("moved", 0)) if verify else None)
     prune = facts.runs.get("prune")
     exp.gauge("last_prune_timestamp_seconds", "When kvp-admin prune --apply last finished on "
               "the root.", r, _seconds(prune["finished_ns"]) if prune else None)

@@ -60,6 +60,8 @@ def format_result(res: PruneResult, plan: RetentionPlan) -> str:
         lines.append(f"removed the manifest of {ns} (no files left)")
     for ns in res.pins_removed:
         lines.append(f"removed the warm-set pins of {ns} (no files left)")
+    for ns in res.frame_records_removed:
+        lines.append(f"removed the frame record of {ns} (no files left)")
     for n in plan.notes:
         lines.append(f"note: {n}")
     for e in res.errors[:20]:

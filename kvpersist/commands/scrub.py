@@ -43,6 +43,11 @@ def scrub(config: str, apply: bool, as_json: bool) -> None:
                    f"{format_size(res.bytes_read)} read in {res.seconds:.1f} s")
         for line in res.skipped:
             click.echo(f"  skipped {line}")
+        if res.moved:
+            click.echo(f"{len(res.moved)} file(s) hold a frame recorded under another chunk's "
+                       "name: kvp-admin verify CONFIG --apply quarantines them")
+        for w in res.warnings:
+            click.echo(f"warning: {w}", err=True)
         if not apply and res.dirty:
             click.echo("dry run: run again with --apply to zero them")
     exit_with(1 if res.dirty - res.scrubbed else 0)

@@ -36,10 +36,10 @@ from kvpersist.l2.layout import display_name
 def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
            temp_age: float, no_scrub: bool, as_json: bool) -> None:
     """Check CONFIG's cache root: wrong sizes, frames failing authentication with the
-    deployment's key, one frame under two names, links, FIFOs and unreadable files under chunk
-    names, stale temp files. Exit 0 clean (or all quarantined), 1 findings left. With
-    --apply (aesgcm) the padding after each authenticated frame is then zeroed, as
-    kvp-admin scrub --apply does."""
+    deployment's key, one frame under two names, a frame recorded under another chunk's name,
+    links, FIFOs and unreadable files under chunk names, stale temp files. Exit 0 clean (or
+    all quarantined), 1 findings left. With --apply (aesgcm) the padding after each
+    authenticated frame is then zeroed, as kvp-admin scrub --apply does."""
     from kvpersist.actions.scrub import scrub as scrub_action
     from kvpersist.actions.verify import verify as verify_action
 
@@ -65,6 +65,11 @@ def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
         if res.pinned:
             click.echo(f"warm-set pinned files checked first: {res.pinned}, "
                        f"{res.pinned_findings} finding(s)")
+        f = res.frames
+        if f is not None and f.applies:
+            click.echo(f"frame record: {f.files} chunk files, {f.new} new, {f.rewritten} "
+                       f"rewritten, {f.restored} restored, {f.moved} under another chunk's "
+                       f"name, {f.gone} gone since the last check")
         if res.findings:
             rows = [[f.kind, f.size, display_name(f.path.rsplit('/', 1)[-1])[:72], f.detail]
                     for f in res.findings]

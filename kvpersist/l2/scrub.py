@@ -59,6 +59,7 @@ from kvpersist.l2.frames import (
 )
 from kvpersist.l2.layout import display_name
 from kvpersist.l2.tree import RootDir, chunk_dirs, open_rel
+from kvpersist.l2.verify.frame_record import FrameRecord, judge
 from kvpersist.system.untrusted import ChunkFile, UnreadableFile
 
 SCHEMA = "kvpersist.scrub/1"
@@ -90,6 +91,11 @@ class ScrubResult:
     since_ns: int | None = None
     #: files not looked at because ``deadline_s`` ran out
     unchecked: int = 0
+    #: files whose frame the namespace's frame record holds under another chunk's name
+    #: (:mod:`kvpersist.l2.verify.frame_record`): left for ``verify --apply``
+    moved: list[str] = field(default_factory=list)
+    #: problems that did not affect the scrub (a frame record refused or not written)
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -106,19 +112,24 @@ class _Listed:
     size: int
     salt: str
     group: tuple[str, int]
+    ctime_ns: int = 0
 
 
 def scrub_root(root: RootDir, namespace: str, key: bytes, *, aes_bits: int = 128,
                apply: bool = False, since_ns: int | None = None,
                deadline_s: float | None = None,
                progress: Callable[[int, int], None] | None = None,
-               max_bytes: int = MAX_CHUNK_FILE_BYTES) -> ScrubResult:
+               max_bytes: int = MAX_CHUNK_FILE_BYTES,
+               record: FrameRecord | None = None) -> ScrubResult:
     """Zero the padding after the aesgcm frame of ``namespace``'s chunk files under the open
     ``root`` when ``apply`` (a dry run counts what would be zeroed). ``key`` is the master key
     of the namespace; ``since_ns`` limits the scrub to files modified at or after that instant;
     ``deadline_s`` stops it after that many seconds, in the middle of a file too
     (``unchecked`` counts the rest); ``max_bytes``: the largest chunk file of the namespace
     (:func:`~kvpersist.l2.frames.max_chunk_file_bytes`), a larger one is not read.
+    ``record``: the namespace's frame record; the identity of each frame the scrub
+    authenticates is judged against it and learned (in place, not written), and a frame it
+    holds under another chunk's name is listed in ``moved`` (verify quarantines it).
 
     Only the chunk directories are visited (the root and ``ab/cd`` shard directories, never
     through a symlink) and only regular files named as the namespace's chunks. Files that
@@ -133,6 +144,8 @@ def scrub_root(root: RootDir, namespace: str, key: bytes, *, aes_bits: int = 128
     known: dict[tuple[tuple[str, int], int], int] = {}
     searches: Counter[tuple[str, int]] = Counter()
     dirs: dict[str, int] = {}
+    #: name -> (frame identity, inode, ctime) of each frame authenticated
+    ivs: dict[str, tuple[bytes, int, int]] = {}
 
     def out_of_time() -> bool:
         return deadline_s is not None and time.monotonic() - t0 >= deadline_s
@@ -156,7 +169,7 @@ def scrub_root(root: RootDir, namespace: str, key: bytes, *, aes_bits: int = 128
                 if dfd is None:
                     dfd = dirs[f.rel] = _open_dir(root, f.rel)
                 _scrub_file(dfd, f, keys[f.salt], known, searches, res, max_bytes,
-                            out_of_time)
+                            out_of_time, ivs)
             except Deadline:
                 res.unchecked = len(listed) - i
                 break
@@ -168,6 +181,11 @@ def scrub_root(root: RootDir, namespace: str, key: bytes, *, aes_bits: int = 128
     finally:
         for fd in dirs.values():
             os.close(fd)
+    if record is not None and ivs:
+        seen = {n: v[0] for n, v in ivs.items()}
+        judged = judge(record, seen, None)  # the listing may be a window: nothing is gone
+        record.learn(judged, seen, {n: (v[1], v[2]) for n, v in ivs.items()})
+        res.moved = sorted(judged.findings())
     res.seconds = time.monotonic() - t0
     return res
 
@@ -206,7 +224,8 @@ def _list(root: RootDir, res: ScrubResult) -> list[_Listed]:
                         continue
                     out.append(_Listed(d.rel, e.name, st.st_dev, st.st_ino, st.st_size,
                                        parsed.salt or "",
-                                       (parsed.prefix, parsed.rank.world_size)))
+                                       (parsed.prefix, parsed.rank.world_size),
+                                       st.st_ctime_ns))
             except OSError as exc:
                 note(d.rel or ".", exc)
     return out
@@ -215,9 +234,11 @@ def _list(root: RootDir, res: ScrubResult) -> list[_Listed]:
 def _scrub_file(dfd: int, f: _Listed, key: bytes,
                 known: dict[tuple[tuple[str, int], int], int],
                 searches: Counter[tuple[str, int]], res: ScrubResult, max_bytes: int,
-                stop: Callable[[], bool]) -> None:
-    """Look at one file; zero its padding if it is dirty, authenticates and ``res.apply``.
-    Raises OSError, UnreadableFile or Deadline (the caller notes them)."""
+                stop: Callable[[], bool], ivs: dict[str, tuple[bytes, int, int]]) -> None:
+    """Look at one file; zero its padding if it is dirty, authenticates and ``res.apply``;
+    the identity of a frame that authenticates goes to ``ivs`` (with the file's inode and
+    ctime after the scrub's own write). Raises OSError, UnreadableFile or Deadline (the
+    caller notes them)."""
     def counted(n: int) -> None:
         res.bytes_read += n
 
@@ -245,6 +266,7 @@ def _scrub_file(dfd: int, f: _Listed, key: bytes,
             res.unauthenticated += 1
             return
         n = found[0]
+        ivs[f.name] = (found[1], st.st_ino, st.st_ctime_ns)
         known[(f.group, f.size)] = n
         end = frame_end(n)
         if _zeros(cf, end, f.size):
@@ -263,6 +285,7 @@ def _scrub_file(dfd: int, f: _Listed, key: bytes,
         _pwrite_all(cf.fd, bytes(f.size - end), end)
         os.fsync(cf.fd)
         os.utime(cf.fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+        ivs[f.name] = (found[1], st.st_ino, os.fstat(cf.fd).st_ctime_ns)
         res.scrubbed += 1
 
 

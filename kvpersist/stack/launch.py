@@ -191,6 +191,8 @@ def check_crash_window(plan: Location, srv: procs.PidState, *, how: str,
     window = crash_window.window_of(plan, srv)
     res = crash_window.check(plan, window, rate_mb_s=rate_mb_s, deadline_s=deadline_s)
     progress(res.summary())
+    if res.frames_line():
+        progress(res.frames_line())
     for q in res.quarantined:
         progress(f"quarantined {q}")
     for w in res.warnings:

@@ -241,6 +241,7 @@ def test_runs_round_trip_and_metrics(root: Path) -> None:
     assert value(m, "kvpersist_last_verify_timestamp_seconds") == 1_700_000_000
     assert value(m, "kvpersist_last_verify_success") == 0
     assert value(m, "kvpersist_last_verify_findings") == 3
+    assert value(m, "kvpersist_last_verify_moved") == 0  # a run recorded without the count
     assert value(m, "kvpersist_last_prune_success") == 1
     assert value(m, "kvpersist_last_prune_deleted_bytes") == 4096
     assert abs(value(m, "kvpersist_last_prune_timestamp_seconds") - time.time()) < 60

@@ -13,7 +13,10 @@ after every restart, forever. ``verify`` finds:
 * ``type``, ``perm``, ``dup`` (:mod:`kvpersist.l2.verify.rules`): an entry under a chunk name
   that is not a regular file (LMCache reads through a symlink, blocks on a FIFO), a chunk file
   the server's user cannot read, and the same frame under two names (a valid frame served as
-  another chunk's KV).
+  another chunk's KV);
+* ``moved`` (with the namespace's frame record, :mod:`kvpersist.l2.verify.frame_record`): a
+  frame recorded under another chunk's name (a rename over, a restore from the wrong backup,
+  a sync tool), which authentication cannot tell from the right one.
 
 Quarantine renames a file out of its deterministic name into
 ``<cache root>/.kvpersist/quarantine/`` (same filesystem, atomic), so LMCache stores the chunk
@@ -65,7 +68,6 @@ Pure helpers: ``expected_sizes``, ``frame_candidates``; the rest reads files.
 from __future__ import annotations
 
 import os
-import stat as stat_mod
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -83,18 +85,23 @@ from kvpersist.l2.frames import (
     authenticate_source,
     derive_key,
 )
-from kvpersist.l2.layout import QUARANTINE_DIR, display_name
-from kvpersist.l2.tree import RootDir, chunk_dirs, meta_dir, open_rel
+from kvpersist.l2.layout import display_name
+from kvpersist.l2.tree import RootDir, chunk_dirs
+from kvpersist.l2.verify.files import DirCache, Seen, quarantine
+from kvpersist.l2.verify.frame_record import FrameRecord
+from kvpersist.l2.verify.frame_store import FrameSummary, bind_frames, header_reader
 from kvpersist.l2.verify.order import Group, ReadOrder, failed_verdict
 from kvpersist.l2.verify.rules import dup_detail, perm_verdict, shared_frames, type_verdict
 from kvpersist.system.untrusted import ChunkFile, UnreadableFile
 
 SCHEMA = "kvpersist.verify/1"
+#: ``since_ns`` of a check of the frame record alone: no file is modified at or after it
+EMPTY_WINDOW = (1 << 63) - 1
 
 @dataclass(frozen=True)
 class Finding:
     path: str
-    kind: str  # size / auth / temp
+    kind: str  # size / auth / temp / type / perm / dup / moved
     detail: str
     size: int
 
@@ -124,6 +131,8 @@ class VerifyResult:
     pinned: int = 0
     #: findings about warm-set pinned files
     pinned_findings: int = 0
+    #: the check of the namespace's frame record (None: no record was given)
+    frames: FrameSummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -143,30 +152,6 @@ def expected_sizes(sizes: dict[tuple[str, int], list[int]]) -> dict[tuple[str, i
 # --------------------------------------------------------------------------- walking (I/O)
 
 
-@dataclass(frozen=True, slots=True)
-class _Seen:
-    """A file as verify saw it: where (directory relative to the root, name) and which inode
-    (type, device, inode, size, mtime), so quarantine moves only that very entry."""
-
-    rel: str
-    name: str
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    fmt: int = stat_mod.S_IFREG
-
-    @classmethod
-    def of(cls, rel: str, name: str, st: os.stat_result) -> _Seen:
-        return cls(rel, name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
-                   stat_mod.S_IFMT(st.st_mode))
-
-    def same(self, st: os.stat_result) -> bool:
-        return (stat_mod.S_IFMT(st.st_mode) == self.fmt and st.st_dev == self.dev
-                and st.st_ino == self.ino and st.st_size == self.size
-                and st.st_mtime_ns == self.mtime_ns)
-
-
 class _Throttle:
     def __init__(self, rate_mb_s: float | None) -> None:
         self.rate = rate_mb_s * 1e6 if rate_mb_s else None
@@ -179,29 +164,6 @@ class _Throttle:
             ahead = self.done / self.rate - (time.monotonic() - self.t0)
             if ahead > 0:
                 time.sleep(ahead)
-
-
-class _DirCache:
-    """The directory of the last file asked for, opened below the root without following a
-    symlink (verify visits files directory by directory)."""
-
-    def __init__(self, root_fd: int) -> None:
-        self.root_fd = root_fd
-        self.rel: str | None = None
-        self.fd = -1
-
-    def get(self, rel: str) -> int:
-        """The descriptor of directory ``rel``. Raises OSError."""
-        if rel != self.rel:
-            self.close()
-            self.fd = open_rel(self.root_fd, rel)
-            self.rel = rel
-        return self.fd
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-        self.fd, self.rel = -1, None
 
 
 def _open(dir_fd: int, name: str, *, max_bytes: int, where: str,
@@ -220,7 +182,8 @@ def verify_root(root: RootDir, namespace: str, *, serde: str = "aesgcm",
                 progress: Callable[[int, int], None] | None = None,
                 first: frozenset[str] = frozenset(),
                 key_for: Callable[[str], bytes | None] | None = None,
-                max_bytes_for: Callable[[str], int] | None = None) -> VerifyResult:
+                max_bytes_for: Callable[[str], int] | None = None,
+                record: FrameRecord | None = None) -> VerifyResult:
     """Check the chunk files under the open ``root``; quarantine findings when ``apply``.
 
     ``key`` is the master key (aesgcm); files of ``namespace`` (all prefixes when
@@ -240,6 +203,13 @@ def verify_root(root: RootDir, namespace: str, *, serde: str = "aesgcm",
     ``max_bytes_for``: the largest chunk file of each prefix (default
     :data:`~kvpersist.l2.frames.MAX_CHUNK_FILE_BYTES`); a larger one is a ``size`` finding,
     never read.
+
+    ``record``: the namespace's frame record (:mod:`~kvpersist.l2.verify.frame_store`): the
+    identities of the frames that authenticated, and the first bytes of every other file of
+    the namespace that changed since the record saw it (within ``deadline_s``), are judged
+    against it: a frame recorded under another name is a ``moved`` finding (``dup``: an
+    unknown frame read under several names); the rest is learned into ``record`` (in place,
+    not written). ``since_ns`` :data:`EMPTY_WINDOW` checks the record alone.
     """
     t0 = time.monotonic()
     res = VerifyResult(root.given or root.path, namespace, serde, apply, since_ns=since_ns)
@@ -247,9 +217,12 @@ def verify_root(root: RootDir, namespace: str, *, serde: str = "aesgcm",
                      temp_age=temp_age, rate_mb_s=rate_mb_s, all_namespaces=all_namespaces,
                      progress=progress,
                      deadline=None if deadline_s is None else t0 + deadline_s, first=first,
-                     max_bytes_for=max_bytes_for or (lambda _prefix: MAX_CHUNK_FILE_BYTES))
+                     max_bytes_for=max_bytes_for or (lambda _prefix: MAX_CHUNK_FILE_BYTES),
+                     record=record)
     if apply:
-        _quarantine(root, res, targets)
+        res.quarantined = quarantine(root, res.root, ((f.path, f.kind, seen) for f, seen
+                                                      in zip(res.findings, targets,
+                                                             strict=True)), res.skipped)
     res.seconds = time.monotonic() - t0
     return res
 
@@ -259,14 +232,15 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
            temp_age: float, rate_mb_s: float | None, all_namespaces: bool,
            progress: Callable[[int, int], None] | None,
            deadline: float | None = None, first: frozenset[str] = frozenset(),
-           max_bytes_for: Callable[[str], int] = lambda _prefix: MAX_CHUNK_FILE_BYTES
-           ) -> list[_Seen]:
+           max_bytes_for: Callable[[str], int] = lambda _prefix: MAX_CHUNK_FILE_BYTES,
+           record: FrameRecord | None = None) -> list[Seen]:
     """Fill ``res.findings``; return, for each finding, the file it is about."""
     namespace, serde, since = res.namespace, res.serde, res.since_ns
-    targets: list[_Seen] = []
+    targets: list[Seen] = []
+    mine: list[Seen] = []  # the namespace's regular chunk files (the frame record's)
     now = time.time()
-    chunks: list[tuple[_Seen, layout.ChunkName]] = []
-    others: list[tuple[_Seen, layout.ChunkName]] = []  # outside the window
+    chunks: list[tuple[Seen, layout.ChunkName]] = []
+    others: list[tuple[Seen, layout.ChunkName]] = []  # outside the window
     sizes: dict[tuple[str, int], list[int]] = {}
 
     def shown(rel: str, name: str = "") -> str:
@@ -277,7 +251,7 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
         if not isinstance(exc, FileNotFoundError):
             res.skipped.append(f"{shown(rel)}: {exc.strerror}")
 
-    def finding(seen: _Seen, kind: str, detail: str) -> None:
+    def finding(seen: Seen, kind: str, detail: str) -> None:
         # the path as it is (lossless in --json); the table and the messages escape it
         res.findings.append(Finding(os.path.join(res.root, seen.rel, seen.name), kind, detail,
                                     seen.size))
@@ -299,7 +273,9 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
                     except OSError as exc:
                         note(d.path_of(e.name), exc)
                         continue
-                    seen = _Seen.of(d.rel, e.name, st)
+                    seen = Seen.of(d.rel, e.name, st)
+                    if regular and kind == layout.Kind.CHUNK and parsed.prefix == namespace:
+                        mine.append(seen)
                     odd = None if kind == layout.Kind.TEMP else (
                         ("type", type_verdict(st.st_mode)) if not regular else
                         ("perm", perm_verdict(st.st_mode, st.st_uid, st.st_gid,
@@ -338,12 +314,12 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
     #: the sizes of each group's files that authenticated: what an authentic file looks like
     authentic: dict[Group, Counter[int]] = {}
     #: files that failed before their group's frame length was known: tried again after
-    pending: dict[Group, list[tuple[_Seen, layout.ChunkName]]] = {}
+    pending: dict[Group, list[tuple[Seen, layout.ChunkName]]] = {}
     referenced: set[Group] = set()  # groups whose older files were read to learn the length
     searches: Counter[Group] = Counter()  # files tried at every aligned length, per group
     throttle = _Throttle(rate_mb_s)
-    dirs_open = _DirCache(r.fd)
-    frames: list[tuple[bytes, _Seen]] = []  # the IV of each frame that authenticated
+    dirs_open = DirCache(r.fd)
+    frames: list[tuple[bytes, Seen]] = []  # the IV of each frame that authenticated
 
     def authenticates(parsed: layout.ChunkName) -> bool:
         """Whether every file of ``parsed``'s group is read and authenticated."""
@@ -351,13 +327,13 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
                 and (all_namespaces or parsed.prefix == namespace))
 
     # the warm set first, then authentic sizes before sizes seen to fail (verify_order)
-    order: ReadOrder[tuple[_Seen, layout.ChunkName]] = ReadOrder()
+    order: ReadOrder[tuple[Seen, layout.ChunkName]] = ReadOrder()
     for seen, parsed in chunks:
         group = (parsed.prefix, parsed.rank.world_size)
         order.add((seen, parsed), (group, seen.size) if authenticates(parsed) else None,
                   pinned=seen.name in first)
 
-    def read_auth(seen: _Seen, parsed: layout.ChunkName,
+    def read_auth(seen: Seen, parsed: layout.ChunkName,
                   known: int | None) -> tuple[bool, int | None]:
         """(read, plaintext length or None); read is False if the file could not be read.
         Raises Deadline when ``deadline`` passes in the middle of the file."""
@@ -400,7 +376,7 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
         res.bytes_read += nbytes
         throttle.account(nbytes)
 
-    def passed(seen: _Seen, group: Group, n: int, counted: bool = True) -> None:
+    def passed(seen: Seen, group: Group, n: int, counted: bool = True) -> None:
         """``seen`` authenticated with plaintext length ``n``: never a finding."""
         known_plain[group] = n
         authentic.setdefault(group, Counter())[seen.size] += 1
@@ -408,12 +384,12 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
         if counted:
             res.authenticated += 1
 
-    def condemn(seen: _Seen, group: Group) -> None:
+    def condemn(seen: Seen, group: Group) -> None:
         """``seen`` was read and fails authentication with every length to try."""
         finding(seen, *failed_verdict(seen.size, authentic.get(group, Counter()),
                                       usual.get(group)))
 
-    def judge(seen: _Seen, parsed: layout.ChunkName, group: Group) -> None:
+    def judge(seen: Seen, parsed: layout.ChunkName, group: Group) -> None:
         """A file of a group verify authenticates: read, and condemned only if it fails."""
         if seen.size < FRAME_OVERHEAD:
             finding(seen, "size", "too small for an aesgcm frame")
@@ -435,7 +411,7 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
             if ref is not None:
                 passed(ref[0], group, ref[1], counted=False)
 
-    def judge_plain(seen: _Seen, parsed: layout.ChunkName, group: Group) -> None:
+    def judge_plain(seen: Seen, parsed: layout.ChunkName, group: Group) -> None:
         """A file verify does not authenticate (serde none, no key, another namespace): its
         size against its group's usual size; with a key, an outlier is read and kept if it
         authenticates."""
@@ -496,6 +472,14 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
                 condemn(seen, group)
         for seen, count in shared_frames(frames).items():
             finding(seen, "dup", dup_detail(count))
+        if record is not None:
+            flagged = {t.name for t in targets}
+            ivs = {s.name: iv for iv, s in frames if s.name not in flagged}
+            found, res.frames = bind_frames(
+                record, mine, ivs, skip=flagged, out_of_time=out_of_time,
+                read_header=header_reader(dirs_open.get, max_bytes_for(namespace), counted))
+            for seen, what, detail in found:
+                finding(seen, what, detail)
     finally:
         dirs_open.close()
     return targets
@@ -505,10 +489,10 @@ def _check(r: RootDir, res: VerifyResult, *, key_for: Callable[[str], bytes | No
 REFERENCE_READS = 8
 
 
-def _learn_length(group: Group, others: list[tuple[_Seen, layout.ChunkName]],
-                  read_auth: Callable[[_Seen, layout.ChunkName, int | None],
+def _learn_length(group: Group, others: list[tuple[Seen, layout.ChunkName]],
+                  read_auth: Callable[[Seen, layout.ChunkName, int | None],
                                       tuple[bool, int | None]],
-                  res: VerifyResult) -> tuple[_Seen, int] | None:
+                  res: VerifyResult) -> tuple[Seen, int] | None:
     """The first of up to :data:`REFERENCE_READS` of ``group``'s files outside the window
     (newest first: most likely written under the current key) that authenticates, with its
     plaintext length; None if none does."""
@@ -520,61 +504,3 @@ def _learn_length(group: Group, others: list[tuple[_Seen, layout.ChunkName]],
         if n is not None:
             return seen, n
     return None
-
-
-def _quarantine(r: RootDir, res: VerifyResult, targets: list[_Seen]) -> None:
-    """Rename each finding's file into ``.kvpersist/quarantine/`` if it is still the file that
-    was checked (same device, inode, size and mtime), relative to directory descriptors opened
-    without following a symlink. Raises KvpError if the quarantine directory cannot be opened
-    or made safely (``.kvpersist`` or ``quarantine`` a symlink, no permission)."""
-    qfd = meta_dir(r, QUARANTINE_DIR)
-    qpath = os.path.join(res.root, layout.META_DIR, QUARANTINE_DIR)
-    stamp = time.strftime("%Y%m%dT%H%M%S")
-    dirs_open = _DirCache(r.fd)
-    try:
-        for f, seen in zip(res.findings, targets, strict=True):
-            src = display_name(f.path)
-            try:
-                dfd = dirs_open.get(seen.rel)
-                st = os.lstat(seen.name, dir_fd=dfd)
-            except FileNotFoundError:
-                res.skipped.append(f"{src}: gone")
-                continue
-            except OSError as exc:
-                res.skipped.append(f"{src}: {exc.strerror}")
-                continue
-            if not seen.same(st):
-                res.skipped.append(f"{src}: changed since it was checked")
-                continue
-            try:
-                dst = _free_name(qfd, f"{seen.name}.{f.kind}.{stamp}")
-                os.rename(seen.name, dst, src_dir_fd=dfd, dst_dir_fd=qfd)
-            except OSError as exc:
-                res.skipped.append(f"{src}: {exc.strerror}")
-                continue
-            res.quarantined.append(os.path.join(qpath, dst))
-    finally:
-        dirs_open.close()
-        os.close(qfd)
-
-
-def quarantine_name(name: str) -> str:
-    """The name a file gets in the quarantine (pure): ``.tmp.`` becomes ``.tmp~.``, because
-    LMCache's clean-up at a graceful stop deletes every file with ``.tmp.`` in its name
-    anywhere under the cache root, the quarantine included."""
-    return name.replace(layout.TEMP_MARKER, ".tmp~.")
-
-
-def _free_name(dir_fd: int, name: str) -> str:
-    """``name`` (made safe by :func:`quarantine_name`), or ``name.1``, ``name.2``... : the first
-    that does not exist in ``dir_fd`` (a quarantined file never replaces another). Raises
-    OSError."""
-    name = quarantine_name(name)
-    candidate, n = name, 0
-    while True:
-        try:
-            os.lstat(candidate, dir_fd=dir_fd)
-        except FileNotFoundError:
-            return candidate
-        n += 1
-        candidate = f"{name}.{n}"

@@ -18,9 +18,12 @@ anything but a miss. So, besides authentication, three rules (docs/lmcache-failu
   copy or a hard link of one chunk's file under another chunk's name; which name is genuine
   cannot be told, so every one of them is a finding.
 
-What no rule can see: another chunk's frame renamed over a name (``mv``), which leaves a
-single copy of a valid frame under the wrong name. Only a binding of the frame to its key in
-LMCache (the upstream report) closes that.
+What no rule here can see: another chunk's frame renamed over a name (``mv``), which leaves
+a single copy of a valid frame under the wrong name. The namespace's frame record
+(:mod:`kvpersist.l2.verify.frame_record`) remembers under which name each frame was seen
+and finds it (``moved``) when the record saw that frame before; a frame it never saw cannot
+be told from a chunk LMCache stored again. Only a binding of the frame to its key in LMCache
+(the upstream report) closes that fully.
 """
 
 from __future__ import annotations
