@@ -127,7 +127,10 @@ def replace_at(dfd: int, final: str, data: bytes) -> None:
                  0o600, dir_fd=dfd)
     try:
         try:
-            os.write(fd, data)
+            os.fchmod(fd, 0o600)  # a leftover temp file of an earlier crash keeps its mode
+            view = memoryview(data)
+            while view:  # a short write (a signal, a full disk's last blocks) is continued
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -25,7 +25,6 @@ finding.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat as stat_mod
 import time
@@ -35,7 +34,7 @@ from dataclasses import dataclass, field
 from kvpersist.errors import KvpError
 from kvpersist.l2.frames import Deadline
 from kvpersist.l2.layout import META_DIR
-from kvpersist.l2.tree import RootDir, meta_dir, open_rel
+from kvpersist.l2.tree import RootDir, meta_dir, open_rel, replace_at
 from kvpersist.l2.verify.files import Seen
 from kvpersist.l2.verify.frame_record import (
     HEADER_BYTES,
@@ -203,25 +202,9 @@ def save(root: RootDir, record: FrameRecord) -> tuple[int, str]:
 
 
 def _replace(dfd: int, final: str, data: bytes) -> None:
-    """``data`` as ``final`` in ``dfd``: a temp file (0600, never through a link) written and
-    fsynced, renamed over ``final``, then the directory fsynced. Raises OSError."""
-    tmp = f".{final}.{os.getpid()}.part"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600, dir_fd=dfd)
-    try:
-        try:
-            os.fchmod(fd, 0o600)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dfd)
-        raise
+    """``data`` as ``final`` in ``dfd`` (``replace_at``: 0600, never through a link, fsynced,
+    renamed), then the directory fsynced. Raises OSError."""
+    replace_at(dfd, final, data)
     os.fsync(dfd)
 
 
