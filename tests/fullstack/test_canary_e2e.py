@@ -18,7 +18,8 @@ One deployment, in order:
    (1), ``canary show``, metrics and ``render`` say why; ``verify`` finds nothing; a restart
    keeps serving recomputed.
 4. The operator drops the namespace's chunks (``prune --namespace --apply --force``),
-   ``canary reset --apply``, launches: the canary passes again, a new reference.
+   ``canary reset --apply``, launches (with a warm set): the canary passes again, a new
+   reference; ``canary run --warm-sample 1`` checks the warm set's entry too.
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ def test_a_planted_wrong_chunk_fails_the_canary_and_the_namespace_is_recomputed(
     assert [line.rsplit(" ", 1)[1] for line in metrics
             if line.startswith("kvpersist_canary_state{")] == ["2.0"], metrics
     assert stack.render()["recompute"]
+    report = stack.kvp_json("report", "--config", stack.config)
+    [row] = [r for r in report["namespaces"] if r["namespace"] == ns]
+    assert row["canary"]["state"] == "failed" and row["canary"]["failed_at"] == c["at"]
     # the namespace's files are kept (nothing deleted automatically)
     assert target.exists() and (stack.root / donor.name).exists()
     # a restart keeps the namespace recomputed until the reset
@@ -160,10 +164,22 @@ def test_the_namespace_dropped_and_reset_passes_again(stack: Stack) -> None:
     assert stack.render()["recompute"]
     stack.kvp_json("canary", "reset", stack.config, "--apply")
     assert not stack.render()["recompute"]
-    doc = stack.launch("--no-warmup")
+    warm = stack.tmp / "warm.jsonl"
+    warm.write_text(json.dumps({"messages": CHAT[:-1]}) + "\n")
+    stack.env["KVP_WARMUP_FILE"] = str(warm)
+    doc = stack.launch()  # with the warm-up: it caches the warm set's token ids
     c = _canary(doc)
     assert c["state"] == "passed" and c["reference_computed"] and not doc["recompute"]
+    assert doc["warmup"]["state"] == "done", doc["warmup"]
     assert _chat(stack).text == STATE["cold"]
+    # the warm set's entry, served (from vLLM's prefix cache or the server) and recomputed
+    # under a fresh salt: within float32's tolerance (a prefix hit's attention is not the
+    # full prefill's to the last bit: 9.5e-7 seen here)
+    run = stack.kvp_json("canary", "run", stack.config, "--warm-sample", "1")
+    assert run["state"] == "passed" and run["warm_sample"]["state"] == "passed", run
+    [entry] = run["warm_sample"]["entries"]
+    assert entry["entry"] == 0 and entry["max_diff"] <= 1e-3, entry
+    assert entry["path"] != "computed", entry
     stack.stop()
 
 
