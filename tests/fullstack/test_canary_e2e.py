@@ -105,6 +105,10 @@ def test_restart_of_both_retrieves_the_canary_from_l2_and_passes(stack: Stack) -
     assert health["canary"]["run"]["state"] == "passed"
     assert {c["name"]: c["status"] for c in health["checks"]}["canary"] == "ok"
     stack.stop()
+    # the reference was stored under its one-time salt (docs/canary.md, "What it stores"):
+    # KVP_CANARY_CHUNKS files, once; no later run recomputed it
+    salted = [p.name for p in stack.chunk_files(STATE["ns"]) if "@kvp-canary-" in p.name]
+    assert len(salted) == 2 and len({n.rsplit("@", 1)[1] for n in salted}) == 1, salted
 
 
 def test_a_planted_wrong_chunk_fails_the_canary_and_the_namespace_is_recomputed(

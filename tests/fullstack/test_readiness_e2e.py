@@ -68,8 +68,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterato
     warm = tmp / "warm.jsonl"
     warm.write_text(json.dumps({"messages": WARM}) + "\n"
                     + json.dumps({"prompt": DOCUMENT}) + "\n")
+    # the canary is off here: this module counts the namespace's files and requests and
+    # freezes the cache server under the readiness step; the canary's own requests and its
+    # files (docs/canary.md) are tested in test_canary_e2e.py and test_persistence_e2e.py
     s = Stack(tmp, model=demo_model, KVP_WARMUP_FILE=str(warm), KVP_WARMUP_WAIT="120",
-              VLLM_SERVER_DEV_MODE="1")  # /reset_prefix_cache (the shred test)
+              VLLM_SERVER_DEV_MODE="1",  # /reset_prefix_cache (the shred test)
+              KVP_CANARY="false")
     try:
         yield s
     finally:

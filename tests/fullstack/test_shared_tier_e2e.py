@@ -127,6 +127,9 @@ def hosts(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterato
             s.config = fp32
             s.env["KVP_MODEL_PATH"] = str(demo_model)
             s.env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
+            # off: B's NVMe must start empty and every file is counted; the canary's
+            # requests and files are tested in test_canary_e2e.py
+            s.env["KVP_CANARY"] = "false"
         h = Hosts(net, redis, stacks[0], stacks[1])
         yield h
         print("\nshared tier over a network, vLLM on B, measured:",
