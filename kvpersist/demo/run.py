@@ -228,6 +228,8 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "demo"
             ph = Phase(name, launch_s=time.monotonic() - t)
             with step(f"read the cache server's log ({name})", logs):
                 log_offset = os.path.getsize(plan.server_log)
+            # what the launch's own requests (the canary's) took from the cache: not the chat's
+            from_disk_before = metric(plan.vllm_url, HITS_METRIC)
             progress(f"[{n + 1}/6] long chat ({turns} turns) ...")
             with step(f"the long chat ({name})", logs):
                 # min_tokens: a random-weight model may pick the end of sequence first, and
@@ -236,7 +238,7 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "demo"
                                     max_tokens=max_tokens, min_tokens=max_tokens)
             ph.ttft_s, ph.total_s, ph.text = r.ttft_s, r.total_s, r.text
             ph.prompt_tokens = r.prompt_tokens or 0
-            ph.tokens_from_disk = metric(plan.vllm_url, HITS_METRIC)
+            ph.tokens_from_disk = metric(plan.vllm_url, HITS_METRIC) - from_disk_before
             time.sleep(0.5)
             ph.l2_chunks_hit = _l2_hits(plan.server_log, log_offset)
             progress(f"      TTFT {ph.ttft_s * 1000:.0f} ms, {ph.prompt_tokens} prompt tokens, "
