@@ -1,13 +1,13 @@
 """The warm-up's last step: the warm set from the cache server into vLLM, before ready (I/O).
 
 After a restart the warm set sits in the cache server's memory (the prefetch), but a user's
-first request still pays the load into a freshly started vLLM, and every first of vLLM's own
-paths it takes: measured on the CPU build (``bench/first_request_probe.py``,
-``bench/first_chat_restart.py``, docs/benchmarks.md "First chat after a restart"), the first
-retrieves after a start are slow (0.12-0.20 s for 8 chunks against 0.015 s later), and a warm
-chat whose prefix already sat in vLLM's own prefix cache still spent 70-90 ms more in the
-chat endpoint's front end (a long conversation through the chat template and the tokenizer
-for the first time) and tens of ms more in its first prefill over a cached context.
+first request still pays the load into a freshly started vLLM, and the first run of each of
+vLLM's paths it takes: measured on the CPU build (``bench/first_request_probe.py``,
+docs/benchmarks.md "Restart downtime"), the first retrieves after a start are slow
+(0.12-0.20 s for 8 chunks against 0.015 s later); and in some restarts a warm chat whose
+prefix sat in vLLM's own prefix cache already spent 70-140 ms more than later in the chat
+endpoint's front end (``bench/first_chat_restart.py``, docs/benchmarks.md "First chat after a
+restart"), which a load through the token ids never runs.
 
 So the warm-up ends by sending vLLM every warm-set entry it found chunks of, most chunks first,
 as far as vLLM's KV cache holds them (:func:`plan_loads`: at most :data:`KV_SHARE` of its
