@@ -62,6 +62,10 @@ class VllmClient(HttpClient):
         """POST ``/v1/completions`` (a prompt of text or token ids)."""
         return self.request("POST", "/v1/completions", json_body=body, timeout=timeout)
 
+    def chat(self, body: dict[str, Any], timeout: float | None = None) -> HttpReply:
+        """POST ``/v1/chat/completions`` (not streamed)."""
+        return self.request("POST", "/v1/chat/completions", json_body=body, timeout=timeout)
+
     def tokenize(self, body: dict[str, Any], timeout: float | None = None) -> HttpReply:
         """POST ``/tokenize`` (a prompt, or messages through the chat template)."""
         return self.request("POST", "/tokenize", json_body=body, timeout=timeout)

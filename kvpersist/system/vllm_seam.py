@@ -130,6 +130,23 @@ ENV_PREFIX = "VLLM_"
 
 #: vLLM's Prometheus counter of prompt tokens served from the connector (the external cache)
 METRIC_EXTERNAL_PREFIX_HITS = "vllm:external_prefix_cache_hits_total"
+#: vLLM's gauge whose labels describe its KV cache (``num_gpu_blocks``, ``block_size``)
+METRIC_CACHE_CONFIG_INFO = "vllm:cache_config_info"
+_CACHE_INFO = re.compile(r"^" + re.escape(METRIC_CACHE_CONFIG_INFO) + r"\{([^}\n]*)\}", re.M)
+_LABEL = re.compile(r'(\w+)="([^"\\]*)"')
+
+
+def kv_cache_tokens(metrics_text: str) -> int | None:
+    """The tokens vLLM's KV cache holds (its blocks times the block size), from its
+    Prometheus text (pure); None when it does not say (no such gauge, labels that are not
+    positive integers). With several engines, the smallest."""
+    sizes = []
+    for m in _CACHE_INFO.finditer(metrics_text):
+        labels = dict(_LABEL.findall(m.group(1)))
+        blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+        if blocks.isdigit() and size.isdigit() and int(blocks) > 0 and int(size) > 0:
+            sizes.append(int(blocks) * int(size))
+    return min(sizes) if sizes else None
 
 
 # --------------------------------------------------------------------------- versions

@@ -112,8 +112,9 @@ def test_restart_with_a_warm_set_serves_the_first_request_from_l1(stack: Stack) 
     """Issue 13's warm restart: a warm set holding the chat's opening (every message but the
     final question); after a restart of both, ``launch`` loads its chunks from the NVMe into
     L1 (the server logs the warm prefetch) and then once from L1 into vLLM (the warm-up's
-    load: the first load into a fresh vLLM is the slow one) before it returns, storing
-    nothing; the first request then finds the opening in vLLM's own prefix cache, reads
+    load, the entry itself through the chat endpoint: the first load into a fresh vLLM is
+    the slow one) before it returns, storing nothing; the first request then finds the
+    opening in vLLM's own prefix cache, reads
     nothing from L2, with the same output. TTFTs are recorded, not asserted (the ratios are
     in docs/benchmarks.md, "Warm restart" and "Restart downtime")."""
     from ._stack import vllm_metric
@@ -136,8 +137,13 @@ def test_restart_with_a_warm_set_serves_the_first_request_from_l1(stack: Stack) 
         assert sum(loads) == w["requested_chunks"], text[-3000:]
         # the warm-up's load: vLLM looked the opening up and loaded every chunk from L1
         record = json.loads((stack.state_dir / "warmup.json").read_text())
-        assert [(x["line"], x["chunks"], x["ok"]) for x in record["loads"]] == \
-            [(1, w["requested_chunks"], True)], record
+        # every full chunk found: the entry itself went to the chat endpoint (the chat
+        # template, the tokenizer and the endpoint primed on the warm conversation), within
+        # the share of vLLM's KV cache its metrics gave
+        assert [(x["line"], x["chunks"], x["ok"], x["endpoint"]) for x in record["loads"]] \
+            == [(1, w["requested_chunks"], True, "chat")], record
+        assert isinstance(record["kv_cache_tokens"], int) and \
+            record["kv_cache_tokens"] >= 2 * len(STATE["files"]) * 256, record
         looked_up = re.findall(r"retained keys \((\d+) L1, (\d+) L2\)[^\n]*"
                                r"external_request_id=[^,\s)]+", text)
         # first the launch's canary (before the warm-up: its 2 chunks from L2, the new
@@ -160,6 +166,8 @@ def test_restart_with_a_warm_set_serves_the_first_request_from_l1(stack: Stack) 
         served = re.findall(r"retained keys \((\d+) L1, (\d+) L2\)",
                             _log_since(stack.server_log, before))
         assert sum(int(b) for _, b in served) == 0, served  # nothing from L2
+        time.sleep(2)  # LMCache stores asynchronously: whatever the loads stored is there now
+        assert {p.name for p in stack.chunk_files()} == files  # the loads stored nothing
         STATE["ttft"] = (*STATE["ttft"], out.ttft_s)
     finally:
         stack.env.pop("KVP_WARMUP_FILE")
@@ -263,7 +271,7 @@ def test_kv_persist_hook_on_a_sample_recipe(stack: Stack) -> None:
         assert ok and proc.poll() is None, (stack.tmp / "recipe.log").read_text()[-3000:]
         # the hook's readiness step primes vLLM once it serves (no warm set here): ready
         warmup_log = stack.state_dir / "logs" / "warmup.log"
-        assert wait_until(lambda: warmup_log.exists() and "vLLM primed by one short request"
+        assert wait_until(lambda: warmup_log.exists() and "vLLM primed by a short chat"
                           in warmup_log.read_text(), 120, 0.5), \
             warmup_log.read_text() if warmup_log.exists() else "no warm-up log"
         out = _chat(stack)

@@ -26,10 +26,17 @@ def test_the_body_is_one_short_greedy_streamed_chat_of_two_tokens() -> None:
     assert prime.PRIME_MESSAGES[0]["content"] == "Hello."
 
 
+def test_the_completion_prime_is_a_short_greedy_text_prompt() -> None:
+    body = prime.completion_prime_body("cpu-demo")
+    assert body == {"model": "cpu-demo", "prompt": "Hello.", "max_tokens": 2,
+                    "temperature": 0.0}
+    assert len(body["prompt"]) < 32
+
+
 def test_summaries_say_what_happened_and_what_it_costs() -> None:
     ok = prime.PrimeRun(True, 0.4321, "ok", 9)
-    assert ok.summary() == ("vLLM primed by one short request (9 prompt tokens, nothing "
-                            "stored) in 0.43 s")
+    assert ok.summary() == ("vLLM primed by a short chat (9 prompt tokens) and a short "
+                            "completion, nothing stored, in 0.43 s")
     assert ok.to_dict() == {"ok": True, "seconds": 0.432, "detail": "ok", "prompt_tokens": 9}
     bad = prime.PrimeRun(False, 2.0, "HTTP 500")
     assert bad.summary().startswith("WARNING: the priming request failed after 2.0 s "

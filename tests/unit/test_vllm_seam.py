@@ -160,3 +160,16 @@ def test_support_problems_name_the_version_and_the_supported_ones() -> None:
     assert "no version" in vllm_seam.support_problem(None, "the image x")
     assert vllm_seam.table_version("0.35.0") == vllm_seam.NEWEST_VERSION
     assert vllm_seam.table_version("0.33.0") == "0.33.0"
+
+
+def test_the_kv_cache_size_is_read_from_vllms_cache_config_gauge() -> None:
+    from kvpersist.system.vllm_seam import kv_cache_tokens
+
+    line = ('vllm:cache_config_info{block_size="128",cache_dtype="bfloat16",'
+            'enable_prefix_caching="True",engine="0",num_gpu_blocks="%s"} 1.0\n')
+    assert kv_cache_tokens("# HELP x\n" + line % "4096") == 4096 * 128
+    # several engines: the smallest; labels that are not positive integers: unknown
+    assert kv_cache_tokens(line % "10" + line % "4") == 4 * 128
+    assert kv_cache_tokens(line % "0") is None
+    assert kv_cache_tokens(line % "None") is None
+    assert kv_cache_tokens("vllm:num_requests_running 0.0\n") is None

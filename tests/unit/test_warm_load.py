@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpersist.stack.warm.compute import COMPUTE_USER
-from kvpersist.stack.warm.load import LOADS, LoadPlan, load, plan_loads
+from kvpersist.stack.warm.load import KV_SHARE, LOADS, LoadPlan, load, load_body, plan_loads
 
 from ..completions_stub import Stub, completions_stub
 
@@ -23,7 +23,7 @@ def ids(n: int, base: int = 0) -> list[int]:
 
 def test_the_prompt_is_the_found_chunks_and_one_more_token() -> None:
     [p] = plan_loads([(1, 2)], [ids(11)], CHUNK)
-    assert p == LoadPlan(1, 2, ids(9))  # 2 chunks of 4, then token 8
+    assert p == LoadPlan(1, 2, ids(9), None, 9)  # 2 chunks of 4, then token 8
 
 
 def test_an_entry_of_whole_chunks_repeats_its_last_token() -> None:
@@ -50,6 +50,49 @@ def test_most_chunks_first_then_the_warm_sets_order_at_most_loads() -> None:
         == [(2, 3), (4, 3), (6, 3), (5, 2), (1, 1)]
 
 
+CHAT = {"messages": [{"role": "system", "content": "You are terse."}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "add_generation_prompt": False}
+
+
+def test_an_entry_found_whole_goes_as_it_is_to_its_users_endpoint() -> None:
+    # every full chunk found: the entry itself, through the chat template and the tokenizer
+    # as users send it; the tail (less than a chunk) is computed, nothing stored
+    [c, p] = plan_loads([(1, 2), (2, 2)], [ids(10), ids(9)], CHUNK,
+                        bodies=[CHAT, {"prompt": "a shared document"}], kv_tokens=100)
+    assert (c.body, c.endpoint, c.tokens) == (CHAT, "chat", 11)
+    assert (p.body, p.endpoint, p.tokens) == ({"prompt": "a shared document"}, "completions",
+                                               10)
+    assert load_body("served", c) == ("chat", {
+        "model": "served", "max_tokens": 1, "temperature": 0.0, "user": COMPUTE_USER,
+        "messages": CHAT["messages"], "tools": CHAT["tools"], "add_generation_prompt": False})
+    assert load_body("served", p)[1]["prompt"] == "a shared document"
+
+
+def test_an_entry_with_chunks_missing_sends_only_its_found_chunks() -> None:
+    # the whole entry would compute, and store, the missing chunk: never
+    [p] = plan_loads([(1, 1)], [ids(10)], CHUNK, bodies=[CHAT], kv_tokens=100)
+    assert (p.body, p.endpoint, p.prompt, p.tokens) == (None, "tokens", ids(5), 5)
+    assert load_body("served", p) == ("completions", {
+        "model": "served", "max_tokens": 1, "temperature": 0.0, "user": COMPUTE_USER,
+        "prompt": ids(5)})
+
+
+def test_every_entry_that_fits_in_a_share_of_vllms_kv_cache_is_loaded() -> None:
+    entries = [(1, 1), (2, 3), (3, 0), (4, 3), (5, 2), (6, 3)]
+    token_ids = [ids(16, 100 * i) for i in range(6)]
+    # known KV cache: no count bound, all five with chunks found (13 tokens each at most)
+    plans = plan_loads(entries, token_ids, CHUNK, kv_tokens=1000)
+    assert [(p.line, p.chunks) for p in plans] == [(2, 3), (4, 3), (6, 3), (5, 2), (1, 1)]
+    # a KV cache of 60 tokens: 30 for the warm set; 13 + 13 fit, the third 13 does not,
+    # the 2-chunk entry (9 tokens) does not either, the 1-chunk one (5) does
+    assert KV_SHARE == 0.5
+    small = plan_loads(entries, token_ids, CHUNK, kv_tokens=60)
+    assert [(p.line, p.tokens) for p in small] == [(2, 13), (4, 13)]
+    assert [(p.line, p.tokens) for p in plan_loads(entries, token_ids, CHUNK, kv_tokens=64)] \
+        == [(2, 13), (4, 13), (1, 5)]
+
+
 @pytest.mark.parametrize("entries,token_ids,chunk", [
     ([], [], CHUNK),                      # no warm set entries
     ([(1, 0), (2, 0)], [ids(9), ids(9)], CHUNK),  # nothing found
@@ -71,14 +114,15 @@ def vllm() -> Iterator[Stub]:
 def test_the_load_is_one_greedy_token_of_the_prompt_marked_as_the_warmups(
         vllm: Stub) -> None:
     url, handler = vllm
-    plan = LoadPlan(3, 2, ids(9))
+    plan = LoadPlan(3, 2, ids(9), None, 9)
     done = load(url, "served", plan, deadline=time.monotonic() + 30)
     assert done.ok and (done.line, done.chunks) == (3, 2) and done.seconds >= 0
     assert handler.seen == [{"path": "/v1/completions", "body": {
         "model": "served", "prompt": ids(9), "max_tokens": 1, "temperature": 0.0,
         "user": COMPUTE_USER}}]
     assert done.to_dict() == {"line": 3, "chunks": 2, "ok": True,
-                              "seconds": round(done.seconds, 3), "detail": ""}
+                              "seconds": round(done.seconds, 3), "detail": "",
+                              "endpoint": "tokens"}
 
 
 def test_a_refused_or_late_load_is_reported_never_raised(

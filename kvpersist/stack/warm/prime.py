@@ -4,8 +4,11 @@ A vLLM that has just started answers its first chat request several times slower
 same request a moment later (the chat template is compiled, the first batch is scheduled, the
 sampler and the streaming path run for the first time). Without this step the first
 returning user pays that, on top of the cache's own work. The prime is one streamed, greedy
-chat completion of a few tokens, far shorter than one LMCache chunk, so that nothing is stored
-(LMCache stores whole chunks only) and nothing of a user's is evicted; it runs after vLLM
+chat completion of a few tokens through the deployment's chat template, then one greedy
+completion of a short text prompt (the completion endpoint and its tokenizer path), each far
+shorter than one LMCache chunk, so that nothing is stored (LMCache stores whole chunks only)
+and nothing of a user's is evicted; the warm set's own conversations follow at the end of the
+warm-up (:mod:`kvpersist.stack.warm.load`). It runs after vLLM
 serves the namespace and before the warm set's warm-up, in ``kvp-admin launch`` and in the
 readiness step of the units and the ``KV_PERSIST=1`` hook (``launch --warmup-only``).
 
@@ -27,6 +30,8 @@ from kvpersist.system.vllm_client import Unreachable
 PRIME_MESSAGES = ({"role": "user", "content": "Hello."},)
 #: tokens the prime asks vLLM to generate (two: the first token, then one decode step)
 PRIME_MAX_TOKENS = 2
+#: the completion prime's text prompt (a few tokens, whatever the tokenizer)
+PRIME_PROMPT = "Hello."
 #: seconds the prime may take before it counts as failed
 PRIME_TIMEOUT_S = 60.0
 
@@ -47,8 +52,8 @@ class PrimeRun:
     def summary(self) -> str:
         """One line for the launch's progress output (pure)."""
         if self.ok:
-            return (f"vLLM primed by one short request ({self.prompt_tokens or '?'} prompt "
-                    f"tokens, nothing stored) in {self.seconds:.2f} s")
+            return (f"vLLM primed by a short chat ({self.prompt_tokens or '?'} prompt "
+                    f"tokens) and a short completion, nothing stored, in {self.seconds:.2f} s")
         return (f"WARNING: the priming request failed after {self.seconds:.1f} s "
                 f"({self.detail}); vLLM serves, the first user pays its start-up cost")
 
@@ -60,11 +65,34 @@ def prime_body(model: str) -> dict[str, Any]:
             "stream_options": {"include_usage": True}}
 
 
+def completion_prime_body(model: str) -> dict[str, Any]:
+    """The completion prime's request body for served model ``model`` (pure)."""
+    return {"model": model, "prompt": PRIME_PROMPT, "max_tokens": PRIME_MAX_TOKENS,
+            "temperature": 0.0}
+
+
 def prime_vllm(loc: Location, *, timeout: float = PRIME_TIMEOUT_S) -> PrimeRun:
-    """Send the prime to ``loc``'s vLLM (``/v1/chat/completions``, streamed) and read the
-    stream to its end. Never raises: a failure (no answer, an error status or event, a
-    timeout) is a PrimeRun with ``ok`` False."""
+    """Send the prime to ``loc``'s vLLM (``/v1/chat/completions``, streamed, read to its
+    end; then ``/v1/completions``), both within ``timeout``. Never raises: a failure (no
+    answer, an error status or event, a timeout) is a PrimeRun with ``ok`` False."""
     t0 = time.monotonic()
+    run = _prime_chat(loc, timeout, t0)
+    if not run.ok:
+        return run
+    left = timeout - (time.monotonic() - t0)
+    try:
+        r = loc.vllm().completions(completion_prime_body(loc.served_model_name),
+                                   timeout=max(left, 0.001))
+    except Unreachable as exc:
+        return PrimeRun(False, time.monotonic() - t0,
+                        f"the completion prime: {str(exc)[:300]}", run.prompt_tokens)
+    if r.status != 200:
+        return PrimeRun(False, time.monotonic() - t0,
+                        f"the completion prime: HTTP {r.status}", run.prompt_tokens)
+    return PrimeRun(True, time.monotonic() - t0, "ok", run.prompt_tokens)
+
+
+def _prime_chat(loc: Location, timeout: float, t0: float) -> PrimeRun:
     usage: dict[str, Any] = {}
     try:
         with loc.vllm().chat_stream(prime_body(loc.served_model_name),
@@ -93,5 +121,5 @@ def prime_vllm(loc: Location, *, timeout: float = PRIME_TIMEOUT_S) -> PrimeRun:
                     tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None)
 
 
-__all__ = ["PRIME_MAX_TOKENS", "PRIME_MESSAGES", "PRIME_TIMEOUT_S", "PrimeRun", "prime_body",
-           "prime_vllm"]
+__all__ = ["PRIME_MAX_TOKENS", "PRIME_MESSAGES", "PRIME_PROMPT", "PRIME_TIMEOUT_S", "PrimeRun",
+           "completion_prime_body", "prime_body", "prime_vllm"]

@@ -57,6 +57,8 @@ from kvpersist.system.files import atomic_write, atomic_write_json
 from kvpersist.system.software import running_vllm_version
 from kvpersist.system.templates import read_templates
 from kvpersist.system.untrusted import UnreadableFile, read_bytes, read_json, show_path
+from kvpersist.system.vllm_client import VllmClient
+from kvpersist.system.vllm_seam import kv_cache_tokens
 
 STATE_SCHEMA = "kvpersist.warmup/1"
 DEFAULT_WAIT_S = 120.0
@@ -126,6 +128,8 @@ class WarmupResult:
     #: the loads of entries from the server into vLLM before ready (none: nothing found to
     #: load; :mod:`kvpersist.stack.warm.load`)
     loads: list[warm_load.Loaded] = field(default_factory=list)
+    #: vLLM's KV cache in tokens, as its metrics said (None: not asked or not said)
+    kv_cache_tokens: int | None = None
 
     @property
     def exit_code(self) -> int:
@@ -141,7 +145,8 @@ class WarmupResult:
                 "compute": self.compute, "computed_chunks": self.computed_chunks,
                 "compute_seconds": round(self.compute_seconds, 3),
                 "not_computed": self.not_computed,
-                "loads": [x.to_dict() for x in self.loads]}
+                "loads": [x.to_dict() for x in self.loads],
+                "kv_cache_tokens": self.kv_cache_tokens}
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.state_document(), "state": self.state, "warm_file": self.warm_file,
@@ -297,15 +302,35 @@ def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s:
     res.found_chunks = sum(e.found_chunks for e in res.entries)
     # an entry the warm-up just computed is in vLLM's own prefix cache: a load would load none
     loadable = [(e.line, 0 if e.computed_chunks else e.found_chunks) for e in res.entries]
-    for plan in warm_load.plan_loads(loadable, token_ids, chunk_size):
-        say(f"line {plan.line}: loading its {plan.chunks} chunk(s) into vLLM (the first loads "
-            "after a start are the slow ones)")
+    if not any(n for _, n in loadable):
+        return
+    res.kv_cache_tokens = _kv_cache_tokens(loc)
+    plans = warm_load.plan_loads(loadable, token_ids, chunk_size,
+                                 bodies=[e.body for e in ws.entries],
+                                 kv_tokens=res.kv_cache_tokens)
+    left = sum(1 for _, n in loadable if n) - len(plans)
+    if left:
+        res.warnings.append(
+            f"{left} warm-set entr{'y' if left == 1 else 'ies'} with chunks found not loaded "
+            "into vLLM: " + ("its KV cache size is unknown" if res.kv_cache_tokens is None
+                             else f"more than {warm_load.KV_SHARE:.0%} of vLLM's KV cache "
+                             f"({res.kv_cache_tokens:,} tokens)"))
+    for plan in plans:
+        say(f"line {plan.line}: loading its {plan.chunks} chunk(s) into vLLM ({plan.endpoint})")
         loaded = warm_load.load(loc.vllm_url, loc.served_model_name, plan, deadline=deadline)
         res.loads.append(loaded)
         if not loaded.ok:
             res.warnings.append(f"line {plan.line}: the load into vLLM failed: "
                                 f"{loaded.detail}")
             break
+
+
+def _kv_cache_tokens(loc: Location) -> int | None:
+    """vLLM's KV cache in tokens, from its metrics; None when they do not say."""
+    try:
+        return kv_cache_tokens(VllmClient(loc.vllm_url).metrics_text())
+    except KvpError:  # Unreachable, an error status, an answer too big
+        return None
 
 
 def _compute_missing(dep: Deployment, loc: Location, res: WarmupResult,
