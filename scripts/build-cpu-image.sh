@@ -43,8 +43,10 @@ engine=${KVP_CONTAINER_ENGINE:-podman}
 name=${KVP_IMAGE_NAME:-localhost/kvp-vllm-cpu}
 mirror=${KVP_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # python3.11 for Debian-based venvs; the rest: what torch, vLLM's CPU ops, LMCache's
-# connector and a pyenv-built interpreter load (ldd of the venv's extensions)
-packages=python3.11,libgomp1,libnuma1,libstdc++6,zlib1g,libssl3,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,libreadline8,libncursesw6,libuuid1,libexpat1,libgdbm6,libtirpc3,libnsl2,libcrypt1,procps
+# connector and a pyenv-built interpreter load (ldd of the venv's extensions); g++ and
+# openssl: vLLM's CPU build compiles an op (torch Inductor) at the first request that asks for
+# logprobs, as the canary's does; without a compiler its engine dies and the API server exits 0
+packages=python3.11,libgomp1,libnuma1,libstdc++6,zlib1g,libssl3,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,libreadline8,libncursesw6,libuuid1,libexpat1,libgdbm6,libtirpc3,libnsl2,libcrypt1,procps,g++,openssl
 command -v "$engine" >/dev/null || { echo "$0: $engine not found (scripts/setup.sh)" >&2; exit 2; }
 
 # the venv's distributions: name-version of every *.dist-info, sorted

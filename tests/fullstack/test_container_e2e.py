@@ -82,7 +82,14 @@ def image() -> tuple[str, str, list[str]]:
              env=dict(os.environ, KVP_CONTAINER_ENGINE=ENGINE))
     assert r.returncode == 0, r.stderr
     TIMINGS["image_build_or_reuse_s"] = round(time.monotonic() - start, 1)
-    ref, image_id = r.stdout.split()
+    built, image_id = r.stdout.split()
+    # a tag that names the image's vLLM release, as images are tagged (vllm/vllm-openai:v0.34.0):
+    # kvpersist reads the release from it (the image's own tag is a hash of what it holds)
+    from kvpersist.system.software import installed_vllm_version
+
+    ref = f"{built.rsplit(':', 1)[0]}:{installed_vllm_version()}"
+    t = _run(ENGINE, "tag", built, ref)
+    assert t.returncode == 0, t.stderr
     m = _run("bash", script, "--mounts", sys.prefix)
     assert m.returncode == 0, m.stderr
     return ref, image_id, m.stdout.split()

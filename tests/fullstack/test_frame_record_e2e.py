@@ -12,6 +12,7 @@ chat then gets the cold answer. vLLM starts twice.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.demo.chat import chat_completion, long_chat
+from kvpersist.stack.warm.keys import chunk_files, key_scheme
 
 from ._stack import Stack
 
@@ -49,7 +51,15 @@ def test_a_renamed_chunk_is_quarantined_before_the_next_launch_serves(stack: Sta
     learned = stack.kvp_json("verify", stack.config)
     assert learned["findings"] == [] and learned["frames"]["new"] == len(files), learned
 
-    src, dst = files[0], files[2]  # two of the chat's chunks (sorted by hash, any two)
+    # two of the chat's chunks (sorted by hash, any two), not the canary's: the launch's
+    # canary would store its own chunk again under the quarantined name (docs/canary.md)
+    record = json.loads((stack.state_dir / "canary" / f"{ns}.json").read_text())
+    canary, _ = chunk_files(key_scheme(stack.render()["lmcache_server_argv"]), ns, 1,
+                            record["prompt"]["tokens"])
+    chat = [f for f in files
+            if str(f.relative_to(stack.root)) not in set(canary) and "@" not in f.name]
+    assert len(chat) >= 3, (files, canary)
+    src, dst = chat[0], chat[2]
     os.rename(src, dst)
     info = stack.launch()
     cw = info["crash_window"]
