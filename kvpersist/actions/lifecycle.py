@@ -153,13 +153,14 @@ class WarmupOnlyOutcome:
                 "warmup": self.warmup.to_dict()}
 
 
-def warmup_only(config: str, *, deadline_s: float = 1800.0,
+def warmup_only(config: str, *, deadline_s: float = 1800.0, vllm_pid: int | None = None,
                 environ: dict[str, str] | None = None,
                 progress: Progress = quiet) -> WarmupOnlyOutcome:
     """For the vLLM unit's ``ExecStartPost`` and the ``KV_PERSIST=1`` hook: wait until the
     deployment's vLLM serves its namespace, then run the warm-up, within ``deadline_s`` (see
-    :func:`kvpersist.stack.readiness.warmup_after_vllm`). Never scans or sizes; raises only
-    ConfigError for a config that does not load."""
+    :func:`kvpersist.stack.readiness.warmup_after_vllm`; ``vllm_pid``: stop waiting when
+    that process exits). Never scans or sizes; raises only ConfigError for a config that
+    does not load."""
     import os
 
 
@@ -167,7 +168,7 @@ def warmup_only(config: str, *, deadline_s: float = 1800.0,
     logged = log_to(loc.warmup_log, progress)
     step = warmup_after_vllm(loc, config, warm_file=dep.settings.warmup_file,
                              env=dict(os.environ if environ is None else environ),
-                             deadline_s=deadline_s, progress=logged)
+                             deadline_s=deadline_s, vllm_pid=vllm_pid, progress=logged)
     logged(lc.warmup_summary(step.warmup))
     return WarmupOnlyOutcome(dep.name, dep.namespace, step.warmup, step.prime)
 

@@ -121,7 +121,7 @@ def test_vllm_unit_is_active_only_after_the_warmup():
                 if ln and not ln.startswith("#")]
     post = [ln for ln in settings if ln.startswith("ExecStartPost=")]
     assert post == ["ExecStartPost=-/k/kvp-admin launch /cfg/%i/identity.env --warmup-only "
-                    "--deadline 870"]
+                    "--deadline 870 --vllm-pid $MAINPID"]
     assert "TimeoutStartSec=900" in settings
     health = [ln for ln in units["kvp-health@.service"].splitlines()
               if ln.startswith("SuccessExitStatus=")]
