@@ -46,6 +46,12 @@ tmp=$(mktemp -d -t kvp-test-lanes.XXXXXX)
 if command -v podman >/dev/null && command -v mmdebstrap >/dev/null; then
     bash scripts/build-cpu-image.sh "$VENV" >"$tmp/image.log" 2>&1 &
 fi
+# The real hosts' image (tests/deploy/test_hosts_*.py: Debian with systemd and sshd, from
+# Debian's mirror, ~40 s on a fresh machine, then reused) is built the same way; the hosts'
+# fixture waits for it on the script's lock.
+if command -v podman >/dev/null && command -v mmdebstrap >/dev/null; then
+    bash scripts/build-host-image.sh >"$tmp/host-image.log" 2>&1 &
+fi
 # The support matrix's venvs with vLLM's GPU wheels (tests/versions; ~1.5 min on a fresh
 # machine, 10 GB each, hard links from uv's cache; then only re-checked) are built the same
 # way: tests/versions waits on each venv's lock. A build that fails fails those tests.
