@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     from kvpersist.l2.tree import open_root
-    from kvpersist.l2.verify import verify_root
+    from kvpersist.l2.verify.root import verify_root
 
     master = os.urandom(32)
     with tempfile.TemporaryDirectory(prefix="kvp-cwcost-") as tmp:

@@ -62,9 +62,9 @@ _LOG_LOCK = threading.Lock()
 def lane(idx: int, cycles: int, tmp: Path, seed: int, out: dict[str, Any],
          log: Path | None = None) -> None:
     from kvpersist.demo.kvdriver import connect
-    from kvpersist.l2 import keys
+    from kvpersist.l2.keys import store as keys
     from kvpersist.l2.tree import open_root
-    from kvpersist.l2.verify import verify_root
+    from kvpersist.l2.verify.root import verify_root
     from kvpersist.stack import launch as lc
     from kvpersist.stack import processes as proc
     from kvpersist.stack.plan import prepare_launch

@@ -131,9 +131,9 @@ def main() -> None:
             served_after_restart = lab.healthy()
             lab.stop()
             after_l2 = lab.audit_l2(planted)
-            from kvpersist.l2 import keys
+            from kvpersist.l2.keys import store as keys
             from kvpersist.l2.tree import open_root
-            from kvpersist.l2.verify import verify_root
+            from kvpersist.l2.verify.root import verify_root
 
             with open_root(lab.root, purpose="verify") as r:
                 v = verify_root(r, lab.ns, key=keys.read_key(lab.plan.serde_key_file),

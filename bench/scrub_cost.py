@@ -82,7 +82,7 @@ def main() -> None:
     from kvpersist.l2.frames import frame_end
     from kvpersist.l2.scrub import ScrubResult, scrub_root
     from kvpersist.l2.tree import open_root
-    from kvpersist.l2.verify import verify_root
+    from kvpersist.l2.verify.root import verify_root
 
     master = os.urandom(32)
     pad = SIZE - frame_end(PLAIN)

@@ -7,8 +7,10 @@ its own module, so the read commands start fast and never import lmcache or torc
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
+import json
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +19,7 @@ import click
 
 from kvpersist import __version__
 from kvpersist.errors import EXIT_USAGE, KvpError
-from kvpersist.json_mode import JsonRun, wants_json
+from kvpersist.json_mode import JsonRun, help_document, wants_help, wants_json
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ COMMANDS: dict[str, Entry] = {
                     "Show whether CONFIG's cache server and vLLM run (pid files checked, not "
                     "trusted)."),
     "health": Entry("kvpersist.commands.health:health",
-                    "Check CONFIG's cache server, cache root, vLLM and its warm-up."),
+                    "Check CONFIG's cache server, cache root, vLLM, its warm-up and its canary."),
     "fleet": Entry("kvpersist.commands.fleet:fleet",
                    "The hosts sharing the shared tier, from their fleet records."),
     "metrics": Entry("kvpersist.commands.metrics:metrics",
@@ -64,8 +66,9 @@ COMMANDS: dict[str, Entry] = {
                      "health, last verify and prune, keys and memory of the shared tier."),
     "verify": Entry("kvpersist.commands.verify:verify",
                     "Check CONFIG's cache root: wrong sizes, frames failing authentication "
-                    "with the deployment's key, one frame under two names, links, FIFOs and "
-                    "unreadable files under chunk names, stale temp files."),
+                    "with the deployment's key, one frame under two names, a frame recorded "
+                    "under another chunk's name, links, FIFOs and unreadable files under "
+                    "chunk names, stale temp files."),
     "scrub": Entry("kvpersist.commands.scrub:scrub",
                    "Zero the padding after the aesgcm frame of CONFIG's chunk files (stale L1 "
                    "bytes, often plaintext KV of other chunks)."),
@@ -75,6 +78,8 @@ COMMANDS: dict[str, Entry] = {
     "warmup": Entry("kvpersist.commands.warmup:warmup",
                     "Prefetch CONFIG's warm set (KVP_WARMUP_FILE) from disk into the cache "
                     "server's memory."),
+    "canary": Entry("kvpersist.commands.canary:canary",
+                    "The namespace's known-answer canary: what it found, a run now, reset."),
     "forget": Entry("kvpersist.commands.forget:forget",
                     "Remove one conversation's KV chunks from every tier: dry run unless "
                     "--apply."),
@@ -153,6 +158,11 @@ def main(argv: list[str] | None = None) -> Any:
         _forgiving_streams()
     args = sys.argv[1:] if argv is None else list(argv)
     run = JsonRun(wants_json(args))
+    if run.requested and wants_help(args):
+        text = _help_text(args)
+        if text is not None:  # --json --help: the help as the one JSON document
+            click.echo(json.dumps(help_document(text), indent=2, sort_keys=True))
+            return 0
     try:
         result = cli.main(args=args, prog_name="kvp-admin", standalone_mode=False, obj=run)
     except KvpError as exc:
@@ -179,6 +189,24 @@ def main(argv: list[str] | None = None) -> Any:
         raise
     run.fail_on_code(result)
     return result
+
+
+def _help_text(args: list[str]) -> str | None:
+    """The help click prints for ``args`` (which ask for it), or None when the command line
+    fails before (an unknown option, a bad value: the normal run reports it). Parsing only:
+    with ``--help`` no command runs."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            cli.main(args=args, prog_name="kvp-admin", standalone_mode=False,
+                     obj=JsonRun(False))
+    except click.exceptions.Exit as exc:
+        if exc.exit_code == 0 and out.getvalue().startswith("Usage:"):
+            return out.getvalue()
+        return None
+    except (click.ClickException, click.exceptions.Abort, KvpError):
+        return None
+    return out.getvalue() if out.getvalue().startswith("Usage:") else None
 
 
 def _forgiving_streams() -> None:

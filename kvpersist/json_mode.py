@@ -9,6 +9,8 @@ unexpected exception), the error document::
      "problems": [{"where": ..., "message": ..., "fix": ...}]}   # problems: ConfigError only
 
 The message still goes to stderr and the exit code is what it would be without ``--json``.
+``--json --help`` prints the help as one document too (:func:`help_document`, schema
+``kvpersist.help/1``), exit 0.
 :func:`kvpersist.cli.main` creates one :class:`JsonRun` per run and passes it to click as the
 context's ``obj``. Formatting only: no I/O besides writing stdout.
 """
@@ -31,6 +33,28 @@ def wants_json(args: Sequence[str]) -> bool:
     """True if the command line asks for ``--json`` (before a ``--`` that ends the options)."""
     head = args[:list(args).index("--")] if "--" in args else args
     return "--json" in head
+
+
+#: schema of the document ``--json --help`` prints
+HELP_SCHEMA = "kvpersist.help/1"
+_HELP_FLAGS = ("--help", "-h")
+
+
+def wants_help(args: Sequence[str]) -> bool:
+    """True if the command line asks for ``--help`` (or ``-h``) before a ``--``."""
+    head = args[:list(args).index("--")] if "--" in args else args
+    return any(a in _HELP_FLAGS for a in head)
+
+
+def help_document(text: str) -> dict[str, Any]:
+    """``--json --help``: the help click prints, as one JSON object (pure)::
+
+        {"schema": "kvpersist.help/1", "usage": "kvp-admin scrub [OPTIONS] CONFIG",
+         "help": "<the whole text>"}
+    """
+    first = text.splitlines()[0] if text else ""
+    return {"schema": HELP_SCHEMA, "usage": first.removeprefix("Usage:").strip(),
+            "help": text}
 
 
 def error_document(message: str, exit_code: int,

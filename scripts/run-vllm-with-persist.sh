@@ -74,9 +74,14 @@ done < <(field vllm.env)
 # vLLM will run in.
 "$py" -m kvpersist.stack.vllm_args "$config" "$@" <<<"$render" || exit 2
 ready_step() {  # the warm-up once vLLM serves; a double fork, so nobody has to reap it
+  # Exit 3 is a failed canary (docs/canary.md): vLLM must not go on serving from that cache
+  # path, so the step stops it (this script's pid is vLLM's, or the container client's,
+  # after the exec below); its next start renders it without the cache connector.
   if [ "${KVP_WARMUP:-1}" != "0" ]; then
-    ( "$admin" launch "$config" --warmup-only --deadline "${KVP_READY_DEADLINE:-1800}" \
-        </dev/null >/dev/null 2>&1 & )
+    local main=$$
+    ( ( "$admin" launch "$config" --warmup-only --deadline "${KVP_READY_DEADLINE:-1800}" \
+          </dev/null >/dev/null 2>&1
+        [ $? -ne 3 ] || kill -TERM "$main" ) & )
   fi
 }
 mapfile -d '' container < <(field container_argv)

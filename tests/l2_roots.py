@@ -8,14 +8,14 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvpersist.l2.pin_store import read_pins, remove_pins, write_pins
-from kvpersist.l2.pins import PinRead
+from kvpersist.l2.pins.store import read_pins, remove_pins, write_pins
+from kvpersist.l2.pins.usage import PinRead
 from kvpersist.l2.prune import PruneResult, prune_lock, prune_stream
 from kvpersist.l2.retention import Selection
 from kvpersist.l2.runs import read_runs, record_run
 from kvpersist.l2.scan import ScanResult, scan_root
 from kvpersist.l2.tree import open_root
-from kvpersist.l2.verify import VerifyResult, verify_root
+from kvpersist.l2.verify.root import VerifyResult, verify_root
 
 Root = str | os.PathLike[str]
 

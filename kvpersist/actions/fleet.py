@@ -1,6 +1,6 @@
 """Use case ``kvp-admin fleet status``: the fleet records of the namespaces this host knows,
 read from the shared tier's store (I/O; the status itself is built by
-:mod:`kvpersist.l2.fleet_status`).
+:mod:`kvpersist.l2.fleet.status`).
 
 Which namespaces: those of the deployments configured here that have a shared tier
 (``--config``, default every config under configs/ with one; they must name one tier) and
@@ -14,16 +14,15 @@ import contextlib
 import time
 from collections.abc import Sequence
 
-from kvpersist.config.deployment import Deployment, shared_tier_of
-from kvpersist.config.loader import list_config_names, load_deployment
+from kvpersist.config.loader import deployments_with_shared_tier
 from kvpersist.errors import EXIT_USAGE, KvpError, UsageError
-from kvpersist.l2.fleet import index_key
-from kvpersist.l2.fleet_status import FleetStatus, NamespaceStatus, namespace_status
-from kvpersist.l2.fleet_store import read_index
+from kvpersist.l2.fleet.records import index_key
+from kvpersist.l2.fleet.status import FleetStatus, NamespaceStatus, namespace_status
+from kvpersist.l2.fleet.store import read_index
 from kvpersist.l2.layout import display_name
-from kvpersist.l2.shared_keys import namespace_problem
-from kvpersist.l2.shared_store import SharedStore, connect, describe, store_errors
-from kvpersist.stack.lmcache_exec import read_secret_file
+from kvpersist.l2.shared.credentials import read_secret_file
+from kvpersist.l2.shared.keys import namespace_problem
+from kvpersist.l2.shared.store import SharedStore, connect, describe, store_errors
 from kvpersist.system.files import service_uids
 
 
@@ -32,26 +31,6 @@ class StoreUnreachable(KvpError):
     could be checked)."""
 
     exit_code = EXIT_USAGE
-
-
-def deployments(configs: Sequence[str]) -> list[Deployment]:
-    """The deployments with a shared tier: ``configs`` (each must have one), or every config
-    under configs/ that loads and has one. Raises UsageError, ConfigError."""
-    if configs:
-        deps = [load_deployment(c) for c in configs]
-        missing = [d.name for d in deps if not d.settings.shared_tier]
-        if missing:
-            raise UsageError(f"{', '.join(missing)}: no shared tier (KVP_SHARED_TIER is empty)")
-        return deps
-    out = []
-    for name in list_config_names():
-        try:
-            dep = load_deployment(name)
-        except Exception:  # noqa: BLE001 - a config that does not load is not this tier's
-            continue
-        if dep.settings.shared_tier:
-            out.append(dep)
-    return out
 
 
 def fleet_status(configs: Sequence[str] = (), namespaces: Sequence[str] = (), *,
@@ -64,10 +43,10 @@ def fleet_status(configs: Sequence[str] = (), namespaces: Sequence[str] = (), *,
         problem = namespace_problem(ns)
         if problem:
             raise UsageError(f"--namespace {display_name(ns)}: {problem}")
-    deps = deployments(configs)
+    deps = deployments_with_shared_tier(configs)
     if not deps:
         raise UsageError("no deployment config has a shared tier; name one with --config")
-    tiers = {shared_tier_of(d.settings) for d in deps}
+    tiers = {d.shared for d in deps}
     if len(tiers) != 1:
         raise UsageError("the configs name different shared tiers; give --config for one")
     tier = tiers.pop()

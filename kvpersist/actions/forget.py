@@ -3,18 +3,18 @@
 Steps, each in its own layer:
 
 1. load CONFIG (a full identity: an unpinned namespace is a one-off that nothing reuses) and
-   read the input file as untrusted bytes (:mod:`kvpersist.stack.forget_input`: a
+   read the input file as untrusted bytes (:mod:`kvpersist.stack.forget.input`: a
    conversation becomes the requests it was sent as);
 2. token ids as the deployment computes them: vLLM's own renderer with the deployment's
    tokenizer and chat template, its digest checked against the identity
-   (:func:`kvpersist.stack.warm_tokens.tokenize`, the warm-up's code); ``--token-ids`` as given;
+   (:func:`kvpersist.stack.warm.tokens.tokenize`, the warm-up's code); ``--token-ids`` as given;
 3. the chunk keys with LMCache's own key code, per TP rank, with the cache salt
-   (:mod:`kvpersist.stack.forget_keys`), parse-checked into a frozen plan with the
-   namespace's warm-set pins (:func:`kvpersist.l2.forget_plan.plan_forget`);
-4. the tiers, in this order: the NVMe files (:func:`kvpersist.l2.forget.forget_files`, under
-   the root's prune lock), the shared tier's keys (:func:`kvpersist.l2.forget_shared.
+   (:mod:`kvpersist.stack.forget.keys`), parse-checked into a frozen plan with the
+   namespace's warm-set pins (:func:`kvpersist.l2.forget.plan.plan_forget`);
+4. the tiers, in this order: the NVMe files (:func:`kvpersist.l2.forget.files.forget_files`, under
+   the root's prune lock), the shared tier's keys (:func:`kvpersist.l2.forget.shared.
    forget_keys`), then the running server's memory: L1, and the NVMe adapter's index
-   (:mod:`kvpersist.stack.forget_l1`). Files first: once they are gone no lookup can bring
+   (:mod:`kvpersist.stack.forget.l1`). Files first: once they are gone no lookup can bring
    a chunk back from disk while its L1 copy is being dropped.
 
 A dry run (the default) measures every tier and deletes nothing; the server is only asked
@@ -26,26 +26,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpersist.config.deployment import shared_tier_of
 from kvpersist.config.loader import load_deployment
 from kvpersist.errors import ConfigError, KvpError, Problem, UsageError
-from kvpersist.l2.forget import FilesOutcome, forget_files
-from kvpersist.l2.forget_plan import SCHEMA, ForgetPlan, plan_forget
-from kvpersist.l2.forget_shared import KeysOutcome, forget_keys
+from kvpersist.l2.forget.files import FilesOutcome, forget_files
+from kvpersist.l2.forget.plan import SCHEMA, ForgetPlan, plan_forget
+from kvpersist.l2.forget.shared import KeysOutcome, forget_keys
 from kvpersist.l2.inventory import open_existing
-from kvpersist.l2.layout import display_name
-from kvpersist.l2.pin_store import read_pins
-from kvpersist.l2.shared_store import connect, describe, store_errors
+from kvpersist.l2.pins.store import read_pins
+from kvpersist.l2.shared.credentials import read_secret_file
+from kvpersist.l2.shared.store import connect, describe, store_errors
 from kvpersist.l2.tree import RootDir
-from kvpersist.stack import forget_l1
-from kvpersist.stack.forget_input import MAX_BYTES, ForgetInput, parse_input
-from kvpersist.stack.forget_keys import chunk_keys
-from kvpersist.stack.lmcache_exec import read_secret_file
+from kvpersist.stack.forget import l1 as forget_l1
+from kvpersist.stack.forget.input import MAX_BYTES, ForgetInput, parse_input
+from kvpersist.stack.forget.keys import chunk_keys
 from kvpersist.stack.locate import locate
 from kvpersist.stack.render import TEMPLATE_NAMES, render
-from kvpersist.stack.warm_keys import key_scheme
-from kvpersist.stack.warm_tokens import tokenize
-from kvpersist.stack.warmup import world_size
+from kvpersist.stack.warm.keys import key_scheme
+from kvpersist.stack.warm.run import world_size
+from kvpersist.stack.warm.tokens import tokenize
 from kvpersist.system.files import service_uids
 from kvpersist.system.software import running_vllm_version
 from kvpersist.system.templates import read_templates
@@ -127,7 +125,7 @@ class ForgetResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "namespace": self.namespace, "dry_run": self.dry_run,
-                "cache_salt": display_name(self.plan.salt) if self.plan.salt else None,
+                "cache_salt": self.plan.salt or None,
                 "include_pinned": self.plan.include_pinned,
                 "input": {"kind": self.input_kind, "file": self.input_file},
                 "world_size": self.world_size, "chunk_size": self.chunk_size,
@@ -140,7 +138,7 @@ class ForgetResult:
 
 def read_input(kind: str, path: str) -> ForgetInput:
     """Read and parse the input file (a link is followed; what it names must be a regular
-    file of at most :data:`~kvpersist.stack.forget_input.MAX_BYTES`). Raises ConfigError."""
+    file of at most :data:`~kvpersist.stack.forget.input.MAX_BYTES`). Raises ConfigError."""
     shown = show_path(path)
     try:
         data = read_bytes(path, max_bytes=MAX_BYTES)
@@ -221,7 +219,7 @@ def _plan(root: RootDir | None, namespace: str, keys: Any, sequences: Any, salt:
 
 
 def _shared(dep: Any, plan: ForgetPlan, apply: bool) -> SharedOutcome:
-    tier = shared_tier_of(dep.settings)
+    tier = dep.shared
     if tier is None:
         return SharedOutcome(False)
     out = SharedOutcome(True, "deleted" if apply else "checked")

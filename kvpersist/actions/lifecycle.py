@@ -6,24 +6,29 @@ they never scan the cache root or plan a budget, so they work when the budget is
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import load_deployment
 from kvpersist.errors import Problem, UsageError
-from kvpersist.stack import crash_window, fleet
+from kvpersist.l2.fleet import host as fleet
+from kvpersist.l2.fleet.host import RecordOutcome
+from kvpersist.stack import crash_window
 from kvpersist.stack import launch as lc
 from kvpersist.stack import processes as proc
-from kvpersist.stack.fleet import RecordOutcome
+from kvpersist.stack.canary.run import CanaryRun
 from kvpersist.stack.health import health_report
+from kvpersist.stack.launch_options import DEFAULTS, STOP_TIMEOUT, LaunchOptions
 from kvpersist.stack.locate import Location, locate
 from kvpersist.stack.plan import LaunchPlan, prepare_launch
 from kvpersist.stack.preflight import preflight
-from kvpersist.stack.prime import PrimeRun
 from kvpersist.stack.processes import Progress, Stopped, quiet
-from kvpersist.stack.readiness import WarmupRun, log_to, warmup_after_vllm
 from kvpersist.stack.stops import systemd_stop_was_clean, systemd_stop_was_deliberate
+from kvpersist.stack.warm.handoff import Handoff
+from kvpersist.stack.warm.prime import PrimeRun
+from kvpersist.stack.warm.readiness import WarmupRun, log_to, warmup_after_vllm
+from kvpersist.stack.warm.run import render_handoff
 from kvpersist.system.procs import PidState
 
 if TYPE_CHECKING:
@@ -57,27 +62,14 @@ class CheckResult:
                 "problems": [str(p) for p in self.problems], "notes": list(self.notes)}
 
 
-def check_launch(config: str, *, with_vllm: bool, allow_unpinned: bool = False,
-                 allow_tmp_cleanup: bool = False,
-                 allow_unsupported_vllm: bool = False) -> CheckResult:
+def check_launch(config: str, opts: LaunchOptions = DEFAULTS) -> CheckResult:
     """Preflight only: size once, render, check; start nothing, write nothing (a cache root
     to be created is a note). Configuration problems (including the budget's) raise
-    ConfigError; preflight problems are in the result."""
-    p = prepare_launch(config, allow_unpinned=allow_unpinned,
-                       allow_tmp_cleanup=allow_tmp_cleanup,
-                       allow_unsupported_vllm=allow_unsupported_vllm)
-    pre = preflight(p.dep, p.plan, p.sizing, with_vllm=with_vllm)
+    ConfigError; preflight problems are in the result. vLLM is checked unless
+    ``opts.with_vllm`` is False or ``opts.foreground`` (the cache server alone)."""
+    p = prepare_launch(config, opts)
+    pre = preflight(p.dep, p.plan, p.sizing, with_vllm=opts.with_vllm and not opts.foreground)
     return CheckResult(p.dep.name, p.dep.namespace, pre.problems, pre.notes)
-
-
-def launch_foreground(config: str, *, allow_unpinned: bool = False,
-                      allow_tmp_cleanup: bool = False, allow_unsupported_vllm: bool = False,
-                      progress: Progress = quiet) -> None:
-    """Exec the cache server in this process (systemd); returns only by raising."""
-    p = prepare_launch(config, allow_unpinned=allow_unpinned,
-                       allow_tmp_cleanup=allow_tmp_cleanup,
-                       allow_unsupported_vllm=allow_unsupported_vllm)
-    lc.launch_foreground(p.dep, p.rendered, p.plan, p.sizing, progress=progress)
 
 
 @dataclass(frozen=True)
@@ -99,7 +91,7 @@ class LaunchOutcome:
             "manifest": plan.manifest_file,
             "notes": list(res.notes),
             "started": [n for n, p in (("server", srv), ("vllm", v)) if p is not None],
-            "lmcache": {"pid": srv.pid if srv else proc.server_state(plan).pid,
+            "lmcache": {"pid": res.server_pid,
                         "started": srv is not None, "pid_file": plan.server_pid_file,
                         "log": plan.server_log, "http": plan.server_http_url,
                         "seconds_to_healthy": round(srv.seconds, 2) if srv else None},
@@ -107,6 +99,8 @@ class LaunchOutcome:
             "crash_window": res.crash.to_dict() if res.crash is not None else None,
             "prime": res.prime.to_dict() if res.prime is not None else None,
             "warmup": res.warmup.to_dict() if res.warmup is not None else None,
+            "canary": res.canary.to_dict() if res.canary is not None else None,
+            "recompute": res.recompute or None,
             "fleet_record": (res.fleet_record.to_dict() if res.fleet_record is not None
                              else None),
         }
@@ -118,23 +112,15 @@ class LaunchOutcome:
         return out
 
 
-def launch(config: str, *, with_vllm: bool = True, server_timeout: float = 60.0,
-           vllm_timeout: float = 300.0, allow_unpinned: bool = False,
-           allow_tmp_cleanup: bool = False, allow_unsupported_vllm: bool = False,
-           progress: Progress = quiet, crash_rate_mb_s: float | None = 200.0,
-           crash_seconds: float | None = 60.0, warmup: bool = True,
-           warmup_wait: float | None = None) -> LaunchOutcome:
+def launch(config: str, opts: LaunchOptions = DEFAULTS, *,
+           progress: Progress = quiet) -> LaunchOutcome:
     """Size, render, preflight, check the crash window after an unclean stop, start the
-    deployment and warm it up (see :func:`lc.launch`)."""
-    p = prepare_launch(config, allow_unpinned=allow_unpinned,
-                       allow_tmp_cleanup=allow_tmp_cleanup,
-                       allow_unsupported_vllm=allow_unsupported_vllm)
+    deployment and warm it up (see :func:`lc.launch`); with ``opts.foreground`` exec the
+    cache server in this process (systemd): it returns only by raising."""
+    p = prepare_launch(config, opts)
     progress(f"launching {p.dep.name} (namespace {p.dep.namespace})")
-    result = lc.launch(p, with_vllm=with_vllm, server_timeout=server_timeout,
-                       vllm_timeout=vllm_timeout, progress=progress,
-                       crash_rate_mb_s=crash_rate_mb_s, crash_seconds=crash_seconds,
-                       warmup=warmup, warmup_wait=warmup_wait)
-    return LaunchOutcome(p.dep.name, p.dep.namespace, p.plan, result)
+    return LaunchOutcome(p.dep.name, p.dep.namespace, p.plan, lc.launch(p, opts,
+                                                                         progress=progress))
 
 
 @dataclass(frozen=True)
@@ -146,10 +132,20 @@ class WarmupOnlyOutcome:
     warmup: WarmupRun
     #: the priming request (None: vLLM did not serve in time)
     prime: PrimeRun | None = None
+    #: the canary's run (None: not run)
+    canary: CanaryRun | None = None
+
+    @property
+    def canary_failed(self) -> bool:
+        """This step's canary failed: exit 3, so that the vLLM unit fails (and its restart
+        starts vLLM without the cache) and run-vllm-with-persist.sh stops vLLM
+        (docs/canary.md)."""
+        return self.canary is not None and self.canary.state == "failed"
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config, "namespace": self.namespace,
                 "prime": self.prime.to_dict() if self.prime is not None else None,
+                "canary": self.canary.to_dict() if self.canary is not None else None,
                 "warmup": self.warmup.to_dict()}
 
 
@@ -158,19 +154,20 @@ def warmup_only(config: str, *, deadline_s: float = 1800.0, vllm_pid: int | None
                 progress: Progress = quiet) -> WarmupOnlyOutcome:
     """For the vLLM unit's ``ExecStartPost`` and the ``KV_PERSIST=1`` hook: wait until the
     deployment's vLLM serves its namespace, then run the warm-up, within ``deadline_s`` (see
-    :func:`kvpersist.stack.readiness.warmup_after_vllm`; ``vllm_pid``: stop waiting when
-    that process exits). Never scans or sizes; raises only ConfigError for a config that
-    does not load."""
+    :func:`kvpersist.stack.warm.readiness.warmup_after_vllm`; ``vllm_pid``: stop waiting
+    when that process exits). Never scans or sizes; raises only ConfigError for a config
+    that does not load. The warm-up child is handed this deployment's rendered arguments
+    (rendered once, here)."""
     import os
-
 
     dep, loc = load_located(config)
     logged = log_to(loc.warmup_log, progress)
-    step = warmup_after_vllm(loc, config, warm_file=dep.settings.warmup_file,
+    handoff = render_handoff(dep) if dep.settings.warmup_file else Handoff((), ())
+    step = warmup_after_vllm(loc, config, handoff, warm_file=dep.settings.warmup_file,
                              env=dict(os.environ if environ is None else environ),
                              deadline_s=deadline_s, vllm_pid=vllm_pid, progress=logged)
     logged(lc.warmup_summary(step.warmup))
-    return WarmupOnlyOutcome(dep.name, dep.namespace, step.warmup, step.prime)
+    return WarmupOnlyOutcome(dep.name, dep.namespace, step.warmup, step.prime, step.canary)
 
 
 @dataclass(frozen=True)
@@ -193,7 +190,7 @@ class StopOutcome:
                                  else None)}
 
 
-def stop(config: str, *, timeout: float = 30.0, vllm: bool = True,
+def stop(config: str, *, timeout: float = STOP_TIMEOUT, vllm: bool = True,
          server: bool = True) -> StopOutcome:
     """Stop vLLM (unless ``vllm`` is False), then the cache server (unless ``server`` is
     False); when the server stopped, delete this host's fleet record on the shared tier (the
@@ -219,12 +216,11 @@ class RestartOutcome:
                 "stopped": self.stop.to_dict()["stopped"], "launch": self.launch.to_dict()}
 
 
-def restart(config: str, *, only: str | None = None, timeout: float = 30.0,
-            server_timeout: float = 60.0, vllm_timeout: float = 300.0,
-            warmup: bool = True, warmup_wait: float | None = None,
-            progress: Progress = quiet) -> RestartOutcome:
+def restart(config: str, opts: LaunchOptions = DEFAULTS, *, only: str | None = None,
+            timeout: float = STOP_TIMEOUT, progress: Progress = quiet) -> RestartOutcome:
     """Stop the deployment (or ``only`` one of its processes: ``vllm`` or ``server``), then
-    start what is not running (:func:`launch`): the persisted KV stays on disk either way.
+    start what is not running (:func:`launch` with ``opts``, vLLM included): the persisted
+    KV stays on disk either way. ``timeout``: seconds from SIGTERM to SIGKILL.
     The launch's preflight runs after the stop (the ports must be free); a preflight that
     refuses leaves the stopped part stopped and raises ConfigError (exit 2). Raises
     UsageError for another ``only``."""
@@ -238,9 +234,7 @@ def restart(config: str, *, only: str | None = None, timeout: float = 30.0,
     stopped = stop(config, timeout=timeout, vllm=vllm, server=server)
     for s in stopped.stopped:
         progress(f"stopped {s.what}: {s.how}" + (f" (pid {s.pid})" if s.pid else ""))
-    out = launch(config, with_vllm=True, server_timeout=server_timeout,
-                 vllm_timeout=vllm_timeout, progress=progress, warmup=warmup,
-                 warmup_wait=warmup_wait)
+    out = launch(config, replace(opts, with_vllm=True, foreground=False), progress=progress)
     started = tuple(n for n, p in (("vllm", out.result.vllm), ("server", out.result.server))
                     if p is not None)
     return RestartOutcome(stopped.config, started, stopped, out)
@@ -317,17 +311,19 @@ def status(config: str) -> StatusOutcome:
     """Whether the deployment's cache server and vLLM run (pid files checked, not trusted)."""
     dep, loc = load_located(config)
     srv = proc.server_state(loc)
-    srv_ok = proc.http_ok(f"{loc.server_http_url}/healthcheck", 2.0) if srv.running else False
+    srv_ok = loc.lmcache(2.0).healthy() if srv.running else False
     vst = proc.vllm_state(loc) if loc.vllm_mode == "process" else None
     return StatusOutcome(dep.name, dep.namespace, loc, srv, srv_ok, vst,
                          proc.vllm_ready(loc, 2.0))
 
 
 def health(config: str, *, timeout: float = 3.0, expect_vllm: bool = True,
-           wait: float = 0.0, refresh_record: bool = False) -> HealthReport:
+           wait: float = 0.0, refresh_record: bool = False,
+           with_canary: bool = False) -> HealthReport:
     """Probe the deployment (see :mod:`kvpersist.stack.health`); never scans the root.
-    ``refresh_record``: refresh this host's fleet record while the cache server answers."""
+    ``refresh_record``: refresh this host's fleet record while the cache server answers;
+    ``with_canary``: run the known-answer canary first."""
 
     dep, loc = load_located(config)
     return health_report(dep, loc, timeout=timeout, expect_vllm=expect_vllm, wait=wait,
-                         refresh_record=refresh_record)
+                         refresh_record=refresh_record, with_canary=with_canary)

@@ -32,23 +32,43 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from kvpersist.actions.lifecycle import health
-from kvpersist.actions.report import report_on
-from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import load_deployment
 from kvpersist.config.shared_tier import SharedTier
 from kvpersist.errors import KvpError, UsageError
 from kvpersist.l2.inventory import open_existing, real_root, resolve_inventory
 from kvpersist.l2.layout import display_name
+from kvpersist.l2.report import report_on
 from kvpersist.l2.runs import read_runs
 from kvpersist.l2.scan import ProgressFn, ScanResult
-from kvpersist.l2.shared_store import StoreMeasurement, measure
-from kvpersist.stack.health import COMPONENTS, EXIT, HealthReport, component_status
-from kvpersist.stack.lmcache_exec import read_secret_file
-from kvpersist.system.files import service_uids, write_textfile
+from kvpersist.l2.shared.credentials import read_secret_file
+from kvpersist.l2.shared.store import StoreMeasurement, measure
+from kvpersist.stack.health import (
+    COMPONENTS,
+    EXIT,
+    HealthReport,
+    component_status,
+    health_report,
+)
+from kvpersist.stack.locate import locate
+from kvpersist.system.files import open_textfile_dir, service_uids, write_textfile_at
+from kvpersist.system.untrusted import show_path
 
 PREFIX = "kvpersist_"
 _HEALTH_VALUE = {"ok": 0, "degraded": 1, "down": 2, "warming": 3}
+_CANARY_VALUE = {"passed": 0, "unknown": 1, "failed": 2}
+
+
+def _epoch(stamp: Any) -> float | None:
+    """``2026-12-06T04:30:00Z`` -> seconds since the epoch (None for anything else)."""
+    from datetime import UTC, datetime
+
+    if not isinstance(stamp, str):
+        return None
+    try:
+        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
 INFO_LABELS = ("model_id", "model_revision", "kv_cache_dtype", "tensor_parallel_size",
                "served_model_name", "config")
 
@@ -211,6 +231,9 @@ def root_families(exp: Exposition, facts: RootFacts, now_s: float) -> None:
               (1 if verify["ok"] else 0) if verify else None)
     exp.gauge("last_verify_findings", "Findings of the last verify.", r,
               int(verify["counts"].get("findings", 0)) if verify else None)
+    exp.gauge("last_verify_moved", "Findings of the last verify that are a frame recorded "
+              "under another chunk's name (moved).", r,
+              int(verify["counts"].get("moved", 0)) if verify else None)
     prune = facts.runs.get("prune")
     exp.gauge("last_prune_timestamp_seconds", "When kvp-admin prune --apply last finished on "
               "the root.", r, _seconds(prune["finished_ns"]) if prune else None)
@@ -297,6 +320,20 @@ def health_families(exp: Exposition, rep: HealthReport, now_s: float,
               lab, 1 if rep.facts.server_healthcheck else 0)
     exp.gauge("vllm_up", "1 when vLLM answers /health (absent when not checked).", lab,
               (1 if rep.facts.vllm_health else 0) if rep.facts.expect_vllm else None)
+    canary = rep.facts.canary
+    if canary is not None:
+        last = canary.get("last") or {}
+        state = "failed" if canary.get("state") == "failed" else last.get("state")
+        exp.gauge("canary_state", "The namespace's known-answer canary: 0 passed, 1 unknown "
+                  "(its last run could not compare), 2 failed (vLLM serves without the cache "
+                  "until `kvp-admin canary reset`); absent before a first run.", lab,
+                  _CANARY_VALUE.get(str(state)))
+        exp.gauge("canary_last_pass_timestamp_seconds", "When the canary last passed.", lab,
+                  _epoch(canary.get("last_passed_at")))
+        diff = (last.get("verdict") or {}).get("max_diff")
+        exp.gauge("canary_max_logprob_diff", "The largest logprob difference from the "
+                  "reference in the canary's last run (nats; absent when it compared "
+                  "nothing).", lab, diff if isinstance(diff, (int, float)) else None)
     if store is not None:
         exp.info("deployment_shared_tier", "The shared-tier store the deployment uses (join on "
                  "store).", lab, {"store": store[0], "adapter": store[1]})
@@ -404,7 +441,8 @@ def collect(root: str | None, configs: Sequence[str], *, timeout: float = 3.0,
     failed += [f"shared tier {sf.store}: {sf.error} (exported kvpersist_shared_tier_up "
                f"{1 if sf.measured and sf.measured.probe.up else 0})"
                for sf in stores if not sf.complete]
-    reports = [health(c, timeout=timeout, expect_vllm=expect_vllm) for c, _ in deps]
+    reports = [health_report(d, locate(d), timeout=timeout, expect_vllm=expect_vllm)
+               for _, d in deps]
     return MetricsOutcome(roots, reports, measured, notes, failed, stores,
                           {d.name: (tier.store_id, tier.adapter)
                            for mine in _stores_of(deps).values() for d, tier in mine})
@@ -416,7 +454,7 @@ def _stores_of(deps: Sequence[tuple[str, Deployment]],
 
     out: dict[str, list[tuple[Deployment, SharedTier]]] = {}
     for _, dep in deps:
-        tier = shared_tier_of(dep.settings)
+        tier = dep.shared
         if tier is not None:
             out.setdefault(tier.store_id, []).append((dep, tier))
     return out
@@ -453,11 +491,16 @@ def _deployment_info(dep: Deployment) -> dict[str, str]:
 
 def write_textfiles(outcome: MetricsOutcome, directory: str) -> list[str]:
     """Write each root's and each deployment's exposition into ``directory`` (atomically,
-    readable by node_exporter); the paths written. Raises KvpError if one cannot be written."""
-
+    readable by node_exporter, relative to the directory opened once: never through a
+    symbolic link); the paths written. Raises UsageError (exit 2) when ``directory`` is a
+    symbolic link or not a directory, KvpError if a file cannot be written."""
     written = []
-    for name, exp in outcome.files():
-        path = os.path.join(directory, name)
-        write_textfile(path, exp.registry())
-        written.append(path)
+    dfd = open_textfile_dir(directory)
+    try:
+        for name, exp in outcome.files():
+            path = os.path.join(directory, name)
+            write_textfile_at(dfd, name, exp.registry(), shown=show_path(path))
+            written.append(path)
+    finally:
+        os.close(dfd)
     return written

@@ -4,7 +4,7 @@ The guard rules live here, not in the command: what may be selected, when the ac
 namespaces are certain enough for ``--stale`` and ``--to-budget``, and how ``--to-budget``
 turns every deployment's budget plan into bytes to free.
 
-A namespace whose pin manifest cannot be read is held whole (:mod:`kvpersist.l2.pins`):
+A namespace whose pin manifest cannot be read is held whole (:mod:`kvpersist.l2.pins.usage`):
 ``--stale``, ``--unpinned`` and ``--to-budget`` neither plan on its bytes nor delete any of
 its files (the executor checks each file against it), and the result's warnings name the
 manifest. Only ``--namespace`` deletes a held namespace, as it deletes pinned files.
@@ -29,8 +29,8 @@ from kvpersist.l2.inventory import (
     snapshot,
 )
 from kvpersist.l2.manifests import manifest_dirs
-from kvpersist.l2.pin_store import read_pins
-from kvpersist.l2.pins import PinnedUsage, PinSet, Unpinned, all_names, without_pins
+from kvpersist.l2.pins.store import read_pins
+from kvpersist.l2.pins.usage import PinnedUsage, PinSet, Unpinned, all_names, without_pins
 from kvpersist.l2.prune import PruneResult, prune_lock, prune_stream
 from kvpersist.l2.retention import (
     RetentionPlan,
@@ -135,7 +135,7 @@ def unpinned_usage(res: ScanResult, pinned: Mapping[str, PinnedUsage],
                    hold_all: bool = False) -> dict[str, UsageView]:
     """Each prefix's scan figures less its warm-set pins (measured just after the scan), so
     that a plan never counts on bytes it may not delete (pure). A namespace whose pins are
-    held whole (``held`` with :attr:`~kvpersist.l2.pins.PinSet.held`; every prefix with
+    held whole (``held`` with :attr:`~kvpersist.l2.pins.usage.PinSet.held`; every prefix with
     ``hold_all``) has nothing left to choose from."""
     out: dict[str, UsageView] = dict(res.prefixes)
     for ns, pu in pinned.items():

@@ -2,26 +2,35 @@
 
 The deployments (``--config``, default: every config under configs/ with a shared tier) name
 the tier, its credentials and the namespaces active here; the fleet records on the store
-(:mod:`kvpersist.l2.fleet`) name the namespaces other hosts serve. The same rules as on disk:
-a dry run unless ``apply``, an active namespace (here or on any host) only with ``force``.
+(:mod:`kvpersist.l2.fleet.records`) name the namespaces other hosts serve. The same rules as
+on disk: a dry run unless ``apply``, an active namespace (here or on any host) only with
+``force``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpersist.config.deployment import Deployment, shared_tier_of
-from kvpersist.config.loader import list_config_names, load_deployment
+from kvpersist.config.deployment import Deployment
+from kvpersist.config.loader import deployments_with_shared_tier
 from kvpersist.config.shared_tier import SharedTier
-from kvpersist.errors import UsageError
-from kvpersist.l2.fleet import FleetRecord, by_namespace, describe_hosts, host_rows
-from kvpersist.l2.shared_keys import namespace_problem
-from kvpersist.l2.shared_store import SharedStore, connect, prune_namespace, usage
-from kvpersist.stack import fleet
-from kvpersist.stack.lmcache_exec import read_secret_file
+from kvpersist.errors import KvpError, UsageError
+from kvpersist.l2.fleet import host as fleet
+from kvpersist.l2.fleet.records import FleetRecord, by_namespace, describe_hosts, host_rows
+from kvpersist.l2.shared.credentials import read_secret_file
+from kvpersist.l2.shared.keys import namespace_problem
+from kvpersist.l2.shared.store import (
+    SharedStore,
+    connect,
+    describe,
+    prune_namespace,
+    store_errors,
+    usage,
+)
 from kvpersist.system.files import service_uids
 
 REPORT_SCHEMA = "kvpersist.shared-report/1"
@@ -46,23 +55,10 @@ def shared_context(configs: Sequence[str]) -> SharedContext:
     """Load the deployments that use a shared tier. Raises UsageError when none does or they
     name different tiers, ConfigError for a config that does not load."""
 
-    if configs:
-        deps = [load_deployment(c) for c in configs]
-        missing = [d.name for d in deps if not d.settings.shared_tier]
-        if missing:
-            raise UsageError(f"{', '.join(missing)}: no shared tier (KVP_SHARED_TIER is empty)")
-    else:
-        deps = []
-        for name in list_config_names():
-            try:
-                dep = load_deployment(name)
-            except Exception:  # noqa: BLE001 - a config that does not load is not this tier's
-                continue
-            if dep.settings.shared_tier:
-                deps.append(dep)
-        if not deps:
-            raise UsageError("no deployment config has a shared tier; name one with --config")
-    tiers = {shared_tier_of(d.settings) for d in deps}
+    deps = deployments_with_shared_tier(configs)
+    if not deps:
+        raise UsageError("no deployment config has a shared tier; name one with --config")
+    tiers = {d.shared for d in deps}
     if len(tiers) != 1:
         raise UsageError("the configs name different shared tiers; give --config for one")
     tier = tiers.pop()
@@ -81,8 +77,10 @@ def report_shared(configs: Sequence[str]) -> dict[str, Any]:
         budget = store.budget()
         found = usage(store)
         records, problems = fleet.read_keys(store, found.record_keys)  # no second scan
+    except store_errors() as exc:  # failed, or answered what a store does not, mid-way
+        raise KvpError(f"shared tier {ctx.tier.endpoint}: {describe(exc)}") from exc
     finally:
-        store.close()
+        _close(store)
     now = time.time()
     hosts = by_namespace(records)
     sizes = {ns: found.namespaces.get(ns, [0, 0]) for ns in {*found.namespaces, *hosts}}
@@ -139,9 +137,18 @@ def prune_shared(configs: Sequence[str], namespaces: Sequence[str], *, apply: bo
                                  "the shared tier anyway")
         results = [prune_namespace(store, ns, apply=apply, progress=progress)
                    for ns in wanted]
+    except store_errors() as exc:  # failed, or answered what a store does not, mid-way
+        raise KvpError(f"shared tier {ctx.tier.endpoint}: {describe(exc)}; run it again "
+                       "once the store answers (what was deleted stays deleted)") from exc
     finally:
-        store.close()
+        _close(store)
     return {"schema": PRUNE_SCHEMA, "tier": ctx.tier.to_dict(), "dry_run": not apply,
             "namespaces": [r.to_dict() for r in results],
             "deleted_keys": sum(r.keys for r in results),
             "deleted_bytes": sum(r.bytes for r in results)}
+
+
+def _close(store: SharedStore) -> None:
+    """Close ``store``; a store that fails even that is already reported."""
+    with contextlib.suppress(*store_errors()):
+        store.close()

@@ -29,9 +29,9 @@ from kvpersist.config.key_paths import (
 )
 from kvpersist.config.loader import LEGACY_STATE_ENTRIES
 from kvpersist.errors import EXIT_OK, UsageError
-from kvpersist.l2 import keys
 from kvpersist.l2.inventory import Inventory, open_existing, resolve_inventory, scan
-from kvpersist.l2.keyplan import ShredKeyPlan, plan_shred_keys, root_key_users
+from kvpersist.l2.keys import store as keys
+from kvpersist.l2.keys.plan import ShredKeyPlan, plan_shred_keys, root_key_users
 from kvpersist.l2.layout import MANIFESTS_DIR
 from kvpersist.system.files import service_uids
 

@@ -9,15 +9,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvpersist.actions.report import report
 from kvpersist.actions.shared import report_shared
-from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.deployment import Deployment
 from kvpersist.config.engine_args import parse
 from kvpersist.config.identity import diff_identities
 from kvpersist.config.loader import load_deployment
 from kvpersist.config.warmset import parse_tokens_document, tokens_cache_name
 from kvpersist.errors import KvpError, UsageError
-from kvpersist.l2.inventory import real_root
+from kvpersist.l2.inventory import open_existing, real_root, resolve_inventory
+from kvpersist.l2.report import report_on
 from kvpersist.l2.tree import open_dir
 from kvpersist.l2.upgrade_plan import (
     LocalData,
@@ -29,7 +29,7 @@ from kvpersist.l2.upgrade_plan import (
     plan_upgrade,
 )
 from kvpersist.stack.locate import locate
-from kvpersist.stack.warmup import (
+from kvpersist.stack.warm.run import (
     TOKENS_MAX_BYTES,
     TOKENS_MAX_CONTAINERS,
     read_warm_set,
@@ -57,7 +57,7 @@ def _load(config: str, which: str) -> Deployment:
 
 
 def _side(arg: str, dep: Deployment) -> Side:
-    tier = shared_tier_of(dep.settings)
+    tier = dep.shared
     return Side(arg, dep.name, dep.source, dep.namespace, real_root(dep.settings.cache_root),
                 tier.endpoint if tier is not None else "")
 
@@ -74,9 +74,9 @@ def plan(old_config: str, new_config: str) -> UpgradePlan:
     a, b = _side(old_config, old), _side(new_config, new)
     local = _local(old, new_config, problems, notes)
     shared, same_tier = None, False
-    old_tier = shared_tier_of(old.settings)
+    old_tier = old.shared
     if old_tier is not None:
-        same_tier = old_tier == shared_tier_of(new.settings)
+        same_tier = old_tier == new.shared
         shared = _shared(old_config, old.namespace, old_tier.endpoint, problems)
     facts = UpgradeFacts(
         a, b, tuple(diff_identities(old.identity, new.identity)),
@@ -106,7 +106,9 @@ def _local(old: Deployment, new_config: str, problems: list[str],
                      "nothing of the old namespace is on its NVMe")
         return LocalData(real_root(root), 0, 0, 0, 0, None)
     try:
-        doc = report(root, (new_config,)).to_dict()
+        inv = resolve_inventory(root, (new_config,))
+        with open_existing(inv.root) as handle:
+            doc = report_on(handle, inv).to_dict()
     except KvpError as exc:
         problems.append(f"OLD's cache root {show_path(root)}: {exc}")
         return None

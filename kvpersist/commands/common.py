@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -10,6 +12,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from kvpersist.config.values import MAX_DURATION_S, MAX_WAIT_S
 from kvpersist.json_mode import mark_written
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -26,6 +29,57 @@ def exit_with(code: int) -> NoReturn:
     click with ``standalone_mode=False``) returns ``code`` for the console script to exit
     with."""
     raise click.exceptions.Exit(code)
+
+
+class Number(click.ParamType):  # type: ignore[type-arg]
+    """A number given on the command line: finite, in ``[low, high]`` (``low`` excluded when
+    ``above``), an integer when ``integer``. Anything else (``nan``, ``inf``, ``1e308``, a
+    negative timeout, ``0x10``) is a usage error naming the option: exit 2, never a
+    traceback (issue 40: ``--timeout nan`` and ``--wait nan`` got through)."""
+
+    def __init__(self, low: float, high: float, *, above: bool = False,
+                 integer: bool = False, unit: str = "") -> None:
+        self.low, self.high, self.above, self.integer = low, high, above, integer
+        self.unit = unit
+        self.name = "seconds" if unit == "seconds" else "integer" if integer else "number"
+
+    def _range(self) -> str:
+        low = f"more than {self.low:g} and at most" if self.above else f"from {self.low:g} to"
+        kind = "an integer" if self.integer else "one"
+        unit = f" {self.unit}" if self.unit else ""
+        return f"give {kind} {low} {self.high:g}{unit}"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            number: float = value
+        else:
+            text = str(value)
+            pattern = _INTEGER if self.integer else _DECIMAL
+            if not pattern.fullmatch(text):
+                what = "an integer" if self.integer else "a number"
+                self.fail(f"{text[:40]!r} is not {what} ({self._range()})", param, ctx)
+            number = int(text) if self.integer else float(text)
+        if not math.isfinite(number) or number > self.high or number < self.low or (
+                self.above and number <= self.low):
+            self.fail(f"{str(value)[:40]!r} is out of range ({self._range()})", param, ctx)
+        return number
+
+
+#: what a number on the command line may look like: ASCII digits, one optional point, an
+#: optional sign (no exponent, no nan or inf, no "_", no other digits than 0-9)
+_DECIMAL = re.compile(r"[+-]?[0-9]{1,15}(?:\.[0-9]{1,9})?|[+-]?\.[0-9]{1,9}", re.ASCII)
+_INTEGER = re.compile(r"[+-]?[0-9]{1,15}", re.ASCII)
+#: a network timeout: more than 0, at most an hour
+TIMEOUT = Number(0, 3600, above=True, unit="seconds")
+#: a wait or a time bound that may be 0 (do not wait), at most a day
+WAIT = Number(0, MAX_WAIT_S, unit="seconds")
+#: a time bound that must be more than 0, at most a day
+SECONDS = Number(0, MAX_WAIT_S, above=True, unit="seconds")
+#: an age in seconds (0 to 100 years)
+AGE_S = Number(0, MAX_DURATION_S, unit="seconds")
+#: a read rate in MB/s (0: unbounded)
+RATE = Number(0, 1e6, unit="MB/s")
 
 
 def json_option(func: F) -> F:

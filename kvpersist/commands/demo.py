@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvpersist.commands.common import echo_json, exit_with
+from kvpersist.commands.common import Number, echo_json, exit_with
 
 
 @click.command("demo")
@@ -16,7 +16,7 @@ from kvpersist.commands.common import echo_json, exit_with
               help="Demo model: demo (79M parameters, one KV head, served in float32: prefill "
                    "dominates the first token, identical output), tiny (7M, what the tests "
                    "serve: fixed costs dominate) or bench (180M, bfloat16).")
-@click.option("--turns", type=int, default=12, show_default=True,
+@click.option("--turns", type=Number(1, 1000, integer=True), default=12, show_default=True,
               help="Turns of chat history in the long request.")
 @click.option("--keep-running", is_flag=True,
               help="Leave the cache server and vLLM running after the second request.")

@@ -8,13 +8,13 @@ from typing import Any
 
 import click
 
-from kvpersist.commands.common import echo_json, exit_with, json_option, table
+from kvpersist.commands.common import TIMEOUT, echo_json, exit_with, json_option, table
 from kvpersist.config.values import format_size
 
 
 def _when(t: float | None, now: float) -> str:
     """``2026-05-01 10:04Z (3 h)`` or '-'."""
-    from kvpersist.l2.fleet import format_age
+    from kvpersist.l2.fleet.records import format_age
 
     if t is None:
         return "-"
@@ -23,13 +23,16 @@ def _when(t: float | None, now: float) -> str:
 
 
 def _health(h: dict[str, Any] | None) -> str:
-    from kvpersist.l2.fleet import format_age
+    from kvpersist.l2.fleet.records import format_age
 
-    return "-" if h is None else f"{h['status']} ({format_age(h['age_s'])} ago)"
+    if h is None:
+        return "-"
+    canary = ", CANARY FAILED" if h.get("canary") == "failed" else ""
+    return f"{h['status']}{canary} ({format_age(h['age_s'])} ago)"
 
 
 def _nvme(n: dict[str, Any] | None) -> str:
-    from kvpersist.l2.fleet import format_age
+    from kvpersist.l2.fleet.records import format_age
 
     if n is None:
         return "-"
@@ -89,7 +92,7 @@ def fleet() -> None:
                    "Default: every config under configs/ with a shared tier.")
 @click.option("--namespace", "namespaces", multiple=True, metavar="NS",
               help="Also this namespace (repeatable): one no config here uses.")
-@click.option("--timeout", type=float, default=3.0, show_default=True,
+@click.option("--timeout", type=TIMEOUT, default=3.0, show_default=True,
               help="Timeout of each call to the store, seconds.")
 @json_option
 def status(configs: tuple[str, ...], namespaces: tuple[str, ...], timeout: float,

@@ -8,6 +8,7 @@ import click
 
 from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option, table
 from kvpersist.errors import UsageError
+from kvpersist.l2.layout import display_name
 
 
 @click.command("forget")
@@ -62,7 +63,7 @@ def forget(config: str, messages: str | None, prompt_file: str | None, token_ids
 def _print(doc: dict[str, Any]) -> None:
     plan, tiers = doc["plan"], doc["tiers"]
     verb = "would remove" if doc["dry_run"] else "removed"
-    salt = f", cache salt {doc['cache_salt']}" if doc["cache_salt"] else ""
+    salt = f", cache salt {display_name(doc['cache_salt'])}" if doc["cache_salt"] else ""
     click.echo(f"namespace {doc['namespace']}{salt}: {doc['input']['kind']} "
                f"{doc['input']['file']}, {len(plan['requests'])} request(s), "
                f"{plan['chunks']} chunk(s) x {doc['world_size']} rank(s) = {plan['keys']} "

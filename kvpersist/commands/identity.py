@@ -116,11 +116,16 @@ def template_sha(template: Path) -> None:
 @click.option("--allow-unsupported-vllm", is_flag=True,
               help="Derive although the installed vLLM (or the image's) is not a supported "
                    "release (docs/vllm-versions.md); the output notes it.")
+@click.option("--allow-known-corruption", is_flag=True,
+              help="Derive although the model is one LMCache's connector is known to serve "
+                   "wrong KV for (a hybrid model, LMCache #4247; docs/canary.md); the output "
+                   "notes it.")
 @json_option
 def derive(model_dir: Path, out: Path | None, force: bool, revision: str | None,
            model_id: str | None, max_model_len: int | None, kv_cache_dtype: str | None,
            block_size: int | None, tensor_parallel_size: int | None, image: str | None,
-           engine_args: str | None, allow_unsupported_vllm: bool, as_json: bool) -> None:
+           engine_args: str | None, allow_unsupported_vllm: bool, allow_known_corruption: bool,
+           as_json: bool) -> None:
     """Derive an identity.env from MODEL_DIR and the installed lmcache and vLLM.
 
     The model id and revision come from the directory's layout (a hub cache snapshot, or a
@@ -129,7 +134,8 @@ def derive(model_dir: Path, out: Path | None, force: bool, revision: str | None,
     cannot be established are left empty under a REQUIRED comment, deployment keys under a
     PLACEHOLDER comment: the file does not load until they are set. Exit 0 when every
     identity field was established, 1 when some are left to fill in, 2 for an unreadable
-    MODEL_DIR, contradicting options, or a vLLM outside the supported releases.
+    MODEL_DIR, contradicting options, a vLLM outside the supported releases, or a model
+    known to be served wrong KV by LMCache's connector (docs/canary.md).
     """
     from kvpersist.config.derive import DeriveOptions
 
@@ -137,7 +143,8 @@ def derive(model_dir: Path, out: Path | None, force: bool, revision: str | None,
                          max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype or "",
                          block_size=block_size, tensor_parallel_size=tensor_parallel_size,
                          image=image or "", engine_args=engine_args or "",
-                         allow_unsupported_vllm=allow_unsupported_vllm)
+                         allow_unsupported_vllm=allow_unsupported_vllm,
+                         allow_known_corruption=allow_known_corruption)
     d = actions.derive(str(model_dir), opts)
     if as_json:
         echo_json(d.to_dict())

@@ -7,7 +7,17 @@ from typing import TYPE_CHECKING
 
 import click
 
-from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option, table
+from kvpersist.commands.common import (
+    RATE,
+    SECONDS,
+    WAIT,
+    config_argument,
+    echo_json,
+    exit_with,
+    json_option,
+    table,
+)
+from kvpersist.stack.launch_options import DEFAULTS, STOP_TIMEOUT, LaunchOptions
 
 if TYPE_CHECKING:
     from kvpersist.actions import lifecycle as lifecycle_types
@@ -18,15 +28,21 @@ def _progress(msg: str) -> None:
 
 
 #: options launch and restart share
-_server_timeout = click.option("--timeout", type=float, default=60.0, show_default=True,
+_server_timeout = click.option("--timeout", type=SECONDS, default=DEFAULTS.server_timeout,
+                               show_default=True,
                                help="Seconds to wait for the cache server to become healthy.")
-_vllm_timeout = click.option("--vllm-timeout", type=float, default=600.0, show_default=True,
+_vllm_timeout = click.option("--vllm-timeout", type=SECONDS, default=DEFAULTS.vllm_timeout,
+                             show_default=True,
                              help="Seconds to wait for vLLM to serve the namespace.")
 _no_warmup = click.option("--no-warmup", is_flag=True,
                           help="Report ready as soon as vLLM serves, without the priming "
                                "request and the warm-up.")
+_no_canary = click.option(
+    "--no-canary", is_flag=True,
+    help="Do not run the known-answer canary this time (docs/canary.md; KVP_CANARY=false: "
+         "never). A namespace whose canary failed stays without the cache either way.")
 _warmup_wait = click.option(
-    "--warmup-wait", type=float, default=None, metavar="SECONDS",
+    "--warmup-wait", type=WAIT, default=None, metavar="SECONDS",
     help="Bound of the warm-up (kvp-admin warmup --wait) [default: KVP_WARMUP_WAIT, 120 s]; a "
          "warm-up past it is a warning, never a failed launch.")
 
@@ -48,25 +64,26 @@ _warmup_wait = click.option(
               help="Launch although the vLLM that would run is not a supported release "
                    "(docs/vllm-versions.md): the checks that need vLLM's internals are "
                    "skipped, each saying so (as KVP_ALLOW_UNSUPPORTED_VLLM=true).")
-@click.option("--crash-check-rate", "crash_rate", type=float, default=200.0,
+@click.option("--crash-check-rate", "crash_rate", type=RATE, default=DEFAULTS.crash_rate_mb_s,
               show_default=True,
               help="After an unclean stop: read the crash window at most this many MB/s "
                    "(0: unbounded).")
-@click.option("--crash-check-seconds", "crash_seconds", type=float, default=60.0,
-              show_default=True,
+@click.option("--crash-check-seconds", "crash_seconds", type=WAIT,
+              default=DEFAULTS.crash_seconds, show_default=True,
               help="After an unclean stop: stop checking the crash window after this many "
                    "seconds (what is left is checked at the next launch).")
 @click.option("--check", is_flag=True,
               help="Preflight only (identity, budget, cache root, ports, weights); start "
                    "nothing. Exit 0 if a launch could proceed, 2 listing every problem.")
 @_no_warmup
+@_no_canary
 @_warmup_wait
 @click.option("--warmup-only", is_flag=True,
               help="Start nothing: wait until the deployment's vLLM (started by a unit or a "
                    "recipe) serves the namespace, then warm up, all within --deadline; for "
                    "the vLLM unit's ExecStartPost and the KV_PERSIST=1 hook. Exit 0 even "
-                   "when the warm-up fails.")
-@click.option("--deadline", type=float, default=1800.0, show_default=True,
+                   "when the warm-up fails; 3 when the canary fails (docs/canary.md).")
+@click.option("--deadline", type=SECONDS, default=1800.0, show_default=True,
               metavar="SECONDS",
               help="With --warmup-only: seconds for the wait and the warm-up together (the "
                    "warm-up gets KVP_WARMUP_WAIT or what is left).")
@@ -78,8 +95,8 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
            allow_unpinned: bool, allow_tmp_cleanup: bool, allow_unsupported_vllm: bool,
            crash_rate: float,
            crash_seconds: float, check: bool,
-           no_warmup: bool, warmup_wait: float | None, warmup_only: bool, deadline: float,
-           vllm_pid: int | None, as_json: bool) -> None:
+           no_warmup: bool, no_canary: bool, warmup_wait: float | None, warmup_only: bool,
+           deadline: float, vllm_pid: int | None, as_json: bool) -> None:
     """Preflight CONFIG, start whatever of its lmcache server and vLLM does not run, warm up.
 
     The two are independent processes: a running one is left as it is (and said so). After
@@ -93,9 +110,10 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
     if vllm_pid is not None and not warmup_only:
         raise UsageError("--vllm-pid goes with --warmup-only")
     if warmup_only:
-        if check or foreground or no_warmup or warmup_wait is not None:
+        if check or foreground or no_warmup or no_canary or warmup_wait is not None:
             raise UsageError("--warmup-only cannot be combined with --check, --foreground, "
-                             "--no-warmup or --warmup-wait (it takes KVP_WARMUP_WAIT)")
+                             "--no-warmup, --no-canary or --warmup-wait (it takes "
+                             "KVP_WARMUP_WAIT and KVP_CANARY)")
         if deadline <= 0:
             raise UsageError("--deadline must be > 0 seconds")
         ready = lifecycle.warmup_only(config, deadline_s=deadline, vllm_pid=vllm_pid,
@@ -105,14 +123,22 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
         else:
             from kvpersist.stack.launch import warmup_summary
 
+            if ready.canary is not None:
+                click.echo(f"{ready.config}: {ready.canary.summary()}")
             click.echo(f"{ready.config}: {warmup_summary(ready.warmup)}")
+        if ready.canary_failed:
+            exit_with(3)
         return
 
+    opts = LaunchOptions(with_vllm=not no_vllm, foreground=foreground, server_timeout=timeout,
+                         vllm_timeout=vllm_timeout, crash_rate_mb_s=crash_rate or None,
+                         crash_seconds=crash_seconds, warmup=not no_warmup,
+                         canary=not no_canary,
+                         warmup_wait=warmup_wait, allow_unpinned=allow_unpinned,
+                         allow_tmp_cleanup=allow_tmp_cleanup,
+                         allow_unsupported_vllm=allow_unsupported_vllm)
     if check:
-        res = lifecycle.check_launch(config, with_vllm=not (no_vllm or foreground),
-                                     allow_unpinned=allow_unpinned,
-                                     allow_tmp_cleanup=allow_tmp_cleanup,
-                                     allow_unsupported_vllm=allow_unsupported_vllm)
+        res = lifecycle.check_launch(config, opts)
         if as_json:
             echo_json(res.to_dict())
         else:
@@ -123,21 +149,11 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
         if not as_json:
             click.echo(f"preflight ok: {res.config} (namespace {res.namespace})")
         return
-    if foreground:
-        lifecycle.launch_foreground(config, allow_unpinned=allow_unpinned,
-                                    allow_tmp_cleanup=allow_tmp_cleanup,
-                                    allow_unsupported_vllm=allow_unsupported_vllm,
-                                    progress=_progress)
-        return
-    out = lifecycle.launch(config, with_vllm=not no_vllm, server_timeout=timeout,
-                           vllm_timeout=vllm_timeout, allow_unpinned=allow_unpinned,
-                           allow_tmp_cleanup=allow_tmp_cleanup,
-                           allow_unsupported_vllm=allow_unsupported_vllm, progress=_progress,
-                           crash_rate_mb_s=crash_rate or None, crash_seconds=crash_seconds,
-                           warmup=not no_warmup, warmup_wait=warmup_wait)
+    out = lifecycle.launch(config, opts, progress=_progress)  # --foreground: never returns
     info = out.to_dict()
     if as_json:
         echo_json(info)
+        _exit_if_canary_failed(out)
         return
     plan = out.plan
     click.echo(f"lmcache server  pid {info['lmcache']['pid']}  {plan.server_http_url}  "
@@ -155,11 +171,27 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
         click.echo(f"warm-up         {warmup_summary(out.result.warmup)}")
     if out.result.prime is not None:
         click.echo(f"prime           {out.result.prime.summary()}")
+    if out.result.canary is not None:
+        click.echo(f"canary          {out.result.canary.summary()}")
+    if out.result.recompute:
+        click.echo(f"RECOMPUTE       vLLM serves without the cache: {out.result.recompute}")
+    _exit_if_canary_failed(out)
+
+
+def _exit_if_canary_failed(out: lifecycle_types.LaunchOutcome) -> None:
+    """Exit 1 when this launch's canary failed: the deployment serves, recomputed, and
+    the operator must look (docs/canary.md)."""
+    canary = out.result.canary
+    if canary is not None and canary.state == "failed":
+        click.echo("kvp-admin: the canary failed: vLLM serves without the cache until "
+                   "`kvp-admin canary reset CONFIG --apply` (see `kvp-admin canary show "
+                   "CONFIG`)", err=True)
+        exit_with(1)
 
 
 @click.command("stop")
 @config_argument
-@click.option("--timeout", type=float, default=30.0, show_default=True,
+@click.option("--timeout", type=SECONDS, default=STOP_TIMEOUT, show_default=True,
               help="Seconds between SIGTERM and SIGKILL.")
 @click.option("--no-vllm", is_flag=True, help="Stop only the cache server (--only server).")
 @click.option("--only", type=click.Choice(["vllm", "server"]), default=None,
@@ -221,15 +253,16 @@ def _echo_stopped(out: lifecycle_types.StopOutcome) -> None:
 @click.option("--only", type=click.Choice(["vllm", "server"]), default=None,
               help="Restart only vLLM (the cache server and its L1 stay) or only the cache "
                    "server (vLLM serves on, cold, and reconnects).")
-@click.option("--stop-timeout", type=float, default=30.0, show_default=True,
+@click.option("--stop-timeout", type=SECONDS, default=STOP_TIMEOUT, show_default=True,
               help="Seconds between SIGTERM and SIGKILL.")
 @_server_timeout
 @_vllm_timeout
 @_no_warmup
+@_no_canary
 @_warmup_wait
 @json_option
 def restart(config: str, only: str | None, stop_timeout: float, timeout: float,
-            vllm_timeout: float, no_warmup: bool, warmup_wait: float | None,
+            vllm_timeout: float, no_warmup: bool, no_canary: bool, warmup_wait: float | None,
             as_json: bool) -> None:
     """Restart CONFIG, or only its vLLM or its cache server; L2 files stay on disk.
 
@@ -240,11 +273,12 @@ def restart(config: str, only: str | None, stop_timeout: float, timeout: float,
 
     if warmup_wait is not None and warmup_wait <= 0:
         raise UsageError("--warmup-wait must be > 0 seconds")
-    out = lifecycle.restart(config, only=only, timeout=stop_timeout, server_timeout=timeout,
-                            vllm_timeout=vllm_timeout, warmup=not no_warmup,
-                            warmup_wait=warmup_wait, progress=_progress)
+    opts = LaunchOptions(server_timeout=timeout, vllm_timeout=vllm_timeout,
+                         warmup=not no_warmup, canary=not no_canary, warmup_wait=warmup_wait)
+    out = lifecycle.restart(config, opts, only=only, timeout=stop_timeout, progress=_progress)
     if as_json:
         echo_json(out.to_dict())
+        _exit_if_canary_failed(out.launch)
         return
     _echo_stopped(out.stop)
     info = out.launch.to_dict()
@@ -252,6 +286,9 @@ def restart(config: str, only: str | None, stop_timeout: float, timeout: float,
     click.echo(f"lmcache server  pid {info['lmcache']['pid']}")
     if info["vllm"]:
         click.echo(f"vLLM            pid {info['vllm']['pid']}")
+    if out.launch.result.canary is not None:
+        click.echo(f"canary          {out.launch.result.canary.summary()}")
+    _exit_if_canary_failed(out.launch)
 
 
 @click.command("status")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from kvpersist.commands.common import end_progress, exit_with, progress_printer
+from kvpersist.commands.common import TIMEOUT, end_progress, exit_with, progress_printer
 
 #: Debian's node_exporter textfile-collector directory (prometheus-node-exporter package)
 DEFAULT_TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
@@ -27,7 +27,7 @@ DEFAULT_TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
                    f"(node_exporter's textfile collector; Debian: {DEFAULT_TEXTFILE_DIR}) "
                    "instead of printing.")
 @click.option("--no-vllm", is_flag=True, help="Do not probe vLLM (this host runs none).")
-@click.option("--timeout", type=float, default=3.0, show_default=True,
+@click.option("--timeout", type=TIMEOUT, default=3.0, show_default=True,
               help="Timeout of each health probe, seconds.")
 def metrics(configs: tuple[str, ...], root: str | None, textfile_dir: str | None,
             no_vllm: bool, timeout: float) -> None:

@@ -21,7 +21,8 @@ from kvpersist.commands.common import (
 from kvpersist.commands.common import progress_printer as _printer
 from kvpersist.config.values import format_size, parse_duration, parse_max_age
 from kvpersist.errors import UsageError
-from kvpersist.l2.shared_keys import skipped_lines
+from kvpersist.l2.layout import display_name
+from kvpersist.l2.shared.keys import skipped_lines
 
 if TYPE_CHECKING:
     from kvpersist.l2.prune import PruneResult
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 def format_result(res: PruneResult, plan: RetentionPlan) -> str:
     verb = "would delete" if res.dry_run else "deleted"
-    lines = list(res.deleted_paths or [])
+    lines = [display_name(p) for p in res.deleted_paths or []]
     for s in res.per_selection:
         what = s["prefix"] or "temp files"
         cut = ""
@@ -59,6 +60,8 @@ def format_result(res: PruneResult, plan: RetentionPlan) -> str:
         lines.append(f"removed the manifest of {ns} (no files left)")
     for ns in res.pins_removed:
         lines.append(f"removed the warm-set pins of {ns} (no files left)")
+    for ns in res.frame_records_removed:
+        lines.append(f"removed the frame record of {ns} (no files left)")
     for n in plan.notes:
         lines.append(f"note: {n}")
     for e in res.errors[:20]:

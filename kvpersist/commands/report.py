@@ -17,7 +17,8 @@ from kvpersist.commands.common import (
     table,
 )
 from kvpersist.config.values import format_size
-from kvpersist.l2.shared_keys import skipped_lines
+from kvpersist.l2.layout import display_name
+from kvpersist.l2.shared.keys import skipped_lines
 
 
 def _pins(p: dict[str, Any] | None) -> str:
@@ -74,7 +75,8 @@ def salt_lines(doc: dict[str, Any]) -> list[str]:
     for r in doc["namespaces"]:
         if not r.get("salted_files"):
             continue
-        parts = [f"{'(unsalted)' if x['salt'] is None else x['salt']} {x['files']:,} "
+        parts = [f"{'(unsalted)' if x['salt'] is None else display_name(x['salt'])} "
+                 f"{x['files']:,} "
                  f"({format_size(x['bytes'])})" for x in r.get("salt_usage") or []]
         out.append(f"  {r['namespace'] or r['prefix']}: " + ", ".join(parts))
     return ["files per cache_salt:", *out] if out else []
@@ -93,7 +95,8 @@ def format_report(doc: dict[str, Any]) -> str:
             model = f"{model}@{str(rev)[:8]}"
         rows.append([
             r["namespace"] or f"{r['prefix']} (not a namespace)",
-            r["status"] + ("*" if r["active"] else ""),
+            r["status"] + ("*" if r["active"] else "")
+            + (" CANARY FAILED" if (r.get("canary") or {}).get("state") == "failed" else ""),
             model,
             ",".join(str(t) for t in r["tp_sizes"]) or "-",
             man.get("kv_cache_dtype") or "-",
@@ -105,7 +108,7 @@ def format_report(doc: dict[str, Any]) -> str:
             _oldest(r, doc.get("scanned_at")),
             *([_past(r)] if max_age else []),
         ])
-    out = [f"L2 cache root {doc['root']}"]
+    out = [f"L2 cache root {display_name(doc['root'])}"]
     if rows:
         out.append(table(rows, ["NAMESPACE", "STATUS", "MODEL", "TP", "DTYPE", "FILES",
                                 "SIZE", "WARM PINS", "BUDGET", "LAST USE", "OLDEST",
@@ -124,7 +127,8 @@ def format_report(doc: dict[str, Any]) -> str:
     doomed = doc["lmcache_deletes_at_stop"]
     if doomed["files"]:
         out.append(f"warning: {doomed['files']:,} file(s) that are not LMCache's have '.tmp.' in "
-                   "their names (" + ", ".join(doomed["samples"][:3]) + "): LMCache deletes "
+                   "their names (" + ", ".join(display_name(p) for p in doomed["samples"][:3])
+                   + "): LMCache deletes "
                    "every such file under its cache root when it stops cleanly; move them out")
     fs = doc["filesystem"]
     out.append(f"total     {format_size(doc['total_bytes'])} under the root "
@@ -163,7 +167,7 @@ def format_report(doc: dict[str, Any]) -> str:
 
 def format_hosts(hosts: list[dict[str, Any]]) -> str:
     """``host-a-1a2b3c4d (12 s), ...``: the hosts whose fleet records name a namespace."""
-    from kvpersist.l2.fleet import format_age
+    from kvpersist.l2.fleet.records import format_age
 
     return ", ".join(f"{h['host_id']} ({format_age(h['age_s'])})" for h in hosts) or "-"
 

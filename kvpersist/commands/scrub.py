@@ -13,6 +13,7 @@ from kvpersist.commands.common import (
     progress_printer,
 )
 from kvpersist.config.values import format_size
+from kvpersist.l2.layout import display_name
 
 
 @click.command("scrub")
@@ -34,14 +35,19 @@ def scrub(config: str, apply: bool, as_json: bool) -> None:
         echo_json(res.to_dict())
     else:
         verb = "zeroed" if apply else "would zero"
-        click.echo(f"{res.root}: {res.files} chunk files of {res.namespace}: {res.clean} with "
-                   f"clean padding, {res.dirty} with stale bytes after the frame "
+        click.echo(f"{display_name(res.root)}: {res.files} chunk files of {res.namespace}: "
+                   f"{res.clean} with clean padding, {res.dirty} with stale bytes after the frame "
                    f"({verb} {format_size(res.bytes_zeroed)} in "
                    f"{res.scrubbed if apply else res.dirty} files), {res.unauthenticated} "
                    f"failing authentication (left alone; see kvp-admin verify); "
                    f"{format_size(res.bytes_read)} read in {res.seconds:.1f} s")
         for line in res.skipped:
             click.echo(f"  skipped {line}")
+        if res.moved:
+            click.echo(f"{len(res.moved)} file(s) hold a frame recorded under another chunk's "
+                       "name: kvp-admin verify CONFIG --apply quarantines them")
+        for w in res.warnings:
+            click.echo(f"warning: {w}", err=True)
         if not apply and res.dirty:
             click.echo("dry run: run again with --apply to zero them")
     exit_with(1 if res.dirty - res.scrubbed else 0)

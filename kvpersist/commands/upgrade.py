@@ -22,7 +22,7 @@ def _short(value: Any) -> str:
 
 
 def _hosts(hosts: list[dict[str, Any]]) -> str:
-    from kvpersist.l2.fleet import format_age
+    from kvpersist.l2.fleet.records import format_age
 
     return ", ".join(f"{h['host_id']} ({format_age(h['age_s'])})" for h in hosts)
 

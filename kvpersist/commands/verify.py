@@ -6,7 +6,16 @@ import sys
 
 import click
 
-from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option, table
+from kvpersist.commands.common import (
+    AGE_S,
+    RATE,
+    config_argument,
+    echo_json,
+    exit_with,
+    json_option,
+    table,
+)
+from kvpersist.l2.layout import display_name
 
 
 @click.command("verify")
@@ -16,9 +25,9 @@ from kvpersist.commands.common import config_argument, echo_json, exit_with, jso
                    "Default: report only.")
 @click.option("--all-namespaces", is_flag=True,
               help="Authenticate every namespace's files with this deployment's key.")
-@click.option("--rate", "rate_mb_s", type=float, default=200.0, show_default=True,
+@click.option("--rate", "rate_mb_s", type=RATE, default=200.0, show_default=True,
               help="Read at most this many MB/s (0: unbounded).")
-@click.option("--temp-age", type=float, default=600.0, show_default=True,
+@click.option("--temp-age", type=AGE_S, default=600.0, show_default=True,
               help="Temp files (interrupted writes) older than this many seconds are stale.")
 @click.option("--no-scrub", "no_scrub", is_flag=True,
               help="With --apply, do not zero the padding after each frame of the "
@@ -27,10 +36,10 @@ from kvpersist.commands.common import config_argument, echo_json, exit_with, jso
 def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
            temp_age: float, no_scrub: bool, as_json: bool) -> None:
     """Check CONFIG's cache root: wrong sizes, frames failing authentication with the
-    deployment's key, one frame under two names, links, FIFOs and unreadable files under chunk
-    names, stale temp files. Exit 0 clean (or all quarantined), 1 findings left. With
-    --apply (aesgcm) the padding after each authenticated frame is then zeroed, as
-    kvp-admin scrub --apply does."""
+    deployment's key, one frame under two names, a frame recorded under another chunk's name,
+    links, FIFOs and unreadable files under chunk names, stale temp files. Exit 0 clean (or
+    all quarantined), 1 findings left. With --apply (aesgcm) the padding after each
+    authenticated frame is then zeroed, as kvp-admin scrub --apply does."""
     from kvpersist.actions.scrub import scrub as scrub_action
     from kvpersist.actions.verify import verify as verify_action
 
@@ -50,18 +59,24 @@ def verify(config: str, apply: bool, all_namespaces: bool, rate_mb_s: float,
             doc["scrub"] = scrubbed.to_dict()
         echo_json(doc)
     else:
-        click.echo(f"{res.root}: {res.files} chunk files, {res.authenticated} authenticated, "
+        click.echo(f"{display_name(res.root)}: {res.files} chunk files, "
+                   f"{res.authenticated} authenticated, "
                    f"{len(res.findings)} finding(s) in {res.seconds:.1f} s")
         if res.pinned:
             click.echo(f"warm-set pinned files checked first: {res.pinned}, "
                        f"{res.pinned_findings} finding(s)")
+        f = res.frames
+        if f is not None and f.applies:
+            click.echo(f"frame record: {f.files} chunk files, {f.new} new, {f.rewritten} "
+                       f"rewritten, {f.restored} restored, {f.moved} under another chunk's "
+                       f"name, {f.gone} gone since the last check")
         if res.findings:
-            rows = [[f.kind, f.size, f.path.rsplit('/', 1)[-1][:72], f.detail]
+            rows = [[f.kind, f.size, display_name(f.path.rsplit('/', 1)[-1])[:72], f.detail]
                     for f in res.findings]
             click.echo(table(rows, ["kind", "bytes", "file", "detail"]))
         if apply:
             click.echo(f"quarantined {len(res.quarantined)} file(s) into "
-                       f"{res.root}/.kvpersist/quarantine")
+                       f"{display_name(res.root)}/.kvpersist/quarantine")
             for line in res.skipped:
                 click.echo(f"  skipped {line}")
         elif res.findings:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import click
 
-from kvpersist.commands.common import config_argument, echo_json, exit_with, json_option
+from kvpersist.commands.common import WAIT, config_argument, echo_json, exit_with, json_option
 
 
 @click.command("warmup")
 @config_argument
-@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=120.0,
+@click.option("--wait", "wait_s", type=WAIT, default=120.0,
               show_default=True, metavar="SECONDS",
               help="Give up after SECONDS (covers the cache server's 503 until vLLM has "
                    "registered its KV layout).")
@@ -17,8 +17,12 @@ from kvpersist.commands.common import config_argument, echo_json, exit_with, jso
               help="Compute the chunks found on no tier by sending the warm set's token ids "
                    "to CONFIG's own vLLM (one token each), within --wait; default: "
                    "KVP_WARMUP_COMPUTE.")
+@click.option("--rendered", "handoff_file", default=None, hidden=True, metavar="FILE",
+              help="The launch's rendered arguments (a launch starts its warm-up child "
+                   "with this; by hand the deployment is rendered here).")
 @json_option
-def warmup(config: str, wait_s: float, compute: bool | None, as_json: bool) -> None:
+def warmup(config: str, wait_s: float, compute: bool | None, handoff_file: str | None,
+           as_json: bool) -> None:
     """Prefetch CONFIG's warm set (KVP_WARMUP_FILE) from disk into the cache server's memory.
 
     Tokenizes the warm set as the deployment's vLLM does, pins its chunk files against
@@ -33,7 +37,8 @@ def warmup(config: str, wait_s: float, compute: bool | None, as_json: bool) -> N
         if not as_json:
             click.echo(f"  {line}", err=True)
 
-    res = warmup_action(config, wait_s=wait_s, progress=progress, compute_missing=compute)
+    res = warmup_action(config, wait_s=wait_s, progress=progress, compute_missing=compute,
+                        handoff_file=handoff_file)
     if as_json:
         echo_json(res.to_dict())
     elif res.state == "none":

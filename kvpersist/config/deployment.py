@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -91,7 +92,8 @@ def settings_from_env(
 
 
 def shared_tier_of(s: DeploymentSettings) -> SharedTier | None:
-    """The deployment's shared tier, parsed (None when KVP_SHARED_TIER is empty)."""
+    """The shared tier of settings ``s``, parsed (None when KVP_SHARED_TIER is empty); a
+    deployment's is :attr:`Deployment.shared`, parsed once."""
     tier, _ = parse_shared_tier(s.shared_tier)
     return tier
 
@@ -220,6 +222,12 @@ class Deployment:
     def lmcache_model_name(self) -> str:
         """The model name LMCache sees (vLLM's --model): the namespace."""
         return self.namespace
+
+    @cached_property
+    def shared(self) -> SharedTier | None:
+        """The shared tier (KVP_SHARED_TIER), parsed once; None without one."""
+        tier, _ = parse_shared_tier(self.settings.shared_tier)
+        return tier
 
     @property
     def vllm_version(self) -> str | None:

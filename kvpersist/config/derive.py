@@ -28,6 +28,8 @@ from kvpersist.config.identity import (
     identity_problems,
     parse_engine_args,
 )
+from kvpersist.config.known_bad import OPT_IN as KNOWN_BAD_OPT_IN
+from kvpersist.config.known_bad import known_bad
 from kvpersist.config.model_dtype import model_dtype
 from kvpersist.config.model_facts import ModelFacts
 from kvpersist.config.model_geometry import kv_geometry, max_model_len
@@ -109,6 +111,9 @@ class DeriveOptions:
     engine_args: str = ""
     #: derive for a vLLM outside the supported releases (``--allow-unsupported-vllm``)
     allow_unsupported_vllm: bool = False
+    #: derive although the model is in the table of known corruption
+    #: (``--allow-known-corruption``; kvpersist.config.known_bad)
+    allow_known_corruption: bool = False
 
 
 #: the comment word that marks a deployment key derive leaves for the operator to set
@@ -209,6 +214,12 @@ def derive_identity(m: ModelFacts, inst: Installed, opts: DeriveOptions) -> Deri
     org = origin(m)
     fields: dict[str, Derived] = {}
     notes: list[str] = []
+    for match in known_bad(m.config):
+        if not opts.allow_known_corruption:
+            raise ConfigError([Problem(where, match.message(), KNOWN_BAD_OPT_IN)],
+                              "identity derive")
+        notes.append(f"{match.message()}; --allow-known-corruption: derived anyway, the "
+                     "deployment must set KVP_ALLOW_KNOWN_CORRUPTION=true and keep its canary on")
     # model id and revision: from the layout, options only where it records nothing
     if opts.model_id and org.repo_id:
         raise UsageError(f"{m.path} is a hub cache snapshot of {org.repo_id}: it names the "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import secrets
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import yaml
@@ -18,7 +18,7 @@ from kvpersist.config.deployment import Deployment, build_deployment
 from kvpersist.config.envfile import parse_env
 from kvpersist.config.generic import GenericConfig, generic_from_dict
 from kvpersist.config.settings import config_name_problem
-from kvpersist.errors import ConfigError, Problem
+from kvpersist.errors import ConfigError, Problem, UsageError
 from kvpersist.system import resources, untrusted
 
 ENV_FILE = "identity.env"
@@ -152,3 +152,25 @@ def load_identity_values(config: str) -> tuple[str, dict[str, str]]:
     """(source path, raw env values) of a config, for commands that look at fields only."""
     _, path = resolve_config(config)
     return str(path), parse_env(read_text(path, "the identity file"), str(path))
+
+
+def deployments_with_shared_tier(configs: Sequence[str]) -> list[Deployment]:
+    """The deployments that use a shared tier: ``configs`` (each must have one: UsageError
+    otherwise), or every config under configs/ that loads and has one (a config that does
+    not load is not this tier's). Raises ConfigError for a named config that does not
+    load."""
+    if configs:
+        deps = [load_deployment(c) for c in configs]
+        missing = [d.name for d in deps if d.shared is None]
+        if missing:
+            raise UsageError(f"{', '.join(missing)}: no shared tier (KVP_SHARED_TIER is empty)")
+        return deps
+    out = []
+    for name in list_config_names():
+        try:
+            dep = load_deployment(name)
+        except Exception:  # noqa: BLE001 - a config that does not load is not this tier's
+            continue
+        if dep.shared is not None:
+            out.append(dep)
+    return out

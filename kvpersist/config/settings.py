@@ -19,6 +19,7 @@ from kvpersist.config.engine_args import extra_args_problems
 from kvpersist.config.envfile import value_problem
 from kvpersist.config.shared_tier import parse_shared_tier
 from kvpersist.config.values import (
+    MAX_WAIT_S,
     SYSTEM_TREES,
     host_problem,
     is_scoped,
@@ -89,7 +90,7 @@ class DeploymentSettings:
     #: empty: none. Not in the namespace: it selects what to warm, not what is computed
     warmup_file: str = ""
     #: seconds the launch's warm-up may take (its ``--wait``) before the deployment is
-    #: reported ready anyway (cold, degraded in health); kvpersist.stack.readiness
+    #: reported ready anyway (cold, degraded in health); kvpersist.stack.warm.readiness
     warmup_wait: float = 120.0
     #: the warm-up computes the warm set's chunks missing from every tier by sending its
     #: token ids to the deployment's own vLLM (one token each) before ready
@@ -102,6 +103,17 @@ class DeploymentSettings:
     #: (its mtime; docs/max-age.md), in seconds; 0: no maximum. ``prune --max-age`` and the
     #: opt-in timer delete what is older; report and metrics count it
     l2_max_age_s: float = 0.0
+    #: run a model in kvpersist.config.known_bad (its canary must stay on)
+    allow_known_corruption: bool = False
+    #: the known-answer canary (docs/canary.md): at every launch and restart before ready,
+    #: and in ``health --canary``
+    canary: bool = True
+    #: full cache chunks in the canary's prompt
+    canary_chunks: int = 2
+    #: max |logprob difference| the canary accepts; 0: the measured one of the KV dtype
+    canary_tolerance: float = 0.0
+    #: warm-set entries ``health --canary`` samples besides the canary prompt (0: none)
+    canary_warm_sample: int = 0
 
 
 #: env key -> (field, kind, default-or-None-if-required). Defaults starting with "generic."
@@ -154,6 +166,11 @@ DEPLOYMENT_KEYS: dict[str, tuple[str, str, str | None]] = {
     "KVP_WARMUP_COMPUTE": ("warmup_compute", "bool", "false"),
     "KVP_ALLOW_LMCACHE_TMP_CLEANUP": ("allow_lmcache_tmp_cleanup", "bool", "false"),
     "KVP_L2_MAX_AGE": ("l2_max_age_s", "maxage", ""),
+    "KVP_CANARY": ("canary", "bool", "true"),
+    "KVP_ALLOW_KNOWN_CORRUPTION": ("allow_known_corruption", "bool", "false"),
+    "KVP_CANARY_CHUNKS": ("canary_chunks", "chunks", "2"),
+    "KVP_CANARY_TOLERANCE": ("canary_tolerance", "tolerance", ""),
+    "KVP_CANARY_WARM_SAMPLE": ("canary_warm_sample", "sample", "0"),
 }
 
 def parse_peers(value: str) -> tuple[tuple[str, ...], str]:
@@ -257,12 +274,29 @@ def convert_setting(kind: str, raw: str, vllm_version: str | None = None) -> tup
         if f is None:
             return None, f"must be a number, got {value!r}"
         return (f, "") if f > 0 else (None, "must be > 0")
+    if kind == "chunks":
+        n = parse_uint(value, 2)
+        return (n, "") if n is not None and 1 <= n <= 16 else (
+            None, f"must be a whole number of chunks from 1 to 16, got {value!r}")
+    if kind == "sample":
+        n = parse_uint(value, 2)
+        return (n, "") if n is not None and n <= 16 else (
+            None, f"must be a whole number of warm-set entries from 0 to 16, got {value!r}")
+    if kind == "tolerance":
+        if value == "":
+            return 0.0, ""
+        f = parse_decimal(value)
+        return (f, "") if f is not None and 0 < f <= 10 else (
+            None, f"must be empty (the KV dtype's measured tolerance) or a number of nats "
+                  f"above 0 and at most 10, got {value!r}")
     if kind == "duration":
         try:
             seconds = parse_duration(value)
         except ValueError as exc:
             return None, str(exc)
-        return (seconds, "") if seconds > 0 else (None, "must be > 0")
+        if not 0 < seconds <= MAX_WAIT_S:
+            return None, f"must be more than 0 and at most a day ({MAX_WAIT_S:g} s)"
+        return seconds, ""
     if kind == "maxage":
         return parse_max_age(value)
     if kind == "share":
@@ -357,6 +391,16 @@ DEPLOY_FIX = {
     "KVP_WARMUP_WAIT": "seconds (or 90s, 5m) the launch's warm-up may take, e.g. 120",
     "KVP_WARMUP_COMPUTE": "true or false: the launch's warm-up computes the warm set's chunks "
     "found on no tier with the deployment's vLLM before ready (docs/warm-restart.md)",
+    "KVP_CANARY": "true or false: the known-answer canary at launch, restart and "
+    "`health --canary` (docs/canary.md)",
+    "KVP_ALLOW_KNOWN_CORRUPTION": "true or false: launch a model LMCache's connector is known "
+    "to serve wrong KV for (docs/canary.md), with the canary on",
+    "KVP_CANARY_WARM_SAMPLE": "how many warm-set entries `health --canary` also checks, 0 "
+    "to 16 (default 0; docs/canary.md)",
+    "KVP_CANARY_CHUNKS": "how many full cache chunks the canary's prompt holds, 1 to 16 "
+    "(default 2)",
+    "KVP_CANARY_TOLERANCE": "empty (the KV dtype's measured tolerance, docs/canary.md) or "
+    "the largest logprob difference accepted, e.g. 0.2",
     "KVP_L2_MAX_AGE": "empty (no maximum) or how long a chunk file may stay after it was "
     "written, with a unit: 30d, 12h, 90m (docs/max-age.md)",
 }

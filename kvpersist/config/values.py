@@ -13,7 +13,13 @@ import unicodedata
 _NUMBER = r"([0-9]{1,15}(?:\.[0-9]{1,9})?)"
 _SIZE = re.compile(r"\s*" + _NUMBER + r"\s*([KMGTP]?)(i?B?)?\s*\Z", re.IGNORECASE | re.ASCII)
 _FACTOR = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4, "P": 1024**5}
-_DURATION = re.compile(r"\s*" + _NUMBER + r"\s*(s|m|h|d|w)?\s*\Z", re.IGNORECASE | re.ASCII)
+#: a duration is written as one token: no space inside or around it ("30 d" and "30d\n" are
+#: refused: a value that is not what it looks like is an error, issue 40)
+_DURATION = re.compile(_NUMBER + r"(s|m|h|d|w)?\Z", re.IGNORECASE | re.ASCII)
+#: the longest duration any option or setting takes: 100 years
+MAX_DURATION_S = 100 * 365.25 * 86400
+#: the longest any command waits for anything, and the longest warm-up: a day
+MAX_WAIT_S = 86400.0
 _PERCENT = re.compile(r"\s*([0-9]{1,3}(?:\.[0-9]{1,9})?)\s*%\s*\Z", re.ASCII)
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -43,18 +49,21 @@ def parse_size_or_percent(text: str) -> tuple[int | None, float | None]:
 
 
 def parse_duration(text: str) -> float:
-    """Seconds from '90', '30m', '12h', '7d', '2w'. Raises ValueError."""
+    """Seconds from '90', '30m', '12h', '7d', '2w' (one token, no space; at most
+    :data:`MAX_DURATION_S`). Raises ValueError."""
     m = _DURATION.match(str(text))
     if not m:
-        raise ValueError(f"not a duration: {text!r} (use e.g. 30m, 12h, 7d)")
-    return float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
+        raise ValueError(f"not a duration: {text!r} (use e.g. 30m, 12h, 7d, with no space)")
+    seconds = float(m.group(1)) * _SECONDS[(m.group(2) or "s").lower()]
+    if seconds > MAX_DURATION_S:
+        raise ValueError(f"{text!r} is longer than 100 years")
+    return seconds
 
 
 def parse_max_age(value: str) -> tuple[float, str]:
     """Seconds of a ``KVP_L2_MAX_AGE`` / ``--older-than`` value (``30d``, ``12h``, ``90m``,
     ``2w``; empty: 0, no maximum) and an error message. A bare number is refused: written
     alone, ``30`` would be 30 seconds to the parser and 30 days to a reader."""
-    value = value.strip()
     if value == "":
         return 0.0, ""
     if value[-1:].isdigit():

@@ -1,21 +1,21 @@
 """A deterministic long multi-turn chat, and a streaming client that times the first token.
 
-``long_chat`` is pure. ``chat_completion`` does HTTP (requests) against an
+``long_chat`` is pure. ``chat_completion`` does HTTP (through the vLLM client) against an
 OpenAI-compatible ``/v1/chat/completions`` endpoint; every way it fails is a
 :class:`~kvpersist.errors.DemoFailed`.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import requests
-
 from kvpersist.errors import DemoFailed
+from kvpersist.system.http_client import status_error
+from kvpersist.system.untrusted import UnreadableFile, parse_json
+from kvpersist.system.vllm_client import Unreachable, VllmClient
 
 _TOPICS = (
     "the cache server", "the model weights", "the disk budget", "the restart order",
@@ -81,15 +81,14 @@ def chat_completion(base_url: str, model: str, messages: list[dict[str, str]], *
            "failed)")
     try:
         return _stream(base_url, model, messages, max_tokens, timeout, what, fix, min_tokens)
-    except requests.RequestException as exc:
-        text = " ".join(str(exc).split())
-        raise DemoFailed(what, f"{type(exc).__name__}: {text[:300]}", fix) from exc
+    except Unreachable as exc:
+        raise DemoFailed(what, str(exc)[:400], fix) from exc
 
 
 def _stream(base_url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
             timeout: float, what: str, fix: str, min_tokens: int = 0) -> ChatResult:
     """The request of :func:`chat_completion`. Raises DemoFailed for an error event or one
-    that is not a JSON object, requests.RequestException for HTTP failures."""
+    that is not a JSON object or an error status, Unreachable when nothing answers."""
     body: dict[str, Any] = {
         "model": model, "messages": messages, "max_tokens": max_tokens,
         "temperature": 0.0, "seed": 0, "stream": True,
@@ -101,18 +100,19 @@ def _stream(base_url: str, model: str, messages: list[dict[str, str]], max_token
     ttft: float | None = None
     parts: list[str] = []
     usage: dict[str, Any] = {}
-    with requests.post(f"{base_url}/v1/chat/completions", json=body, stream=True,
-                       timeout=timeout) as resp:
-        resp.raise_for_status()
-        for raw in resp.iter_lines():
+    with VllmClient(base_url).chat_stream(body, timeout=timeout) as (status, lines):
+        if status != 200:
+            raise DemoFailed(what, str(status_error(status, f"{base_url}/v1/chat/completions")),
+                             fix)
+        for raw in lines:
             if not raw or not raw.startswith(b"data: "):
                 continue
             data = raw[len(b"data: "):]
             if data == b"[DONE]":
                 break
             try:
-                event = json.loads(data)
-            except ValueError:
+                event = parse_json(data, "a streamed event")
+            except UnreadableFile:
                 event = None
             if not isinstance(event, dict):
                 raise DemoFailed(what, f"a streamed event is not a JSON object: "

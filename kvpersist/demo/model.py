@@ -27,6 +27,7 @@ from typing import Any
 
 from kvpersist.config.chat_template import template_sha256
 from kvpersist.errors import UsageError
+from kvpersist.system.untrusted import MAX_STATE_BYTES, UnreadableFile, read_json
 
 #: Bumped whenever the generator's output for a given spec changes.
 GENERATOR_VERSION = 1
@@ -367,8 +368,8 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The generator metadata in model directory ``path`` minus volatile keys, or None."""
     f = Path(path) / METADATA_FILE
     try:
-        data = json.loads(f.read_text())
-    except (OSError, ValueError):
+        data = read_json(f, max_bytes=MAX_STATE_BYTES)
+    except (OSError, UnreadableFile):
         return None
     if not isinstance(data, dict):
         return None

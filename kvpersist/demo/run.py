@@ -34,10 +34,15 @@ from kvpersist.errors import DemoFailed, KvpError
 from kvpersist.l2.scan import scan_root
 from kvpersist.l2.tree import open_root
 from kvpersist.stack import launch as lc
+from kvpersist.stack.launch_options import LaunchOptions
 from kvpersist.stack.plan import prepare_launch
 from kvpersist.stack.processes import stop_deployment
 from kvpersist.system import procs
+from kvpersist.system.vllm_client import VllmClient
 from kvpersist.system.vllm_seam import METRIC_EXTERNAL_PREFIX_HITS
+
+#: the most of the server's log read for its L2 hits (what one demo run writes is far less)
+LOG_READ_BYTES = 64 << 20
 
 Progress = Callable[[str], None]
 HITS_METRIC = METRIC_EXTERNAL_PREFIX_HITS
@@ -133,15 +138,16 @@ def _port(preferred: int) -> int:
 def metric(url: str, name: str) -> float:
     """The sum of the samples of counter ``name`` on the Prometheus endpoint ``url/metrics``.
     Raises DemoFailed when it cannot be read or a sample is not a number."""
-    import requests
-
-    with step(f"read {name} from {url}/metrics",
-              "check that vLLM still runs and serves its /metrics endpoint (its log says why "
-              "not)"):
-        resp = requests.get(f"{url}/metrics", timeout=10)
-        resp.raise_for_status()
+    what = f"read {name} from {url}/metrics"
+    fix = ("check that vLLM still runs and serves its /metrics endpoint (its log says why "
+           "not)")
+    with step(what, fix):
+        try:
+            text = VllmClient(url, 10.0).metrics_text()
+        except KvpError as exc:  # no answer, an error status
+            raise DemoFailed(what, str(exc), fix) from exc
         total = 0.0
-        for line in resp.text.splitlines():
+        for line in text.splitlines():
             if line.startswith(name + "{"):
                 total += float(line.rsplit(" ", 1)[-1])
         return total
@@ -151,7 +157,7 @@ def _l2_hits(log: str, since: int) -> int:
     try:
         with open(log, "rb") as f:
             f.seek(since)
-            text = f.read().decode(errors="replace")
+            text = f.read(LOG_READ_BYTES).decode(errors="replace")
     except OSError:
         return 0
     return sum(int(m) for m in re.findall(r"retained keys \(\d+ L1, (\d+) L2\)", text))
@@ -217,7 +223,7 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "demo"
                      f"{dep.namespace}")
             t = time.monotonic()
             with step(f"launch ({name})", logs):
-                lc.launch(prepared, with_vllm=True, server_timeout=90, vllm_timeout=600,
+                lc.launch(prepared, LaunchOptions(server_timeout=90),
                           progress=lambda m: progress(f"      {m}"))
             ph = Phase(name, launch_s=time.monotonic() - t)
             with step(f"read the cache server's log ({name})", logs):

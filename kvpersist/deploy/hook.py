@@ -12,7 +12,9 @@ arguments applied:
   clients keep using the same name;
 * ``--kv-transfer-config`` pointing at the deployment's cache server is appended, and the
   flags the deployment's vLLM release needs with LMCache's connector (``rendered_flags``:
-  ``--disable-extensible-kv-cache`` for 0.34, docs/vllm-versions.md).
+  ``--disable-extensible-kv-cache`` for 0.34, docs/vllm-versions.md) — except while the
+  namespace's canary has failed (the render's ``recompute``, docs/canary.md): then vLLM
+  runs without the connector and recomputes, until ``kvp-admin canary reset``.
 
 The recipe's arguments are read with the flag table of the release the rendering was made for
 (``vllm.version`` of the render JSON).
@@ -144,6 +146,8 @@ def persist_argv(argv: list[str], rendered: dict[str, Any]) -> list[str]:
     if not any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in out):
         served = rendered["manifest"]["deployment"]["served_model_name"]
         out += ["--served-model-name", served]
+    if rendered.get("recompute"):  # the namespace's canary failed: no cache connector
+        return [*out, *_release_flags(rendered)]
     ktc = json.dumps(rendered["kv_transfer_config"], sort_keys=True, separators=(",", ":"))
     return [*out, "--kv-transfer-config", ktc, *_release_flags(rendered)]
 
@@ -182,22 +186,31 @@ def read_rendered(path: str) -> dict[str, Any]:
     return doc
 
 
+def split_args(args: list[str] | None, usage: str) -> tuple[str, list[str]] | None:
+    """``FIRST -- REST...`` of a hook entry point's command line (``sys.argv`` when None),
+    or None after printing ``usage`` (the caller exits 2)."""
+    args = list(sys.argv[1:] if args is None else args)
+    if len(args) < 2 or args[1] != "--":
+        print(f"usage: {usage}", file=sys.stderr)
+        return None
+    return args[0], args[2:]
+
+
 def main(args: list[str] | None = None) -> int:
     """``python -m kvpersist.deploy.hook RENDER_JSON_FILE -- ARGV...``: the new argv on
     stdout, NUL-separated; returns 0, 1 (the recipe cannot be made persistent) or 2 (a usage
     error, or a rendering that cannot be read or is not one), the message on stderr."""
-    args = list(sys.argv[1:] if args is None else args)
-    if len(args) < 2 or args[1] != "--":
-        print("usage: python -m kvpersist.deploy.hook RENDER_JSON_FILE -- VLLM ARGV...",
-              file=sys.stderr)
+    split = split_args(args, "python -m kvpersist.deploy.hook RENDER_JSON_FILE -- VLLM ARGV...")
+    if split is None:
         return 2
+    first, recipe = split
     try:
-        rendered = read_rendered(args[0])
+        rendered = read_rendered(first)
     except HookError as exc:
         print(f"kv-persist-hook: {exc}", file=sys.stderr)
         return 2
     try:
-        new = persist_argv(args[2:], rendered)
+        new = persist_argv(recipe, rendered)
     except HookError as exc:
         print(f"kv-persist-hook: {exc}", file=sys.stderr)
         return 1

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from kvpersist.config.deployment import Deployment, container_mount_problems, private_paths
 from kvpersist.config.loader import load_deployment
+from kvpersist.deploy.hook import split_args
 from kvpersist.errors import KvpError, Problem
 
 
@@ -63,17 +64,18 @@ def opts_problems(dep: Deployment, opts: Sequence[str]) -> list[Problem]:
 
 
 def main(args: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if args is None else args)
-    if len(args) < 2 or args[1] != "--":
-        print("usage: python -m kvpersist.deploy.hook_container CONFIG -- RUN_OPTS...",
-              file=sys.stderr)
+    """``python -m kvpersist.deploy.hook_container CONFIG -- RUN_OPTS...``: exit 0 when the
+    recipe's container options show the container nothing private, else 2 naming each."""
+    split = split_args(args, "python -m kvpersist.deploy.hook_container CONFIG -- RUN_OPTS...")
+    if split is None:
         return 2
+    config, run_opts = split
     try:
-        dep = load_deployment(args[0])
+        dep = load_deployment(config)
     except KvpError as exc:
         print(f"kv-persist-hook: {exc}", file=sys.stderr)
         return 2
-    problems = opts_problems(dep, args[2:])
+    problems = opts_problems(dep, run_opts)
     for p in problems:
         print(f"kv-persist-hook: {p}", file=sys.stderr)
     return 2 if problems else 0

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jinja2
 
-from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.deployment import Deployment
 from kvpersist.config.values import is_loopback, is_wildcard
 from kvpersist.errors import EXIT_USAGE, KvpError
 from kvpersist.system.templates import environment
@@ -147,7 +147,7 @@ def shared_tier_networks_of(dep: Deployment,
     ``KVP_SHARED_TIER`` that names IP addresses (but loopback, which the units allow). A
     cluster (its other nodes are discovered) or a host name (systemd allows addresses, not
     names) needs ``given``: raises UnitRenderError naming the fix. No shared tier: ``()``."""
-    tier = shared_tier_of(dep.settings)
+    tier = dep.shared
     if tier is None:
         return ()
     if given:

@@ -32,11 +32,12 @@ from kvpersist.errors import ConfigError, KvpError, UsageError
 from kvpersist.l2.budget import BudgetPlan, plan_for_deployment
 from kvpersist.l2.layout import display_name
 from kvpersist.l2.manifests import Manifest, manifest_dirs, read_manifests, read_manifests_at
-from kvpersist.l2.pin_store import measure_pins, read_pins
-from kvpersist.l2.pins import PinnedUsage, PinSet
+from kvpersist.l2.pins.store import measure_pins, read_pins
+from kvpersist.l2.pins.usage import PinnedUsage, PinSet
 from kvpersist.l2.scan import ProgressFn, ScanResult, scan_root
 from kvpersist.l2.tree import RootDir as RootDir
 from kvpersist.l2.tree import open_root as open_root
+from kvpersist.system import procs
 from kvpersist.system.files import FsInfo, fs_info
 
 
@@ -138,9 +139,7 @@ def other_deployments(dep: Deployment,
 
 def host_ram_bytes() -> int:
     """Total host RAM."""
-    import psutil
-
-    return int(psutil.virtual_memory().total)
+    return procs.memory_total_bytes()
 
 
 @dataclass(frozen=True)
@@ -206,7 +205,7 @@ def scan(root: RootDir, *, hist: bool = False, ages: bool = False,
 class Snapshot:
     """One look at an open cache root (report, prune, metrics): the scan; the manifests of its
     deployments (empty unless asked for); each namespace's warm-set pins (a namespace whose
-    pin manifest is unreadable is held whole: :attr:`~kvpersist.l2.pins.PinSet.held`) and
+    pin manifest is unreadable is held whole: :attr:`~kvpersist.l2.pins.usage.PinSet.held`) and
     what they hold on disk, measured just after the scan; the problems met reading the
     manifests and the pins (each names the file it is about); and why the pins directory
     could not be listed ("" when it could; else every namespace is held)."""

@@ -15,10 +15,12 @@ deployment is its namespace (``kvp-<32 hex>`` or ``kvp-unpinned-<32 hex>``); any
 (``test-model``, ``--a--b`` from an absolute ``--model`` path) is still a valid LMCache prefix.
 Everything else under the root is *foreign* and is never modified by kvpersist.
 
-The cache salt is the client's (vLLM accepts any character in ``cache_salt`` but ``@ / \\``
-and NUL, LMCache appends it as it is): a name that parses as a namespace's chunk name up to
-its first ``@`` belongs to that namespace whatever its salt holds (a newline, an escape
-sequence, bytes that are not UTF-8); such a salt is shown escaped (:func:`display_name`).
+The cache salt is the client's, appended by LMCache as it is: vLLM accepts any text in
+``cache_salt``, LMCache refuses ``@ / \\`` and NUL and more than 128 characters. So a salt may
+hold a newline or an escape sequence (such a chunk is its prefix's, shown escaped by
+:func:`display_name` on a terminal and as it is in ``--json``), but never bytes that are not
+UTF-8: no request can carry them, so LMCache did not write such a name, and the file is
+foreign. :func:`parse_chunk_name` is the one parser every command decides with.
 
 Nothing here touches the filesystem.
 """
@@ -45,10 +47,6 @@ MANIFESTS_DIR = "manifests"
 PRUNE_LOCK = "prune.lock"
 
 _HEX = "0123456789abcdef"
-_CHUNK_RE = re.compile(
-    r"(?P<prefix>.+)_(?P<rank>[0-9a-f]{8})_(?P<group>[0-9a-f]+)_(?P<hash>[0-9a-f]+)"
-    r"(?:@(?P<salt>[^/\x00]+))?\.bin"
-)
 _SHARD_RE = re.compile(r"[0-9a-f]{2}")
 
 
@@ -150,6 +148,17 @@ def namespace_of_prefix(prefix: str) -> str | None:
 
 
 _HEX_RE = re.compile(r"[0-9a-f]+")
+#: LMCache's fields as it writes them: ``{kv_rank:08x}``, ``{object_group_id:x}`` (no leading
+#: zero), ``chunk_hash.hex()`` (whole bytes: an even number of lowercase digits)
+_RANK_RE = re.compile(r"[0-9a-f]{8}")
+_GROUP_RE = re.compile(r"0|[1-9a-f][0-9a-f]*")
+_CHUNK_HASH_RE = re.compile(r"(?:[0-9a-f]{2})+")
+#: ``uuid.uuid4().hex``: the token of LMCache's in-flight name ``<final name>.tmp.<token>``
+_TEMP_TOKEN_RE = re.compile(r"[0-9a-f]{32}")
+#: what LMCache's ``ObjectKey`` refuses in a cache salt (``@`` separates it, ``/`` and ``\``
+#: are path separators, NUL ends a C string), and its longest salt in characters
+SALT_FORBIDDEN = frozenset("@/\\\x00")
+MAX_SALT_CHARS = 128
 
 
 def _is_hex(text: str) -> bool:
@@ -157,68 +166,71 @@ def _is_hex(text: str) -> bool:
     return _HEX_RE.fullmatch(text) is not None
 
 
-def _salted_namespace_chunk(name: str) -> ChunkName | None:
-    """``<namespace>_<rank>_<group>_<hash>@<salt>.bin`` split at its first ``@`` (a namespace
-    holds no ``@`` and no ``_``), the salt anything but empty, ``/`` or NUL; else None."""
-    head, at, salt = name[:-4].partition("@")
-    if not at or not salt or "/" in salt or "\x00" in salt:
-        return None
-    parts = head.split("_")
-    if len(parts) != 4:
-        return None
-    prefix, rank, group, chunk_hash = parts
-    if (is_namespace(prefix) and len(rank) == 8 and _is_hex(rank) and _is_hex(group)
-            and _is_hex(chunk_hash)):
-        return ChunkName(prefix, int(rank, 16), int(group, 16), chunk_hash, salt)
-    return None
+def valid_salt(salt: str) -> bool:
+    """Whether LMCache can have written ``salt`` after the ``@`` of a chunk name (pure): 1 to
+    :data:`MAX_SALT_CHARS` characters, none of ``@ / \\`` or NUL (LMCache's ``ObjectKey``
+    refuses them), and text vLLM can have sent: any Unicode character, a newline or an
+    escape included, but never bytes that are not UTF-8 (kept by Python as lone surrogates:
+    no JSON string vLLM accepts, and no string LMCache's msgpack transport carries, holds
+    one)."""
+    if not 0 < len(salt) <= MAX_SALT_CHARS or not SALT_FORBIDDEN.isdisjoint(salt):
+        return False
+    try:
+        salt.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def valid_prefix(prefix: str) -> bool:
+    """Whether ``prefix`` can be LMCache's file-name prefix of a model name (pure): not
+    empty, printable text (no byte that is not UTF-8, no control or format character) and no
+    ``@`` (LMCache's ``ObjectKey`` refuses it in a model name)."""
+    return bool(prefix) and "@" not in prefix and prefix.isprintable()
+
+
+def valid_head(prefix: str, rank: str, group: str) -> bool:
+    """Whether ``prefix``, ``rank`` and ``group`` are those fields as LMCache writes them
+    (pure; the scan's fast path validates a name's head once with it)."""
+    return (_RANK_RE.fullmatch(rank) is not None and _GROUP_RE.fullmatch(group) is not None
+            and valid_prefix(prefix))
+
+
+def valid_chunk_hash(chunk_hash: str) -> bool:
+    """Whether ``chunk_hash`` is ``bytes.hex()`` of a chunk hash: pairs of lowercase hex
+    digits (pure)."""
+    return _CHUNK_HASH_RE.fullmatch(chunk_hash) is not None
 
 
 def parse_chunk_name(name: str) -> ChunkName | None:
-    """Parse a final chunk file name; None if ``name`` is not one (then it is foreign).
+    """Parse a final chunk file name; None if ``name`` is not one LMCache can have written
+    (then it is foreign: never touched).
 
-    A namespace's chunk with a cache salt is its namespace's, whatever the salt holds (see
-    the module's docstring). Otherwise parsing goes from the right: the last three ``_``
-    separate rank, group and hash, so the prefix may itself contain ``_``. An ``@`` after
-    the hash starts the cache salt. Such a name that is not printable text (bytes that are
-    not UTF-8, control or format characters) is never a chunk name: the file is foreign and
-    never touched.
+    The one parser of chunk names: report, prune, forget, shred, max-age, verify, scrub and
+    the pre-read all decide with it. ``@`` is in neither a model name nor a salt, so the
+    first ``@`` (if any) starts the salt, which must be :func:`valid_salt`; the rest parses
+    from the right: the last three ``_`` separate rank, group and hash, so the prefix may
+    itself contain ``_``. Each field must be as LMCache writes it (:func:`valid_head`,
+    :func:`valid_chunk_hash`).
     """
     if not name.endswith(BIN_SUFFIX):
         return None
-    if "@" in name:
-        salted = _salted_namespace_chunk(name)
-        if salted is not None:
-            return salted
-    if not name.isprintable():
+    head, at, salt = name[:-4].partition("@")
+    if at and not valid_salt(salt):
         return None
-    parts = name[:-4].rsplit("_", 3)
-    if len(parts) == 4:
-        prefix, rank, group, tail = parts
-        chunk_hash, _, salt = tail.partition("@")
-        if (
-            prefix
-            and len(rank) == 8
-            and _is_hex(rank)
-            and _is_hex(group)
-            and _is_hex(chunk_hash)
-            and "/" not in salt
-            and "\x00" not in salt
-            and (salt or "@" not in tail)
-        ):
-            return ChunkName(prefix, int(rank, 16), int(group, 16), chunk_hash, salt or None)
-    # A salt may contain "_": fall back to the (greedy, so still right-most) full pattern.
-    m = _CHUNK_RE.fullmatch(name)
-    if m is None:
+    parts = head.rsplit("_", 3)
+    if len(parts) != 4:
         return None
-    return ChunkName(
-        m["prefix"], int(m["rank"], 16), int(m["group"], 16), m["hash"], m["salt"] or None
-    )
+    prefix, rank, group, chunk_hash = parts
+    if not (valid_head(prefix, rank, group) and valid_chunk_hash(chunk_hash)):
+        return None
+    return ChunkName(prefix, int(rank, 16), int(group, 16), chunk_hash, salt or None)
 
 
 def parse_temp_name(name: str) -> ChunkName | None:
     """Parse an in-flight temp name ``<final name>.tmp.<hex>``; the chunk it would become."""
     final, marker, tail = name.rpartition(TEMP_MARKER)
-    if not marker or not _is_hex(tail):
+    if not marker or _TEMP_TOKEN_RE.fullmatch(tail) is None:
         return None
     return parse_chunk_name(final)
 

@@ -44,9 +44,10 @@ from kvpersist.l2.layout import (
     parse_chunk_name,
 )
 from kvpersist.l2.manifests import default_manifest_dirs, remove_manifest
-from kvpersist.l2.pin_store import remove_pins
+from kvpersist.l2.pins.store import remove_pins
 from kvpersist.l2.retention import Selection
 from kvpersist.l2.tree import RootDir, Shard, chunk_dirs, meta_dir
+from kvpersist.l2.verify import frame_store
 from kvpersist.system.forked import run_parts
 
 PROGRESS_EVERY = 4096
@@ -76,6 +77,8 @@ class PruneResult:
     #: warm-set pins deleted because their namespace was named (--namespace)
     deleted_pinned: int = 0
     pins_removed: list[str] = field(default_factory=list)
+    #: namespaces whose frame record was removed with their last file
+    frame_records_removed: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     manifests_removed: list[str] = field(default_factory=list)
     per_selection: list[dict[str, Any]] = field(default_factory=list)
@@ -87,7 +90,7 @@ class PruneResult:
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "schema": "kvpersist.prune/1",
-            "root": display_name(self.root),
+            "root": self.root,
             "dry_run": self.dry_run,
             "planned": {"files": self.planned_files, "bytes": self.planned_bytes},
             "deleted": {"files": self.deleted_files, "bytes": self.deleted_bytes},
@@ -99,6 +102,7 @@ class PruneResult:
             },
             "deleted_pinned": self.deleted_pinned,
             "pins_removed": self.pins_removed,
+            "frame_records_removed": self.frame_records_removed,
             "selections": self.per_selection,
             "manifests_removed": self.manifests_removed,
             "errors": self.errors,
@@ -189,6 +193,11 @@ def _remove_manifests(root: RootDir, selections: Sequence[Selection], active: fr
                 res.pins_removed.append(ns)
         except (OSError, KvpError) as exc:
             res.errors.append(f"{META_DIR}/pins/{ns}.json: {exc}")
+        try:
+            if frame_store.remove(root, ns) and ns not in res.frame_records_removed:
+                res.frame_records_removed.append(ns)
+        except OSError as exc:
+            res.errors.append(f"{frame_store.record_path(root, ns)}: {exc.strerror or exc}")
         for mdir in dict.fromkeys(manifest_dirs):
             try:
                 if remove_manifest(mdir, ns) and ns not in res.manifests_removed:
@@ -325,8 +334,8 @@ def _stream_part(root: RootDir, selections: Sequence[Selection], part: int, part
             done[hit][1] += st.st_size
             if pinned:
                 out.deleted_pinned += 1
-            if paths is not None:  # escaped: a salt may hold a newline or a non-UTF-8 byte
-                paths.append(display_name(f"{rel}/{name}" if rel else name))
+            if paths is not None:  # as the name is (a salt may hold a newline): the table
+                paths.append(f"{rel}/{name}" if rel else name)  # escapes it, --json does not
             count += 1
             if progress is not None and not count % PROGRESS_EVERY:
                 progress(count)

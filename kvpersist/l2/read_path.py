@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.generic import GenericConfig
 from kvpersist.config.values import format_size
-from kvpersist.l2.preread import off_reason, preread_cap
+from kvpersist.l2.hot_files import off_reason, preread_cap
 
 #: where the measurement behind the defaults is written up
 EVIDENCE = 'docs/benchmarks.md, "L2 read path A/B"'

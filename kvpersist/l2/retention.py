@@ -21,8 +21,8 @@ A maximum age (``plan_explicit(older_than_s=...)``, :func:`age_selections`) sele
 kvpersist namespace, the files *written* before a cutoff (mtime; atime is never used, since
 ``relatime`` makes it unreliable): docs/max-age.md.
 
-A namespace's warm-set pins (:mod:`kvpersist.l2.pins`) are never chosen: the caller passes
-each prefix's usage less its pinned files (:func:`kvpersist.l2.pins.without_pins`), and the
+A namespace's warm-set pins (:mod:`kvpersist.l2.pins.usage`) are never chosen: the caller passes
+each prefix's usage less its pinned files (:func:`kvpersist.l2.pins.usage.without_pins`), and the
 executor skips pinned files for every selection but one named on the command line
 (``Selection.named``).
 """
@@ -88,7 +88,7 @@ class Selection:
     bytes: int
     reason: str
     #: named on the command line (``--namespace``): the only selection that may delete a
-    #: namespace's warm-set pins (kvpersist.l2.pins); every other one leaves them
+    #: namespace's warm-set pins (kvpersist.l2.pins.usage); every other one leaves them
     named: bool = False
     #: ``before_ns`` is compared with when the file was written (its mtime: a maximum age,
     #: docs/max-age.md), not with its last use

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpersist.l2.layout import (
-    _HEX,
     META_DIR,
     PID_FILE,
     QUARANTINE_DIR,
@@ -37,6 +36,7 @@ from kvpersist.l2.layout import (
     classify,
     display_name,
     is_shard_dir_name,
+    valid_head,
 )
 from kvpersist.l2.tree import RootDir, open_dir, walk_dirs
 from kvpersist.l2.usage import HIST_BUCKET_NS, SAMPLE_CAP, PrefixUsage, Usage
@@ -51,7 +51,7 @@ _NO_MIN = 1 << 63
 _HEX_BYTES = b"0123456789abcdef"
 # what a directory of the walk is (its walk tag): chunk layout, foreign, or kvpersist metadata
 _PLAIN, _FOREIGN, _META = 0, 1, 2
-#: where ``verify --apply`` moves what it finds (relative to the root; see l2/verify.py)
+#: where ``verify --apply`` moves what it finds (relative to the root; see l2/verify/root.py)
 QUARANTINE_PREFIX = f"{META_DIR}/{QUARANTINE_DIR}/"
 
 ProgressFn = Callable[[int], None]
@@ -245,6 +245,7 @@ class _Walker:
                     # non-hex letters of ".bin"); bytes.translate is ~4x cheaper than a regex
                     if (
                         len(tail) > 4
+                        and not len(tail) & 1  # the hash is whole bytes: even digits
                         and tail.endswith(".bin")
                         and tail.encode("utf-8", "surrogateescape")
                         .translate(None, hex_bytes) == b".in"
@@ -319,10 +320,10 @@ class _Walker:
                             self.ages)
             elif e.is_symlink():
                 st = e.stat(follow_symlinks=False)
-                res.symlinks.add(st, sample=display_name(path))
+                res.symlinks.add(st, sample=path)
                 # LMCache unlinks the link itself, unless it leads to a directory
                 if TEMP_MARKER in name and not _leads_to_dir(e):
-                    res.lmcache_cleans.add(st, sample=display_name(path))
+                    res.lmcache_cleans.add(st, sample=path)
             elif e.is_dir(follow_symlinks=False):
                 res.directories.add(e.stat(follow_symlinks=False))
                 if meta or (depth == 0 and name == META_DIR):
@@ -336,9 +337,9 @@ class _Walker:
             else:
                 # sockets, fifos, devices: foreign, counted with their lstat size
                 st = e.stat(follow_symlinks=False)
-                res.foreign.add(st, sample=display_name(path))
+                res.foreign.add(st, sample=path)
                 if TEMP_MARKER in name:
-                    res.lmcache_cleans.add(st, sample=display_name(path))
+                    res.lmcache_cleans.add(st, sample=path)
         except OSError as exc:
             self._stat_error(exc, rel, name)
 
@@ -353,11 +354,9 @@ class _Walker:
         if len(fields) != 3:
             return None
         prefix, rank, group = fields
-        if not prefix or len(rank) != 8 or rank.strip(_HEX) or not group or group.strip(_HEX):
-            return None
-        if not prefix.isprintable():  # not UTF-8, control characters: a foreign name
-            return None
-        if "@" in prefix:  # perhaps a namespace's chunk whose salt holds "_": the slow path
+        # the fields as the one parser wants them (layout.parse_chunk_name); an "@" in the
+        # prefix (a salt holding "_"), and anything not printable, takes the slow path
+        if not valid_head(prefix, rank, group):
             return None
         acc = self.accs.get((prefix, rank, group))
         if acc is None:
@@ -401,7 +400,7 @@ def _cleaned_not_lmcaches(res: ScanResult, name: str, path: str, depth: int, for
     it (``.tmp.`` in its name) and it is not LMCache's own name where LMCache writes one."""
     if TEMP_MARKER in name and (meta or foreign or depth == 1 or classify(name, shard)[0]
                                 is Kind.FOREIGN):
-        res.lmcache_cleans.add(st, sample=display_name(path))
+        res.lmcache_cleans.add(st, sample=path)
 
 
 def _count_file(res: ScanResult, name: str, path: str, depth: int, foreign: bool, meta: bool,
@@ -416,7 +415,7 @@ def _count_file(res: ScanResult, name: str, path: str, depth: int, foreign: bool
         if path.startswith(QUARANTINE_PREFIX):
             res.quarantine.add(st)
     elif foreign or depth == 1:
-        res.foreign.add(st, sample=display_name(path))
+        res.foreign.add(st, sample=path)
     elif depth == 0 and name == PID_FILE:
         res.metadata.add(st)
     else:
@@ -429,11 +428,11 @@ def _count_file(res: ScanResult, name: str, path: str, depth: int, foreign: bool
             if shard is not None:
                 u.sharded_files += 1
             if chunk.salt is not None:
-                u.add_salted(display_name(chunk.salt), st.st_size)
+                u.add_salted(chunk.salt, st.st_size)
         elif kind is Kind.TEMP:
             res.temp.add(st, hist=True)
         else:
-            res.foreign.add(st, sample=display_name(path))
+            res.foreign.add(st, sample=path)
 
 
 def _count_links(res: ScanResult, hist: bool, ages: bool = False) -> None:
@@ -462,7 +461,7 @@ def _busy_cpus(samples: int = 8, interval_s: float = 0.0025) -> float:
             if i:
                 time.sleep(interval_s)
             with open("/proc/loadavg", "rb") as f:
-                running = int(f.read().split()[3].split(b"/")[0])
+                running = int(f.read(256).split()[3].split(b"/")[0])
             busy = max(busy, running - 1)  # this process is one of the runnable tasks
     except (OSError, ValueError, IndexError):
         return os.getloadavg()[0]

@@ -24,9 +24,17 @@ Why it is safe while LMCache runs (read in ``lmcache==0.5.6``):
   crash-window checks and the re-checks of prune and verify see the file they listed.
 
 Only a file whose frame authenticates is written, and only when its padding is not all zeros
-already. Clean files cost one read of their last bytes: the plaintext length of a
-namespace's chunks is learned from the first file that authenticates (per kv world size and
-file size), after which a file's padding is read alone (under 4 KiB) and the rest of the file
+already. Every file is opened through :class:`~kvpersist.system.untrusted.ChunkFile` and
+authenticated streamed (:func:`kvpersist.l2.frames.authenticate_source`): a file larger
+than its namespace's geometry allows is not read (named in ``skipped``; ``verify``
+quarantines it), and memory is a block's whatever a file's size (issue 40: a 50 GB sparse
+file named like a chunk ended the scrub with ``MemoryError``). A file with a second hard
+link is never written: LMCache never links its files, so the other name is someone else's
+(the zeros would land in it too).
+
+Clean files cost one read of their last bytes: the plaintext length of a namespace's chunks
+is learned from the first file that authenticates (per kv world size and file size), after
+which a file's padding is read alone (under 4 KiB) and the rest of the file
 only if that padding is dirty. A file that fails authentication is left alone (``verify``'s
 business).
 """
@@ -34,7 +42,6 @@ business).
 from __future__ import annotations
 
 import os
-import stat as stat_mod
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -42,14 +49,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpersist.l2 import layout
-from kvpersist.l2.frames import ALIGNED_SEARCHES, decrypt, derive_key, frame_end
+from kvpersist.l2.frames import (
+    ALIGNED_SEARCHES,
+    MAX_CHUNK_FILE_BYTES,
+    Deadline,
+    authenticate_source,
+    derive_key,
+    frame_end,
+)
 from kvpersist.l2.layout import display_name
 from kvpersist.l2.tree import RootDir, chunk_dirs, open_rel
+from kvpersist.l2.verify.frame_record import FrameRecord, judge
+from kvpersist.system.untrusted import ChunkFile, UnreadableFile
 
 SCHEMA = "kvpersist.scrub/1"
-
-#: how a chunk file is opened: never through a symlink, and a FIFO cannot block the open
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 @dataclass
@@ -78,11 +91,15 @@ class ScrubResult:
     since_ns: int | None = None
     #: files not looked at because ``deadline_s`` ran out
     unchecked: int = 0
+    #: files whose frame the namespace's frame record holds under another chunk's name
+    #: (:mod:`kvpersist.l2.verify.frame_record`): left for ``verify --apply``
+    moved: list[str] = field(default_factory=list)
+    #: problems that did not affect the scrub (a frame record refused or not written)
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["schema"] = SCHEMA
-        d["root"] = display_name(self.root)
         return d
 
 
@@ -95,16 +112,24 @@ class _Listed:
     size: int
     salt: str
     group: tuple[str, int]
+    ctime_ns: int = 0
 
 
 def scrub_root(root: RootDir, namespace: str, key: bytes, *, aes_bits: int = 128,
                apply: bool = False, since_ns: int | None = None,
                deadline_s: float | None = None,
-               progress: Callable[[int, int], None] | None = None) -> ScrubResult:
+               progress: Callable[[int, int], None] | None = None,
+               max_bytes: int = MAX_CHUNK_FILE_BYTES,
+               record: FrameRecord | None = None) -> ScrubResult:
     """Zero the padding after the aesgcm frame of ``namespace``'s chunk files under the open
     ``root`` when ``apply`` (a dry run counts what would be zeroed). ``key`` is the master key
     of the namespace; ``since_ns`` limits the scrub to files modified at or after that instant;
-    ``deadline_s`` stops it after that many seconds (``unchecked`` counts the rest).
+    ``deadline_s`` stops it after that many seconds, in the middle of a file too
+    (``unchecked`` counts the rest); ``max_bytes``: the largest chunk file of the namespace
+    (:func:`~kvpersist.l2.frames.max_chunk_file_bytes`), a larger one is not read.
+    ``record``: the namespace's frame record; the identity of each frame the scrub
+    authenticates is judged against it and learned (in place, not written), and a frame it
+    holds under another chunk's name is listed in ``moved`` (verify quarantines it).
 
     Only the chunk directories are visited (the root and ``ab/cd`` shard directories, never
     through a symlink) and only regular files named as the namespace's chunks. Files that
@@ -119,26 +144,48 @@ def scrub_root(root: RootDir, namespace: str, key: bytes, *, aes_bits: int = 128
     known: dict[tuple[tuple[str, int], int], int] = {}
     searches: Counter[tuple[str, int]] = Counter()
     dirs: dict[str, int] = {}
+    #: name -> (frame identity, inode, ctime) of each frame authenticated
+    ivs: dict[str, tuple[bytes, int, int]] = {}
+
+    def out_of_time() -> bool:
+        return deadline_s is not None and time.monotonic() - t0 >= deadline_s
+
     try:
         for i, f in enumerate(listed):
             if progress is not None and (i % 256 == 0 or i == len(listed) - 1):
                 progress(i + 1, len(listed))
-            if deadline_s is not None and time.monotonic() - t0 >= deadline_s:
+            if out_of_time():
                 res.unchecked = len(listed) - i
                 break
+            if f.size > max_bytes:  # never read: no chunk of the namespace is this big
+                res.skipped.append(f"{_shown(res, f.rel, f.name)}: {f.size:,} bytes, more "
+                                   f"than the {max_bytes:,} a chunk file of {res.namespace} "
+                                   "can be: not read (kvp-admin verify --apply quarantines it)")
+                continue
             if f.salt not in keys:
                 keys[f.salt] = derive_key(key, f.salt, aes_bits)
             try:
                 dfd = dirs.get(f.rel)
                 if dfd is None:
                     dfd = dirs[f.rel] = _open_dir(root, f.rel)
-                _scrub_file(dfd, f, keys[f.salt], known, searches, res)
+                _scrub_file(dfd, f, keys[f.salt], known, searches, res, max_bytes,
+                            out_of_time, ivs)
+            except Deadline:
+                res.unchecked = len(listed) - i
+                break
+            except UnreadableFile as exc:  # no longer a regular file, or grown past the bound
+                res.skipped.append(str(exc))
             except OSError as exc:
                 if not isinstance(exc, FileNotFoundError):
                     res.skipped.append(f"{_shown(res, f.rel, f.name)}: {exc.strerror or exc}")
     finally:
         for fd in dirs.values():
             os.close(fd)
+    if record is not None and ivs:
+        seen = {n: v[0] for n, v in ivs.items()}
+        judged = judge(record, seen, None)  # the listing may be a window: nothing is gone
+        record.learn(judged, seen, {n: (v[1], v[2]) for n, v in ivs.items()})
+        res.moved = sorted(judged.findings())
     res.seconds = time.monotonic() - t0
     return res
 
@@ -177,7 +224,8 @@ def _list(root: RootDir, res: ScrubResult) -> list[_Listed]:
                         continue
                     out.append(_Listed(d.rel, e.name, st.st_dev, st.st_ino, st.st_size,
                                        parsed.salt or "",
-                                       (parsed.prefix, parsed.rank.world_size)))
+                                       (parsed.prefix, parsed.rank.world_size),
+                                       st.st_ctime_ns))
             except OSError as exc:
                 note(d.rel or ".", exc)
     return out
@@ -185,69 +233,65 @@ def _list(root: RootDir, res: ScrubResult) -> list[_Listed]:
 
 def _scrub_file(dfd: int, f: _Listed, key: bytes,
                 known: dict[tuple[tuple[str, int], int], int],
-                searches: Counter[tuple[str, int]], res: ScrubResult) -> None:
-    """Look at one file; zero its padding if it is dirty, authenticates and ``res.apply``.
-    Raises OSError (the caller notes it)."""
-    mode = os.O_RDWR if res.apply else os.O_RDONLY
-    fd = os.open(f.name, mode | _OPEN_FLAGS, dir_fd=dfd)
-    try:
-        st = os.fstat(fd)
-        if (not stat_mod.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino, st.st_size)
-                != (f.dev, f.ino, f.size)):
-            res.skipped.append(f"{_shown(res, f.rel, f.name)}: changed since it was listed")
+                searches: Counter[tuple[str, int]], res: ScrubResult, max_bytes: int,
+                stop: Callable[[], bool], ivs: dict[str, tuple[bytes, int, int]]) -> None:
+    """Look at one file; zero its padding if it is dirty, authenticates and ``res.apply``;
+    the identity of a frame that authenticates goes to ``ivs`` (with the file's inode and
+    ctime after the scrub's own write). Raises OSError, UnreadableFile or Deadline (the
+    caller notes them)."""
+    def counted(n: int) -> None:
+        res.bytes_read += n
+
+    shown = _shown(res, f.rel, f.name)
+    with ChunkFile(dfd, f.name, max_bytes=max_bytes, write=res.apply, where=shown,
+                   on_read=counted) as cf:
+        st = cf.st
+        if (st.st_dev, st.st_ino, st.st_size) != (f.dev, f.ino, f.size):
+            res.skipped.append(f"{shown}: changed since it was listed")
+            return
+        if st.st_nlink != 1:  # LMCache never links its files: the other name is not ours
+            res.skipped.append(f"{shown}: has {st.st_nlink} hard links; LMCache never links "
+                               "its files, so another name shares it: not written")
             return
         res.files += 1
         n = known.get((f.group, f.size))
-        if n is not None and frame_end(n) <= f.size:
-            tail = os.pread(fd, f.size - frame_end(n), frame_end(n))
-            res.bytes_read += len(tail)
-            if not any(tail):
-                res.clean += 1
-                return
-        blob = _read_all(fd, f.size)
-        res.bytes_read += len(blob)
+        if n is not None and frame_end(n) <= f.size and _zeros(cf, frame_end(n), f.size):
+            res.clean += 1
+            return
         aligned = searches[f.group] < ALIGNED_SEARCHES
-        plain = decrypt(blob, key, n, aligned=aligned)
-        if plain is None:
+        found = authenticate_source(cf, key, n, aligned=aligned, stop=stop)
+        if found is None:
             if aligned and n is None:
                 searches[f.group] += 1
             res.unauthenticated += 1
             return
-        n = len(plain)
+        n = found[0]
+        ivs[f.name] = (found[1], st.st_ino, st.st_ctime_ns)
         known[(f.group, f.size)] = n
         end = frame_end(n)
-        if not any(memoryview(blob)[end:]):
+        if _zeros(cf, end, f.size):
             res.clean += 1
             return
         res.dirty += 1
         res.bytes_zeroed += f.size - end
         if not res.apply:
             return
-        now = os.fstat(fd)
-        if (now.st_size, now.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
-            res.skipped.append(f"{_shown(res, f.rel, f.name)}: changed while it was read")
+        now = os.fstat(cf.fd)
+        if (now.st_size, now.st_mtime_ns, now.st_nlink) != (st.st_size, st.st_mtime_ns, 1):
+            res.skipped.append(f"{shown}: changed while it was read")
             res.dirty -= 1
             res.bytes_zeroed -= f.size - end
             return
-        _pwrite_all(fd, bytes(f.size - end), end)
-        os.fsync(fd)
-        os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+        _pwrite_all(cf.fd, bytes(f.size - end), end)
+        os.fsync(cf.fd)
+        os.utime(cf.fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+        ivs[f.name] = (found[1], st.st_ino, os.fstat(cf.fd).st_ctime_ns)
         res.scrubbed += 1
-    finally:
-        os.close(fd)
 
 
-def _read_all(fd: int, size: int) -> bytes:
-    """``size`` bytes from offset 0 of ``fd`` (fewer if the file is shorter). Raises OSError."""
-    parts: list[bytes] = []
-    done = 0
-    while done < size:
-        b = os.pread(fd, size - done, done)
-        if not b:
-            break
-        parts.append(b)
-        done += len(b)
-    return b"".join(parts)
+def _zeros(cf: ChunkFile, start: int, end: int) -> bool:
+    """Whether the bytes ``[start, end)`` of ``cf`` are all zeros (read in blocks)."""
+    return not any(any(b) for b in cf.blocks(start, end))
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

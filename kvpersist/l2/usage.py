@@ -120,7 +120,7 @@ class PrefixUsage(Usage):
     salt_overflow: list[int] = field(default_factory=lambda: [0, 0])
 
     def add_salted(self, salt: str, nbytes: int) -> None:
-        """Count one file of ``nbytes`` under ``salt`` (shown escaped)."""
+        """Count one file of ``nbytes`` under ``salt`` (as the name holds it)."""
         self.salted_files += 1
         if len(self.salts) < SAMPLE_CAP:
             self.salts.add(salt)

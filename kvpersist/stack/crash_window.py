@@ -2,7 +2,7 @@
 written since the last launch and quarantine those that fail, before the server starts.
 
 Records (see :mod:`kvpersist.stack.stops` for what they mean) live beside the pid file. The
-check reuses :func:`kvpersist.l2.verify.verify_root` with ``since_ns`` (only files modified at
+check reuses :func:`kvpersist.l2.verify.root.verify_root` with ``since_ns`` (only files modified at
 or after it), a read-rate cap and a time bound; quarantine is verify's rename into
 ``<cache root>/.kvpersist/quarantine/`` through directory descriptors. Nothing is deleted.
 Each check is appended as one JSON line to ``<log dir>/launch.log``.
@@ -17,11 +17,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpersist.errors import KvpError
-from kvpersist.l2 import keys
-from kvpersist.l2.pin_store import read_pins
+from kvpersist.l2.frames import MAX_CHUNK_FILE_BYTES
+from kvpersist.l2.keys import store as keys
+from kvpersist.l2.pins.store import read_pins
 from kvpersist.l2.scrub import scrub_root
 from kvpersist.l2.tree import open_root
-from kvpersist.l2.verify import verify_root
+from kvpersist.l2.verify import frame_store
+from kvpersist.l2.verify.frame_store import SERDE_NONE, FrameSummary
+from kvpersist.l2.verify.root import EMPTY_WINDOW, verify_root
+from kvpersist.stack.launch_options import CRASH_RATE_MB_S, CRASH_SECONDS
 from kvpersist.stack.locate import Location
 from kvpersist.stack.render import SERDE_NONE_WARNING
 from kvpersist.stack.stops import CleanStop, CrashWindow, Launched, decide
@@ -32,8 +36,8 @@ from kvpersist.system.untrusted import MAX_RECORD_BYTES, UnreadableFile, read_js
 SCHEMA = "kvpersist.crash-window/1"
 LAUNCH_LOG = "launch.log"
 #: defaults: read at most this many MB/s, and stop reading after this many seconds
-DEFAULT_RATE_MB_S = 200.0
-DEFAULT_SECONDS = 60.0
+DEFAULT_RATE_MB_S = CRASH_RATE_MB_S
+DEFAULT_SECONDS = CRASH_SECONDS
 
 def launched_record(loc: Location) -> str:
     return _beside_pid_file(loc, "launched.json")
@@ -131,6 +135,10 @@ class CrashCheck:
     #: the scrub has its own time bound, ``deadline_s`` again (the rest: the next scrub)
     scrubbed: int = 0
     scrub_seconds: float = 0.0
+    #: the check of the namespace's frame record, at every launch (aesgcm): its files
+    #: changed since the record saw them read (13 bytes each), a frame recorded under
+    #: another chunk's name quarantined (``moved``, in ``findings`` and ``quarantined``)
+    frames: FrameSummary | None = None
 
     @property
     def complete(self) -> bool:
@@ -161,44 +169,86 @@ class CrashCheck:
                      "launch checks them again, or run `kvp-admin verify CONFIG --apply`")
         return line
 
+    def frames_line(self) -> str:
+        """One line on the frame record's check ('' when it did not run)."""
+        f = self.frames
+        if f is None:
+            return ""
+        if not f.applies:
+            return f"frame record: does not apply ({f.reason})"
+        moved = [q for q in self.quarantined if ".moved." in q or ".dup." in q]
+        line = (f"frame record: {f.files} chunk file(s), {f.unchanged} as recorded, "
+                f"{f.read} changed read ({f.new} new, {f.rewritten} rewritten, {f.restored} "
+                f"restored), {f.moved + f.dup} under another chunk's name, {len(moved)} "
+                f"quarantined, {f.gone} gone ({f.seconds:.2f} s)")
+        if f.unchecked:
+            line += (f"; {f.unchecked} changed file(s) NOT read (time bound reached): the "
+                     "next launch reads them")
+        return line
+
 
 def check(loc: Location, window: CrashWindow, *, rate_mb_s: float | None = DEFAULT_RATE_MB_S,
           deadline_s: float | None = DEFAULT_SECONDS) -> CrashCheck:
-    """Run the crash-window check for ``window`` (nothing when the last stop was clean):
-    verify the chunk files of ``loc``'s namespace modified since ``window.since_ns`` with the
-    deployment's key (aesgcm; sizes only with serde none) and quarantine those that fail.
-    Raises KvpError if the key or the cache root cannot be read, or the quarantine cannot be
-    made safely."""
+    """Run the launch's check of the cache root: after an unclean stop (``window``), verify
+    the chunk files of ``loc``'s namespace modified since ``window.since_ns`` with the
+    deployment's key (aesgcm; sizes only with serde none) and quarantine those that fail;
+    at every launch with the aesgcm serde, check the namespace's frame record
+    (:mod:`kvpersist.l2.verify.frame_store`: a frame recorded under another chunk's name is
+    quarantined, the rest learned) within the same time bound. Raises KvpError if the key or
+    the cache root cannot be read, or the quarantine cannot be made safely."""
 
     res = CrashCheck(window.unclean, window.reason, window.since_ns, loc.serde)
-    if not window.unclean or window.since_ns is None:
-        return res
+    unclean = window.unclean and window.since_ns is not None
     if not os.path.isdir(loc.cache_root):
-        res.reason += " (no cache root yet)"
+        if unclean:
+            res.reason += " (no cache root yet)"
         return res
+    if loc.serde != "aesgcm":
+        res.frames = FrameSummary(applies=False, reason=SERDE_NONE)
+        if not unclean:
+            return res
     key = None
-    if loc.serde == "aesgcm":
+    if loc.serde == "aesgcm" and unclean:
         key = keys.read_key(loc.serde_key_file, service_uids(loc.service_user))
-    else:
+    elif unclean:
         res.warnings.append(SERDE_NONE_WARNING)
     with open_root(loc.cache_root, purpose="verify") as root:
         pins = read_pins(root)
+        record = None
+        if loc.serde == "aesgcm":
+            record, refused = frame_store.load(root, loc.namespace)
+            if refused:
+                res.warnings.append(refused)
         # the warm set first: within the time bound, what every session needs is read first
+        limit = loc.chunk_max_bytes  # a chunk-named file past it: a finding, never read
         v = verify_root(root, loc.namespace, serde=loc.serde, key=key, apply=True,
-                        rate_mb_s=rate_mb_s or None, since_ns=window.since_ns,
-                        deadline_s=deadline_s, first=pins.names)
+                        rate_mb_s=rate_mb_s or None,
+                        since_ns=window.since_ns if unclean else EMPTY_WINDOW,
+                        deadline_s=deadline_s, first=pins.names,
+                        max_bytes_for=lambda p: limit if p == loc.namespace
+                        else MAX_CHUNK_FILE_BYTES, record=record)
+        res.skipped.extend(v.skipped)
         if key is not None:  # the padding of what was written since: zeros (cheap, measured)
             sc = scrub_root(root, loc.namespace, key, apply=True, since_ns=window.since_ns,
-                            deadline_s=deadline_s)
+                            deadline_s=deadline_s, max_bytes=limit, record=record)
             res.scrubbed, res.scrub_seconds = sc.scrubbed, sc.seconds
             res.skipped.extend(sc.skipped)
+        if record is not None and v.frames is not None:
+            v.frames.record_bytes, unwritten = frame_store.save(root, record)
+            if unwritten:
+                v.frames.warnings.append(unwritten)
+            res.warnings.extend(v.frames.warnings)
+    if v.frames is not None:
+        res.frames = v.frames
+    res.quarantined, res.findings = v.quarantined, [asdict(f) for f in v.findings]
+    if not unclean:
+        return res
     res.ran = True
     res.warnings.extend(pins.problems)
     res.files, res.authenticated, res.bytes_read = v.files, v.authenticated, v.bytes_read
     res.reference_reads, res.unchecked = v.reference_reads, v.unchecked
     res.failed = len(v.findings)
-    res.findings = [asdict(f) for f in v.findings]
-    res.quarantined, res.skipped, res.seconds = v.quarantined, v.skipped, v.seconds
+    res.seconds = v.seconds
     return res
 
 

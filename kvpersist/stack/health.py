@@ -5,7 +5,7 @@
 of the root — and ``verdict`` (pure) turns them into ``healthy`` (exit 0), ``degraded`` (1: still
 serving, e.g. budget exhausted so no longer caching, or the cache server down while vLLM
 serves without it, or the warm-up failed), ``down`` (2: not serving) or ``warming`` (3:
-serving, while the warm-up loads the warm set into L1; see :mod:`kvpersist.stack.readiness`).
+serving, while the warm-up loads the warm set into L1; see :mod:`kvpersist.stack.warm.readiness`).
 Down outranks warming, warming outranks degraded: a load balancer that routes only on exit 0
 never sends traffic to a deployment that is still warming.
 
@@ -24,22 +24,30 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvpersist.config.deployment import Deployment, listeners, shared_tier_of
+from kvpersist.config.deployment import Deployment, listeners
 from kvpersist.config.values import is_loopback
 from kvpersist.errors import KvpError
 from kvpersist.l2.budget import resolve_size
-from kvpersist.l2.shared_store import probe
-from kvpersist.stack import fleet
-from kvpersist.stack.fleet import fleet_facts
+from kvpersist.l2.fleet import host as fleet
+from kvpersist.l2.fleet.host import fleet_facts
+from kvpersist.l2.shared.credentials import read_secret_file
+from kvpersist.l2.shared.store import probe
+from kvpersist.stack.canary.run import canary_status, run_canary
+from kvpersist.stack.canary.verdict import canary_health
 from kvpersist.stack.health_root import RootFacts, root_checks
-from kvpersist.stack.lmcache_exec import read_secret_file
 from kvpersist.stack.locate import Location
 from kvpersist.stack.processes import server_state, vllm_state
-from kvpersist.stack.readiness import WarmupFacts, gather, judge
 from kvpersist.stack.render import serde_warnings
+from kvpersist.stack.warm.readiness import WarmupFacts, gather, judge
+from kvpersist.stack.warm.run import cached_token_ids
 from kvpersist.system import procs
 from kvpersist.system.files import fs_info, service_uids
-from kvpersist.system.untrusted import MAX_STATE_BYTES, UnreadableFile, parse_json, read_json_object
+from kvpersist.system.untrusted import (
+    MAX_STATE_BYTES,
+    UnreadableFile,
+    parse_json,
+    read_json_object,
+)
 
 SCHEMA = "kvpersist.health/1"
 EXIT = {"healthy": 0, "degraded": 1, "down": 2, "warming": 3}
@@ -96,20 +104,11 @@ class Facts:
     shared_tier: dict[str, Any] | None = None
     #: the warm-up's record, pid file and the server's start (None: not checked, --no-vllm)
     warmup: WarmupFacts | None = None
+    #: the namespace's canary record (kvpersist.stack.canary.run.canary_status; None: not
+    #: checked, --no-vllm) and this health run's own canary run (None: not asked for)
+    canary: dict[str, Any] | None = None
+    canary_run: dict[str, Any] | None = None
     errors: list[str] = field(default_factory=list)
-
-
-def _get(url: str, timeout: float, method: str = "GET") -> tuple[int | None, Any]:
-    import requests
-
-    try:
-        r = requests.request(method, url, timeout=timeout)
-    except requests.RequestException as exc:
-        return None, str(exc)
-    try:
-        return r.status_code, r.json()
-    except ValueError:
-        return r.status_code, r.text
 
 
 def read_budget_record(path: str) -> tuple[dict[str, Any] | None, str]:
@@ -152,25 +151,18 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
                             for lst in listeners(s) if lst.remote])
     st = server_state(plan)
     f.server_pid_state, f.server_pid = st.state, st.pid
-    code, _ = _get(f"{plan.server_http_url}/healthcheck", timeout)
-    f.server_healthcheck = code == 200
+    server = plan.lmcache(timeout)
+    f.server_healthcheck = server.healthy()
     if f.server_healthcheck:
-        code, body = _get(f"{plan.server_http_url}/status", timeout)
-        f.server_status = body if code == 200 and isinstance(body, dict) else None
-        # POST without a body: 404 when the endpoint is disabled; an enabled endpoint
-        # answers 422 (no script given) - nothing is ever executed.
-        f.run_script_code, _ = _get(f"{plan.server_http_url}/run_script", timeout, "POST")
-    if f.server_healthcheck:
+        f.server_status = server.status()
+        # 404 while the endpoint is disabled, 422 when enabled: nothing is ever executed
+        f.run_script_code = server.run_script_status()
         _identify_listener(f, plan)
     pid = st.pid if st.running else f.http_listener_pid if f.http_listener_ours else None
     if pid:
         try:
-            import psutil
-
-            conns = psutil.Process(pid).net_connections(kind="inet")
-            f.server_listen = sorted({f"{c.laddr.ip}:{c.laddr.port}" for c in conns
-                                      if c.status == psutil.CONN_LISTEN})
-        except Exception as exc:
+            f.server_listen = procs.listening_addresses(pid)
+        except OSError as exc:
             f.errors.append(f"listening sockets unknown: {exc}")
     root = plan.cache_root
     try:
@@ -187,21 +179,19 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
         f.budget, f.budget_error = read_budget_record(plan.budget_record)
     f.shared_tier = probe_shared(dep, timeout)
     if expect_vllm:
-        code, _ = _get(f"{plan.vllm_url}/health", timeout)
-        f.vllm_health = code == 200
+        vllm = plan.vllm(timeout)
+        f.vllm_health = vllm.healthy()
         if f.vllm_health:
-            code, body = _get(f"{plan.vllm_url}/v1/models", timeout)
-            if code == 200 and isinstance(body, dict):
-                data = body.get("data", [])  # whatever answers on the port may send any JSON
-                f.vllm_models = [{"id": m.get("id"), "root": m.get("root")}
-                                 for m in (data if isinstance(data, list) else [])
-                                 if isinstance(m, dict)]
+            models = vllm.models()
+            if models is not None:
+                f.vllm_models = models
         if plan.vllm_mode == "process":
             vst = vllm_state(plan)
             if vst.running and vst.pid:
                 f.vllm_kv_checked, f.vllm_kv_port = True, _kv_port_of(vst.pid)
 
         f.warmup = gather(plan, pid)
+        f.canary = canary_status(plan)
     return f
 
 
@@ -210,20 +200,15 @@ def _identify_listener(f: Facts, loc: Location) -> None:
 
     Something else answering ``/healthcheck`` there (a stray test server, another program)
     must not make a stopped cache server look healthy."""
-    import psutil
-
     port = loc.listen["lmcache_http"][1]
     try:
-        conns = psutil.net_connections(kind="inet")
-    except (psutil.Error, OSError) as exc:
+        pids = procs.listeners_of_port(port)
+    except OSError as exc:
         f.errors.append(f"listener of port {port} unknown: {exc}")
         return
-    pids = {c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr
-            and c.laddr.port == port and c.pid}
     for pid in sorted(pids):
-        try:
-            cmd = psutil.Process(pid).cmdline()
-        except psutil.Error:
+        cmd = procs.cmdline(pid)
+        if cmd is None:
             continue
         f.http_listener_pid, f.http_listener_cmd = pid, " ".join(cmd)[:160]
         f.http_listener_ours = procs.cmdline_matches(cmd, loc.server_markers)
@@ -233,12 +218,7 @@ def _identify_listener(f: Facts, loc: Location) -> None:
 
 def _kv_port_of(pid: int) -> int | None:
     """The ``lmcache.mp.port`` in a vLLM process's ``--kv-transfer-config``."""
-    try:
-        import psutil
-
-        argv = psutil.Process(pid).cmdline()
-    except Exception:
-        return None
+    argv = procs.cmdline(pid) or []
     for i, arg in enumerate(argv):
         raw = None
         if arg == "--kv-transfer-config" and i + 1 < len(argv):
@@ -258,7 +238,7 @@ def probe_shared(dep: Deployment, timeout: float) -> dict[str, Any] | None:
     """Reachability, authentication, latency and budget of the deployment's shared tier
     (None without one). Never raises."""
 
-    tier = shared_tier_of(dep.settings)
+    tier = dep.shared
     if tier is None:
         return None
     out: dict[str, Any] = {"endpoint": tier.endpoint, "adapter": tier.adapter}
@@ -451,6 +431,10 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
         judged = judge(f.warmup, f.namespace)
         if judged is not None:
             checks.append(Check("warmup", *judged))
+    if f.canary is not None:
+        checks.append(Check("canary", *canary_health(
+            f.canary, f.canary_run,
+            vllm_has_connector=f.vllm_kv_port is not None if f.vllm_kv_checked else None)))
     return overall(checks), checks
 
 
@@ -461,7 +445,8 @@ def overall(checks: list[Check]) -> str:
 
 
 #: The components of a deployment, each a group of checks (``kvpersist_component_health``).
-COMPONENTS = ("cache_server", "cache_root", "vllm", "wiring", "shared_tier", "warmup")
+COMPONENTS = ("cache_server", "cache_root", "vllm", "wiring", "shared_tier", "warmup",
+              "canary")
 
 
 def component_of(check: str) -> str:
@@ -479,6 +464,8 @@ def component_of(check: str) -> str:
         return "shared_tier"
     if check == "warmup" or check.startswith("warmup."):
         return "warmup"
+    if check == "canary":
+        return "canary"
     return "wiring"
 
 
@@ -533,9 +520,22 @@ class HealthReport:
                            "reserve_bytes": f.reserve_bytes, "budget": f.budget},
             "shared_tier": f.shared_tier,
             "warmup": _warmup_dict(f.warmup, loc),
+            "canary": None if f.canary is None else {**f.canary, "run": f.canary_run,
+                                                     "record": loc.canary_file},
             "fleet_record": self.fleet_record,
             "errors": f.errors,
         }
+
+
+def _canary_state(f: Facts) -> str | None:
+    """The canary state a fleet record carries (None: not checked)."""
+    if f.canary is None:
+        return None
+    if f.canary.get("state") == "failed":
+        return "failed"
+    last = f.canary_run or f.canary.get("last") or {}
+    state = last.get("state") or f.canary.get("state")
+    return state if state in ("passed", "unknown", "none") else "unknown"
 
 
 def _warmup_dict(w: WarmupFacts | None, loc: Location) -> dict[str, Any] | None:
@@ -549,17 +549,27 @@ def _warmup_dict(w: WarmupFacts | None, loc: Location) -> dict[str, Any] | None:
 
 def health_report(dep: Deployment, loc: Location, *, timeout: float = 3.0,
                   expect_vllm: bool = True, wait: float = 0.0,
-                  interval: float = 2.0, refresh_record: bool = False) -> HealthReport:
+                  interval: float = 2.0, refresh_record: bool = False,
+                  with_canary: bool = False) -> HealthReport:
     """Probe (again until healthy or ``wait`` seconds pass: a deployment that is warming is
     waited for) and return the verdict.
 
     ``refresh_record``: with a shared tier, when this deployment's cache server answers,
     write this host's fleet record again, with ``status`` (its TTL restarts;
-    :mod:`kvpersist.stack.fleet`);
-    a failure adds a *degraded* ``shared_tier.fleet_record`` check, never more."""
+    :mod:`kvpersist.l2.fleet.host`);
+    a failure adds a *degraded* ``shared_tier.fleet_record`` check, never more.
+
+    ``with_canary``: run the known-answer canary first (``health --canary``, the health timer;
+    :mod:`kvpersist.stack.canary.run`) when vLLM is expected and serves."""
     deadline = time.monotonic() + max(0.0, wait)
+    run: dict[str, Any] | None = None
+    if with_canary and expect_vllm and loc.vllm(timeout).healthy():
+        n = dep.settings.canary_warm_sample
+        ids = cached_token_ids(dep, loc)[0] if n else None
+        run = run_canary(loc, when="health", warm_ids=ids, warm_n=n).to_dict()
     while True:
         facts = probe_all(dep, loc, timeout=timeout, expect_vllm=expect_vllm)
+        facts.canary_run = run
         status, checks = verdict(facts)
         if status == "healthy" or time.monotonic() >= deadline:
             break
@@ -569,6 +579,7 @@ def health_report(dep: Deployment, loc: Location, *, timeout: float = 3.0,
     if refresh_record and dep.settings.shared_tier and serving:
 
         outcome = fleet.write(dep, timeout=min(timeout, fleet.TIMEOUT_S), health=status,
+                              canary=_canary_state(facts),
                               started=fleet.started_at(loc.server_pid_file))
         record = outcome.to_dict()
         checks.append(Check("shared_tier.fleet_record", "ok" if outcome.ok else "degraded",

@@ -25,6 +25,8 @@ from kvpersist.config.compare import (
     check_identity,
 )
 from kvpersist.config.deployment import Deployment
+from kvpersist.config.known_bad import OPT_IN as KNOWN_BAD_OPT_IN
+from kvpersist.config.known_bad import known_bad
 from kvpersist.config.model_facts import ModelFacts
 from kvpersist.config.modeldir import read_model_dir
 from kvpersist.errors import ConfigError, Problem
@@ -90,6 +92,21 @@ class IdentityCheck:
                 "problems": [str(p) for p in self.problems]}
 
 
+def known_bad_problems(config: Any, *, allowed: bool, canary: bool,
+                       where: str) -> list[Problem]:
+    """What refuses a model in the table of known corruption (:mod:`kvpersist.config.
+    known_bad`): each match unless the deployment opted in, and an opt-in with the canary off
+    (pure)."""
+    out = []
+    for bad in known_bad(config if isinstance(config, dict) else {}):
+        if not allowed:
+            out.append(Problem(where, bad.message(), KNOWN_BAD_OPT_IN))
+        elif not canary:
+            out.append(Problem("KVP_CANARY", f"{bad.message()}; KVP_ALLOW_KNOWN_CORRUPTION is "
+                               "set, so the canary must stay on", "set KVP_CANARY=true"))
+    return out
+
+
 def check_deployment(dep: Deployment, *, vllm_launched: bool,
                      require_model: bool = False) -> IdentityCheck:
     """Compare ``dep``'s identity with the weights at its KVP_MODEL_PATH and the software
@@ -126,6 +143,9 @@ def check_deployment(dep: Deployment, *, vllm_launched: bool,
             state, why = "unreadable", f"the weights at KVP_MODEL_PATH {path} cannot be read"
             problems += [Problem(f"KVP_MODEL_PATH: {p.where}", p.message, p.fix)
                          for p in exc.problems]
+    if model is not None:
+        problems += known_bad_problems(model.config, allowed=s.allow_known_corruption,
+                                       canary=s.canary, where=f"{path}/config.json")
     ident = dep.identity
     pins = tuple(m.group(1) for m in (_PIN_NAME.match(b) for b in
                                       (ident.connector_build, ident.vllm_build)) if m)

@@ -8,7 +8,7 @@ the launch's first writes: the cache root when it is to be created (0700), the s
 an unclean stop, verify and quarantine what was written since the last launch, before the
 server starts) → :func:`~kvpersist.stack.processes.start_server` /
 :func:`~kvpersist.stack.processes.start_vllm` (processes, pid files, waiting for health) →
-the prime and the warm-up (:mod:`kvpersist.stack.prime`, :mod:`kvpersist.stack.readiness`:
+the prime and the warm-up (:mod:`kvpersist.stack.warm.prime`, :mod:`kvpersist.stack.warm.readiness`:
 after vLLM serves, before the launch reports ready; a failed one is a warning, never a failed
 launch). Stopping and inspecting are in
 :mod:`kvpersist.stack.processes`. The use cases in :mod:`kvpersist.actions.lifecycle` call
@@ -21,18 +21,21 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
-from kvpersist.config.deployment import Deployment
 from kvpersist.errors import CheckFailed, ConfigError, KvpError, Problem
-from kvpersist.l2 import keys
+from kvpersist.l2.fleet import host as fleet
+from kvpersist.l2.fleet.host import RecordOutcome
 from kvpersist.l2.inventory import Sizing
-from kvpersist.stack import crash_window, fleet, vllm_args
+from kvpersist.l2.keys import store as keys
+from kvpersist.stack import crash_window, vllm_args
+from kvpersist.stack.canary.run import CanaryRun, recompute_reason, run_canary
+from kvpersist.stack.canary.verdict import FAILED
 from kvpersist.stack.crash_window import CrashCheck
-from kvpersist.stack.fleet import RecordOutcome
+from kvpersist.stack.launch_options import DEFAULTS, LaunchOptions
 from kvpersist.stack.locate import Location
-from kvpersist.stack.plan import LaunchPlan, Prepared
+from kvpersist.stack.plan import LaunchPlan, Prepared, recompute_plan
 from kvpersist.stack.preflight import Preflight, preflight, root_creation_note
-from kvpersist.stack.prime import PrimeRun, prime_vllm
 from kvpersist.stack.processes import (
     Progress,
     Started,
@@ -42,11 +45,14 @@ from kvpersist.stack.processes import (
     server_state,
     spawn_server,
     spawn_vllm,
+    stop_vllm,
     vllm_state,
     wait_ready,
 )
-from kvpersist.stack.readiness import NO_WARM_SET, WarmupRun, run_warmup
 from kvpersist.stack.render import Rendered
+from kvpersist.stack.warm.handoff import Handoff
+from kvpersist.stack.warm.prime import PrimeRun, prime_vllm
+from kvpersist.stack.warm.readiness import NO_WARM_SET, WarmupRun, run_warmup
 from kvpersist.stack.weights import WeightsCheck, manifest_with_weights, save_digests
 from kvpersist.system import procs
 from kvpersist.system.files import atomic_write_json, make_dirs, service_uids
@@ -85,7 +91,7 @@ def create_cache_root(root: str) -> str:
 def prepare_state(plan: LaunchPlan, rendered: Rendered, sizing: Sizing, *,
                   progress: Progress = quiet, weights: WeightsCheck | None = None) -> list[str]:
     """Create state/log directories (0700); make the namespace's serde key ready (adopt
-    the root key, or create one: :func:`~kvpersist.l2.keys.prepare_launch_key`); write the
+    the root key, or create one: :func:`~kvpersist.l2.keys.store.prepare_launch_key`); write the
     manifest (with the weights record: the first launch's, or ``weights``' at the first) and
     the budget record (what ``health`` reports without scanning). Returns notes (e.g. a new
     key, an adopted one, a changed key fingerprint, the weights' digest cache that could not
@@ -115,33 +121,6 @@ def prepare_state(plan: LaunchPlan, rendered: Rendered, sizing: Sizing, *,
     return notes
 
 
-def launch_foreground(dep: Deployment, rendered: Rendered, plan: LaunchPlan, sizing: Sizing,
-                      *, progress: Progress = quiet) -> None:
-    """The launch sequence for systemd: refuse if running, preflight (no vLLM), prepare the
-    state, write this host's fleet record on the shared tier (a failure is a warning), write
-    the pid file with this pid and exec the cache server in this process.
-
-    Raises CheckFailed if a server already runs, ConfigError listing every preflight
-    problem; on success it does not return. After an unclean stop the crash window is checked
-    (and its findings quarantined) before the exec, as by :func:`launch`.
-    """
-    srv = server_state(plan)
-    refuse_if_running(srv, "the cache server", progress)
-    pre = preflight(dep, plan, sizing, with_vllm=False)
-    for n in proceed(pre):
-        progress(n)
-    for n in prepare_state(plan, rendered, sizing, progress=progress, weights=pre.weights):
-        progress(n)
-    check_crash_window(plan, srv, how="foreground", progress=progress)
-    if dep.settings.shared_tier:
-        progress(fleet.write(dep, launched=True,
-                             nvme=fleet.nvme_use(sizing, dep.namespace)).note())
-    begin_preread(plan, progress)
-    progress(f"exec lmcache server for {plan.namespace} (pid file {plan.server_pid_file})")
-    procs.write_pid_file(plan.server_pid_file, os.getpid())
-    procs.exec_foreground(plan.server_argv, env=plan.server_env, cwd=plan.state_dir)
-
-
 # --------------------------------------------------------------------------- the whole launch
 
 
@@ -161,6 +140,12 @@ class LaunchResult:
     #: the priming request to the vLLM this launch started (None: none started, or
     #: ``warmup`` False)
     prime: PrimeRun | None = None
+    #: the cache server's pid: the one started, or the one that ran already
+    server_pid: int | None = None
+    #: the canary's run (None: not run: no vLLM started, ``--no-canary``, KVP_CANARY off)
+    canary: CanaryRun | None = None
+    #: why vLLM serves without the cache connector ('' : it has it); see docs/canary.md
+    recompute: str = ""
 
 
 @dataclass(frozen=True)
@@ -196,8 +181,7 @@ def running(plan: LaunchPlan, *, with_vllm: bool) -> Running:
 
 
 def check_crash_window(plan: Location, srv: procs.PidState, *, how: str,
-                       rate_mb_s: float | None = crash_window.DEFAULT_RATE_MB_S,
-                       deadline_s: float | None = crash_window.DEFAULT_SECONDS,
+                       rate_mb_s: float | None, deadline_s: float | None,
                        progress: Progress = quiet) -> CrashCheck:
     """Before the server starts: decide from ``srv`` (the pid file's state, read before a
     stale one is removed) and the stop records whether the last stop was unclean; if so,
@@ -207,6 +191,8 @@ def check_crash_window(plan: Location, srv: procs.PidState, *, how: str,
     window = crash_window.window_of(plan, srv)
     res = crash_window.check(plan, window, rate_mb_s=rate_mb_s, deadline_s=deadline_s)
     progress(res.summary())
+    if res.frames_line():
+        progress(res.frames_line())
     for q in res.quarantined:
         progress(f"quarantined {q}")
     for w in res.warnings:
@@ -216,21 +202,21 @@ def check_crash_window(plan: Location, srv: procs.PidState, *, how: str,
     return res
 
 
-def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float = 60.0,
-           vllm_timeout: float = 300.0, progress: Progress = quiet,
-           crash_rate_mb_s: float | None = crash_window.DEFAULT_RATE_MB_S,
-           crash_seconds: float | None = crash_window.DEFAULT_SECONDS,
-           warmup: bool = True, warmup_wait: float | None = None) -> LaunchResult:
+def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
+           progress: Progress = quiet) -> LaunchResult:
     """Start whatever of the deployment does not run yet (the cache server, and with
-    ``with_vllm`` vLLM; each is an independent process): preflight what will start, prepare
-    state, check the crash window after an unclean stop (bounded by ``crash_rate_mb_s`` and
-    ``crash_seconds``) before the server starts, start the cache server, write this host's
-    fleet record on the shared tier (a failure is a warning note), then vLLM, then, with
-    ``warmup``, the priming request to the vLLM it started (:mod:`kvpersist.stack.prime`; a
-    failure is a warning) and the warm-up, bounded by ``warmup_wait`` seconds (default
+    ``opts.with_vllm`` vLLM; each is an independent process): preflight what will start,
+    prepare state, check the crash window after an unclean stop (bounded by the options)
+    before the server starts, start the cache server, write this host's fleet record on the
+    shared tier (a failure is a warning note), then vLLM, then, with ``opts.warmup``, the
+    priming request to the vLLM it started (:mod:`kvpersist.stack.warm.prime`; a failure is a
+    warning) and the warm-up, bounded by ``opts.warmup_wait`` seconds (default
     KVP_WARMUP_WAIT): the launch returns, ready, after it. A vLLM that runs already
     reconnects to a server started here by itself (LMCache's connector re-registers its KV
     layout); a vLLM started beside a running server connects to it.
+
+    With ``opts.foreground`` (systemd) the same sequence starts the cache server alone and
+    execs it in this process, after writing the pid file with this pid: it does not return.
 
     Raises ConfigError listing every preflight problem (exit 2), CheckFailed if everything
     asked for runs already (exit 1), KvpError if a process fails to come up (after stopping
@@ -239,14 +225,19 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
     """
     dep, rendered, plan, sizing = (prepared.dep, prepared.rendered, prepared.plan,
                                    prepared.sizing)
-    now = running(plan, with_vllm=with_vllm)
-    with_server, start_vllm_too = now.to_start(with_vllm=with_vllm, vllm_mode=plan.vllm_mode)
+    now = running(plan, with_vllm=opts.with_vllm and not opts.foreground)
+    if opts.foreground:
+        refuse_if_running(now.server, "the cache server", progress)
+        with_server, start_vllm_too = True, False
+    else:
+        with_server, start_vllm_too = now.to_start(with_vllm=opts.with_vllm,
+                                                   vllm_mode=plan.vllm_mode)
     pre = preflight(dep, plan, sizing, with_vllm=start_vllm_too, with_server=with_server)
     notes = proceed(pre)
     if not with_server:
         notes.append(f"the cache server already runs (pid {now.server.pid}): starting vLLM "
                      "only")
-    elif with_vllm and not start_vllm_too:
+    elif opts.with_vllm and not start_vllm_too and not opts.foreground:
         notes.append(f"vLLM already runs (pid {now.vllm.pid if now.vllm else '?'}): starting "
                      "the cache server only; vLLM reconnects to it by itself")
     for n in notes:
@@ -258,10 +249,13 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
     for n in state_notes:
         progress(n)
     notes += state_notes
+    if opts.foreground:
+        _exec_server(prepared, now.server, opts, progress)
     # vLLM first: it loads its weights while the crash window is checked and the server
     # starts. It needs the server only when it registers its KV layout, at the end of its
     # start (LMCache's connector then waits up to lmcache.mp.mq_timeout for an answer).
     # An unbounded crash-window check (crash_seconds None) runs before vLLM starts instead.
+    crash_seconds = opts.crash_seconds
     beside = start_vllm_too and crash_seconds is not None
     vsp = spawn_vllm(plan, progress=progress) if beside else None
     crash = server = record = None
@@ -270,13 +264,13 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
             if vsp is not None and crash_seconds is not None:
                 crash_seconds = min(crash_seconds, CRASH_SECONDS_BESIDE_VLLM)
             crash = check_crash_window(plan, now.server, how="launch",
-                                       rate_mb_s=crash_rate_mb_s, deadline_s=crash_seconds,
-                                       progress=progress)
+                                       rate_mb_s=opts.crash_rate_mb_s,
+                                       deadline_s=crash_seconds, progress=progress)
             notes.append(begin_preread(plan, progress))
             ssp = spawn_server(plan, progress=progress)
             if start_vllm_too and vsp is None:
                 vsp = spawn_vllm(plan, progress=progress)
-            server = wait_ready(ssp, server_timeout)
+            server = wait_ready(ssp, opts.server_timeout)
             progress(f"lmcache server healthy in {server.seconds:.1f} s (pid {server.pid})")
         elif start_vllm_too and vsp is None:
             vsp = spawn_vllm(plan, progress=progress)
@@ -285,29 +279,78 @@ def launch(prepared: Prepared, *, with_vllm: bool = True, server_timeout: float 
             progress(f"stopping vLLM (pid {vsp.pid}): the cache server did not start")
             vsp.abandon()
         raise
-    if with_server and dep.settings.shared_tier:
+    if with_server and dep.shared is not None:
         # never fails the launch: a store that does not answer is a warning
         record = fleet.write(dep, launched=True, nvme=fleet.nvme_use(sizing, dep.namespace))
         progress(record.note())
         notes.append(record.note())
     vllm: Started | None = None
     if vsp is not None:
-        vllm = wait_ready(vsp, vllm_timeout)
+        vllm = wait_ready(vsp, opts.vllm_timeout)
         progress(f"vLLM serves in {vllm.seconds:.1f} s (pid {vllm.pid})")
     primed: PrimeRun | None = None
-    if vllm is not None and warmup:
+    if vllm is not None and opts.warmup:
         primed = prime_vllm(plan)
         progress(primed.summary())
+    canary: CanaryRun | None = None
+    recompute = rendered.recompute
+    if recompute and vllm is not None:
+        progress(f"WARNING: vLLM serves WITHOUT the cache (recompute): {recompute}")
+    elif opts.canary and plan.canary_enabled and (vllm is not None or (
+            server is not None and now.vllm is not None and now.vllm.running)):
+        # a vLLM started here, or one that runs on beside the cache server started here
+        canary = run_canary(plan, when="launch", tier="l2" if server is not None else "l1")
+        progress(canary.summary())
+        if canary.state == FAILED:
+            prepared, vllm = _serve_recomputed(prepared, opts, progress)
+            plan, recompute = prepared.plan, prepared.rendered.recompute
     warm: WarmupRun | None = None
-    if with_vllm and (vllm is not None or plan.vllm_mode == "process"):
-        if warmup and not dep.settings.warmup_file:
+    if recompute and opts.with_vllm:
+        warm = WarmupRun("skipped", "vLLM serves without the cache (the canary failed)")
+    elif opts.with_vllm and (vllm is not None or plan.vllm_mode == "process"):
+        if opts.warmup and not dep.settings.warmup_file:
             warm = NO_WARM_SET
-        elif warmup:
+        elif opts.warmup:
             warm = run_warmup(plan, prepared.config or dep.name,
-                              env=prepared.environ or os.environ, wait_s=warmup_wait,
+                              Handoff.of(rendered.vllm_argv, rendered.lmcache_server_argv),
+                              env=prepared.environ or os.environ, wait_s=opts.warmup_wait,
                               progress=progress)
             progress(warmup_summary(warm))
-    return LaunchResult(plan, tuple(notes), server, vllm, crash, warm, record, primed)
+    server_pid = server.pid if server is not None else now.server.pid
+    return LaunchResult(plan, tuple(notes), server, vllm, crash, warm, record, primed,
+                        server_pid, canary, recompute)
+
+
+def _serve_recomputed(prepared: Prepared, opts: LaunchOptions,
+                      progress: Progress) -> tuple[Prepared, Started]:
+    """The canary failed: stop the vLLM this launch started (it must not serve from a cache
+    path that failed) and start it again without the cache connector. Returns the plan it
+    runs under and its start."""
+    plan = prepared.plan
+    progress("stopping vLLM: it must not serve from a cache path that failed; starting it "
+             "again WITHOUT the cache connector (recompute; the namespace's files are kept)")
+    stop_vllm(plan, timeout=max(opts.server_timeout, 60.0))
+    again = recompute_plan(prepared, recompute_reason(plan))
+    vllm = wait_ready(spawn_vllm(again.plan, progress=progress), opts.vllm_timeout)
+    progress(f"vLLM serves, recomputing, in {vllm.seconds:.1f} s (pid {vllm.pid})")
+    return again, vllm
+
+
+def _exec_server(prepared: Prepared, srv: procs.PidState, opts: LaunchOptions,
+                 progress: Progress) -> NoReturn:
+    """The foreground launch's last steps: the crash window, this host's fleet record (a
+    failure is a warning), the hot-files pre-read, the pid file with this pid, and the exec
+    of the cache server in this process."""
+    dep, plan = prepared.dep, prepared.plan
+    check_crash_window(plan, srv, how="foreground", rate_mb_s=opts.crash_rate_mb_s,
+                       deadline_s=opts.crash_seconds, progress=progress)
+    if dep.shared is not None:
+        progress(fleet.write(dep, launched=True,
+                             nvme=fleet.nvme_use(prepared.sizing, dep.namespace)).note())
+    begin_preread(plan, progress)
+    progress(f"exec lmcache server for {plan.namespace} (pid file {plan.server_pid_file})")
+    procs.write_pid_file(plan.server_pid_file, os.getpid())
+    procs.exec_foreground(plan.server_argv, env=plan.server_env, cwd=plan.state_dir)
 
 
 def warmup_summary(warm: WarmupRun) -> str:

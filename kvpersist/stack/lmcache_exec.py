@@ -38,20 +38,16 @@ from kvpersist.config.shared_tier import (
     RESP_ENV_PASSWORD,
     RESP_ENV_USER,
     SharedSecret,
-    parse_secret,
 )
 from kvpersist.errors import KvpError
-from kvpersist.system.files import read_checked, read_owner_only, trust_problems
+from kvpersist.l2.shared.credentials import check_ca_file, read_secret_file
+from kvpersist.system.untrusted import MAX_STATE_BYTES, read_text
 
 MODULE = "kvpersist.stack.lmcache_exec"
 SHARED_TYPES = ("resp", "valkey")
 #: the swapped call in LMCache 0.5.6's ValkeyWorkerPool._get_client
 _SWAPPED_CALL = "ServerCredentials(self._username, self._password)"
 _WORKER_POOL = "lmcache.v1.storage_backend.valkey.worker_pool"
-#: the most of a secret file that is read (a username and a password line)
-SECRET_MAX_BYTES = 65536
-#: how much of a CA file is read to find its PEM certificate
-CA_HEAD_BYTES = 1 << 20
 
 
 def exec_argv(python: str, secret_file: str, server_argv: Sequence[str],
@@ -59,42 +55,6 @@ def exec_argv(python: str, secret_file: str, server_argv: Sequence[str],
     """The command line that starts ``server_argv`` through this launcher (pure)."""
     ca = ["--tls-ca", tls_ca] if tls_ca else []
     return [python, "-m", MODULE, "--secret-file", secret_file, *ca, "--", *server_argv]
-
-
-def check_ca_file(path: str, also: tuple[int, ...] = ()) -> None:
-    """Check the shared tier's CA file before anything trusts it: an absolute path, a regular
-    file (no symlink) owned by this user, one of ``also`` (the service user) or root, not
-    writable by group or others, in directories only those users can change
-    (:func:`kvpersist.system.files.trust_problems`), holding a PEM certificate. Whoever can
-    change it can make the cache server trust their own store. Raises KvpError naming every
-    problem (a CA file is not secret: it may be readable by anyone)."""
-    if not os.path.isabs(path):
-        raise KvpError(f"shared tier CA file {path!r} must be an absolute path (tls_ca=)")
-    problems = trust_problems(path, also=(*also, 0))
-    head, found = read_checked(path, what="shared tier CA file", max_bytes=CA_HEAD_BYTES,
-                               fix="check tls_ca= in KVP_SHARED_TIER", secret=False)
-    problems += found
-    if b"-----BEGIN CERTIFICATE-----" not in head:
-        problems.append(f"{path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
-    if problems:
-        raise KvpError("shared tier CA file (tls_ca=): " + "; ".join(problems))
-
-
-def read_secret_file(path: str, also: tuple[int, ...] = ()) -> SharedSecret:
-    """Read the shared tier's secret file: a regular file (no symlink) owned by this user (or
-    one of ``also``: the service user, when root administers for it) and readable by nobody
-    else (:func:`kvpersist.system.files.read_owner_only`). Raises KvpError naming the problem
-    (never the content)."""
-    raw = read_owner_only(path, what="shared tier secret file", max_bytes=SECRET_MAX_BYTES,
-                          also=also, fix="check KVP_SHARED_TIER_SECRET_FILE")
-    try:
-        text = raw.decode("utf-8", errors="strict")
-    except UnicodeDecodeError as exc:
-        raise KvpError(f"shared tier secret file {path} is not UTF-8 text") from exc
-    secret, problem = parse_secret(text)
-    if secret is None:
-        raise KvpError(f"shared tier secret file {path}: {problem}")
-    return secret
 
 
 def valkey_swaps_credentials(worker_pool_source: str) -> bool:
@@ -143,8 +103,7 @@ def _installed_valkey_swaps() -> bool:
     spec = importlib.util.find_spec(_WORKER_POOL)
     if spec is None or not spec.origin:
         return False
-    with open(spec.origin, encoding="utf-8") as f:
-        return valkey_swaps_credentials(f.read())
+    return valkey_swaps_credentials(read_text(spec.origin, max_bytes=MAX_STATE_BYTES))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

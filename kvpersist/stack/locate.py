@@ -18,10 +18,11 @@ Files of a deployment (``S`` = ``KVP_STATE_DIR``, default ``<cache root>/.kvpers
 * ``S/weights-digests.json``: the sha256 of each weights file, keyed by its stat (see
   :mod:`kvpersist.stack.weights`), so a launch costs one ``stat`` per file
 * ``S/warmup.json``: the last warm-up's state (written by the warm-up engine,
-  :mod:`kvpersist.stack.warmup`: warming, done or failed), ``S/warmup/``: the warm set's
+  :mod:`kvpersist.stack.warm.run`: warming, done or failed), ``S/warmup/``: the warm set's
   token ids it cached, ``S/pids/<name>.warmup.pid``: the pid of the warm-up a launch started
   (kept after it ends, so that health can tell a warm-up that died from one still running),
   ``S/logs/warmup.log``: its output
+* ``S/canary/<namespace>.json``: the namespace's canary record (kvpersist.stack.canary)
 * ``S/models/<namespace>`` → the weights: vLLM runs in ``S/models`` with
   ``--model <namespace>``, so LMCache's model name (and every file name) is the namespace.
 """
@@ -33,7 +34,13 @@ from dataclasses import dataclass
 
 from kvpersist.config.deployment import Deployment
 from kvpersist.config.values import url_host
+from kvpersist.l2.frames import max_chunk_file_bytes
 from kvpersist.l2.layout import MANIFESTS_DIR, PID_FILE
+from kvpersist.stack.canary.record import record_path
+from kvpersist.stack.canary.verdict import tolerance_for
+from kvpersist.system.http_client import DEFAULT_TIMEOUT
+from kvpersist.system.lmcache_client import LMCacheClient
+from kvpersist.system.vllm_client import VllmClient
 
 PIDS_DIR = "pids"
 WARMUP_STATE = "warmup.json"
@@ -76,14 +83,33 @@ class Location:
     service_user: str
     #: component -> (host, port) as configured
     listen: dict[str, tuple[str, int]]
-    #: the warm-up's state file (:mod:`kvpersist.stack.warmup`), pid file and log
+    #: the warm-up's state file (:mod:`kvpersist.stack.warm.run`), pid file and log
     warmup_state_file: str
     warmup_pid_file: str
     warmup_log: str
     #: where the warm-up caches the warm set's token ids
     warmup_tokens_dir: str
+    #: what a launch hands its warm-up child of the rendered plan (stack/warm/handoff.py)
+    warmup_handoff_file: str
     #: KVP_WARMUP_WAIT, seconds
     warmup_wait: float
+    #: the largest chunk file the namespace's geometry allows (a larger one is never read)
+    chunk_max_bytes: int
+    #: the canary (kvpersist.stack.canary): its record, whether it runs, its prompt's
+    #: chunks of ``canary_chunk_size`` tokens, its tolerance
+    canary_file: str = ""
+    canary_enabled: bool = True
+    canary_chunk_size: int = 256
+    canary_chunks: int = 2
+    canary_tolerance: float = 0.0
+
+    def lmcache(self, timeout: float = DEFAULT_TIMEOUT) -> LMCacheClient:
+        """The client of the deployment's cache server's admin port (no I/O until a call)."""
+        return LMCacheClient(self.server_http_url, timeout)
+
+    def vllm(self, timeout: float = DEFAULT_TIMEOUT) -> VllmClient:
+        """The client of the deployment's vLLM (no I/O until a call)."""
+        return VllmClient(self.vllm_url, timeout)
 
 
 def vllm_mode(dep: Deployment) -> str:
@@ -132,5 +158,13 @@ def locate(dep: Deployment) -> Location:
         warmup_pid_file=os.path.join(state, PIDS_DIR, f"{dep.name}.warmup.pid"),
         warmup_log=os.path.join(s.log_dir, "warmup.log"),
         warmup_tokens_dir=os.path.join(state, WARMUP_TOKENS_DIR),
+        warmup_handoff_file=os.path.join(state, "warmup-handoff.json"),
         warmup_wait=s.warmup_wait,
+        chunk_max_bytes=max_chunk_file_bytes(dep.identity_values, dep.generic.chunk_size),
+        canary_file=record_path(state, dep.namespace),
+        canary_enabled=s.canary,
+        canary_chunk_size=dep.generic.chunk_size,
+        canary_chunks=s.canary_chunks,
+        canary_tolerance=tolerance_for(str(dep.identity_values.get("kv_cache_dtype", "auto")),
+                                       s.canary_tolerance),
     )

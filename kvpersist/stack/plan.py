@@ -16,10 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from kvpersist.config.deployment import Deployment, shared_tier_of
+from kvpersist.config.deployment import Deployment
 from kvpersist.config.loader import load_deployment
+from kvpersist.l2.hot_files import off_reason
 from kvpersist.l2.inventory import Sizing, size_deployment
-from kvpersist.l2.preread import off_reason
+from kvpersist.stack.canary.run import recompute_reason
+from kvpersist.stack.launch_options import DEFAULTS, LaunchOptions
 from kvpersist.stack.lmcache_exec import exec_argv
 from kvpersist.stack.locate import Location, locate, vllm_mode
 from kvpersist.stack.preread import preread_argv
@@ -75,7 +77,7 @@ def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
         vllm_argv = [python or sys.executable, *serve, *rendered.vllm_argv]
     if s.shared_tier:
         # the shared tier's credentials enter in the server's own process (lmcache_exec)
-        tier = shared_tier_of(s)
+        tier = dep.shared
         server_argv = exec_argv(python or sys.executable, s.shared_tier_secret_file,
                                 server_argv, tls_ca=tier.tls_ca if tier else "")
         # the launcher must be this very kvpersist (the server's cwd is the state dir)
@@ -107,27 +109,40 @@ class Prepared:
     environ: Mapping[str, str] = field(default_factory=dict)
 
 
-def prepare_launch(config: str, *, environ: Mapping[str, str] | None = None,
-                   allow_unpinned: bool = False, allow_tmp_cleanup: bool = False,
-                   allow_unsupported_vllm: bool = False) -> Prepared:
+def prepare_launch(config: str, opts: LaunchOptions = DEFAULTS, *,
+                   environ: Mapping[str, str] | None = None) -> Prepared:
     """Load ``config``, size it once (scan + other deployments on its root), render it and
-    build its launch plan. ``allow_tmp_cleanup`` (``launch --allow-lmcache-tmp-cleanup``)
-    sets KVP_ALLOW_LMCACHE_TMP_CLEANUP for this launch, ``allow_unsupported_vllm``
-    (``--allow-unsupported-vllm``) KVP_ALLOW_UNSUPPORTED_VLLM. Writes nothing. Raises ConfigError
+    build its launch plan. Of ``opts``: ``allow_unpinned``, ``allow_tmp_cleanup``
+    (``launch --allow-lmcache-tmp-cleanup``: KVP_ALLOW_LMCACHE_TMP_CLEANUP for this launch)
+    and ``allow_unsupported_vllm`` (KVP_ALLOW_UNSUPPORTED_VLLM). Writes nothing. Raises ConfigError
     for configuration or budget problems."""
     env = dict(os.environ if environ is None else environ)
-    dep = load_deployment(config, env, allow_unpinned=allow_unpinned)
-    if allow_tmp_cleanup:
+    dep = load_deployment(config, env, allow_unpinned=opts.allow_unpinned)
+    if opts.allow_tmp_cleanup:
         dep = replace(dep, settings=replace(dep.settings, allow_lmcache_tmp_cleanup=True))
-    if allow_unsupported_vllm:
+    if opts.allow_unsupported_vllm:
         dep = replace(dep, settings=replace(dep.settings, allow_unsupported_vllm=True))
     sizing = size_deployment(dep, environ=env)
     rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=sizing.l1_size_gb,
                       l2_capacity_gb=sizing.l2_capacity_gb, lmcache_bin=lmcache_bin(),
                       vllm_version=running_vllm_version(
-                          dep.vllm_version, direct_process=vllm_mode(dep) == "process"))
+                          dep.vllm_version, direct_process=vllm_mode(dep) == "process"),
+                      recompute=recompute_reason(locate(dep)))
     return Prepared(dep, sizing, rendered, plan_launch(dep, rendered, env), config, env)
 
 
-__all__ = ["LaunchPlan", "Prepared", "lmcache_bin", "plan_launch",
-           "prepare_launch"]
+def recompute_plan(prepared: Prepared, why: str) -> Prepared:
+    """``prepared`` rendered and planned again with vLLM WITHOUT the cache connector (its
+    canary failed: ``why``). Raises ConfigError as :func:`render` does."""
+    dep, sizing = prepared.dep, prepared.sizing
+    rendered = render(dep, read_templates(TEMPLATE_NAMES), l1_size_gb=sizing.l1_size_gb,
+                      l2_capacity_gb=sizing.l2_capacity_gb, lmcache_bin=lmcache_bin(),
+                      vllm_version=running_vllm_version(
+                          dep.vllm_version, direct_process=vllm_mode(dep) == "process"),
+                      recompute=why)
+    return replace(prepared, rendered=rendered,
+                   plan=plan_launch(dep, rendered, prepared.environ))
+
+
+__all__ = ["LaunchPlan", "Prepared", "lmcache_bin", "plan_launch", "prepare_launch",
+           "recompute_plan"]

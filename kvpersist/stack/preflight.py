@@ -29,17 +29,16 @@ from kvpersist.config.deployment import (
     container_mount_problems,
     listeners,
     private_paths,
-    shared_tier_of,
 )
 from kvpersist.errors import ConfigError, KvpError, Problem
 from kvpersist.l2.inventory import Sizing
 from kvpersist.l2.layout import display_name
-from kvpersist.l2.shared_store import TLS_UNTRUSTED, probe
+from kvpersist.l2.shared.credentials import check_ca_file, read_secret_file
+from kvpersist.l2.shared.store import TLS_UNTRUSTED, probe
 from kvpersist.stack import identity_check, vllm_args
-from kvpersist.stack.lmcache_exec import check_ca_file, read_secret_file
 from kvpersist.stack.plan import LaunchPlan
 from kvpersist.stack.render import serde_warnings
-from kvpersist.stack.warmup import read_warm_set
+from kvpersist.stack.warm.run import read_warm_set
 from kvpersist.stack.weights import WeightsCheck, check_weights
 from kvpersist.system import procs, vllm_seam
 from kvpersist.system.files import (
@@ -331,7 +330,7 @@ def gather_shared(dep: Deployment, also: tuple[int, ...]) -> SharedFacts | None:
     s = dep.settings
     if not s.shared_tier:
         return None
-    tier = shared_tier_of(s)
+    tier = dep.shared
     path = s.shared_tier_secret_file
     facts = SharedFacts(path, tier.endpoint if tier else s.shared_tier,
                         trust=tuple(trust_problems(path, also=also)))
@@ -390,7 +389,7 @@ def tmp_cleanup_verdict(f: PreflightFacts) -> tuple[list[Problem], list[str]]:
     not counted. Returns (problems, notes)."""
     if not f.tmp_files:
         return [], []
-    shown = ", ".join(f.tmp_samples[:TMP_SHOWN])
+    shown = ", ".join(display_name(s) for s in f.tmp_samples[:TMP_SHOWN])
     more = f.tmp_files - min(len(f.tmp_samples), TMP_SHOWN)
     what = (f"{f.tmp_files} file(s) under the cache root {display_name(f.root.path)} that "
             f"are not LMCache's have '.tmp.' in their names ({shown}"

@@ -6,7 +6,7 @@ own log), so the launch never waits for it and nothing it meets can fail the lau
 launch only records that it started (or why not). The child lists the namespace's chunk files
 (:func:`kvpersist.l2.tree.chunk_dirs`: never through a symlink, never into ``.kvpersist`` or a
 foreign directory; only names that parse as chunk files of this namespace, only regular
-files), lets :func:`kvpersist.l2.preread.plan_preread` choose the newest ones up to the cap,
+files), lets :func:`kvpersist.l2.hot_files.plan_preread` choose the newest ones up to the cap,
 opens each with ``O_NOFOLLOW`` relative to its directory and calls
 ``posix_fadvise(fd, 0, 0, POSIX_FADV_WILLNEED)``: the kernel reads the file into the page
 cache in the background; nothing is read into this process. The child writes one JSON line
@@ -14,7 +14,7 @@ cache in the background; nothing is read into this process. The child writes one
 
 The pre-read helps only buffered reads: with ``l2.use_direct_io`` the server opens its files
 with ``O_DIRECT`` and never looks at the page cache, so
-:func:`kvpersist.l2.preread.off_reason` turns it off there.
+:func:`kvpersist.l2.hot_files.off_reason` turns it off there.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpersist.l2.hot_files import Candidate, PrereadPlan, plan_preread, preread_cap
 from kvpersist.l2.layout import parse_chunk_name, prefix_for_model_name
-from kvpersist.l2.preread import Candidate, PrereadPlan, plan_preread, preread_cap
 from kvpersist.l2.tree import FILE_FLAGS, RootDir, chunk_dirs, open_rel, open_root
 from kvpersist.system import procs
 

@@ -6,15 +6,13 @@ the background and wait until it answers; :func:`stop_deployment` stops vLLM, th
 server (a server that exited on SIGTERM is recorded as cleanly stopped,
 :mod:`kvpersist.stack.crash_window`). Stopping and inspecting need only a
 :class:`~kvpersist.stack.locate.Location` (pure, no scan). Used by
-:mod:`kvpersist.stack.launch` and :mod:`kvpersist.stack.readiness`; imports neither.
+:mod:`kvpersist.stack.launch` and :mod:`kvpersist.stack.warm.readiness`; imports neither.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -60,30 +58,10 @@ def vllm_state(loc: Location) -> procs.PidState:
     return procs.check_pid_file(loc.vllm_pid_file, loc.vllm_markers)
 
 
-def http_ok(url: str, timeout: float = 2.0) -> bool:
-    """True if GET ``url`` answers 200 within ``timeout`` seconds."""
-    import requests  # lazy: kvp-admin's start-up stays light
-
-    try:
-        return requests.get(url, timeout=timeout).status_code == 200
-    except requests.RequestException:
-        return False
-
-
 def vllm_ready(plan: Location, timeout: float = 2.0) -> bool:
     """True if vLLM answers ``/health`` and ``/v1/models`` lists the served name with the
     namespace as its root (the namespace reaches LMCache)."""
-    import requests  # lazy: kvp-admin's start-up stays light
-
-    try:
-        if requests.get(f"{plan.vllm_url}/health", timeout=timeout).status_code != 200:
-            return False
-        models = requests.get(f"{plan.vllm_url}/v1/models", timeout=timeout).json()
-    except (requests.RequestException, ValueError):
-        return False
-    data = models.get("data") if isinstance(models, dict) else None  # any JSON may answer
-    return isinstance(data, list) and any(isinstance(m, dict) and m.get("root") == plan.namespace
-                                          and m.get("id") == plan.served_model_name for m in data)
+    return plan.vllm(timeout).serves(plan.namespace, plan.served_model_name)
 
 
 # --------------------------------------------------------------------------- starting
@@ -148,7 +126,7 @@ class Spawned:
     :func:`wait_ready`)."""
 
     name: str
-    proc: subprocess.Popen[bytes]
+    proc: procs.Child
     t0: float
     log: str
     pid_file: str | None
@@ -164,8 +142,7 @@ class Spawned:
     def abandon(self) -> None:
         """Stop it (another part of the launch failed) and remove its pid file."""
         procs.stop_process(self.proc.pid, timeout=self.stop_timeout)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+        procs.wait_child(self.proc, 10)
         if self.pid_file:
             procs.remove_pid_file(self.pid_file, self.proc.pid)
 
@@ -177,7 +154,7 @@ def spawn_server(plan: LaunchPlan, *, progress: Progress = quiet) -> Spawned:
     progress(f"starting lmcache server (log {plan.server_log})")
     return _spawn("lmcache server", plan.server_argv, log=plan.server_log, env=plan.server_env,
                   cwd=plan.state_dir, pid_file=plan.server_pid_file,
-                  ready=lambda: http_ok(f"{plan.server_http_url}/healthcheck", 1.0),
+                  ready=lambda: plan.lmcache(1.0).healthy(),
                   interval=0.25, stop_timeout=10, not_ready="not healthy")
 
 
@@ -289,8 +266,8 @@ def stop_vllm(plan: Location, *, timeout: float = 60.0) -> Stopped:
         engine = plan.container_engine
         if not shutil.which(engine):
             return Stopped("vLLM", None, "not-running", detail=f"{engine} not installed")
-        r = subprocess.run([engine, "stop", "-t", str(int(timeout)), plan.container_name],
-                           capture_output=True, text=True, timeout=timeout + 30)
+        r = procs.run([engine, "stop", "-t", str(int(timeout)), plan.container_name],
+                      timeout=timeout + 30)
         how = "terminated" if r.returncode == 0 else "not-running"
         return Stopped("vLLM", None, how, detail=plan.container_name)
     return _stop_by_pid_file("vLLM", vllm_state(plan), timeout)
@@ -344,6 +321,6 @@ def stop_deployment(plan: Location, *, timeout: float = 30.0,
 
 
 __all__ = ["COMPONENTS", "Progress", "Spawned", "Started", "Stopped", "begin_preread",
-           "ensure_model_link", "http_ok", "quiet", "refuse_if_running", "server_state",
+           "ensure_model_link", "quiet", "refuse_if_running", "server_state",
            "spawn_server", "spawn_vllm", "start_server", "start_vllm", "stop_deployment",
            "stop_leftovers", "stop_server", "stop_vllm", "vllm_ready", "vllm_state", "wait_ready"]

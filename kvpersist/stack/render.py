@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 
 from kvpersist import __version__
-from kvpersist.config.deployment import Deployment, listeners, shared_tier_of
+from kvpersist.config.deployment import Deployment, listeners
 from kvpersist.config.engine_args import engine_argv
 from kvpersist.config.identity import MODEL_KV_DTYPES
 from kvpersist.config.shared_tier import adapter_json
@@ -95,6 +95,9 @@ class Rendered:
     #: (the deployment's), "supported", "serve" (the arguments after ``python`` that start
     #: its API server), "rendered_flags", "env" (``K=V`` the device needs: KVP_DEVICE=cpu)}
     vllm: dict[str, Any] = field(default_factory=dict)
+    #: why vLLM is rendered without the cache connector ('' : it has it): the namespace's
+    #: canary failed (kvpersist.stack.canary), nothing is read from or written to the cache
+    recompute: str = ""
 
     def as_json(self) -> dict[str, Any]:
         """The stable JSON object of ``kvp-admin render --json``."""
@@ -115,6 +118,7 @@ class Rendered:
             "shared_tier": self.shared_tier,
             "read_path": self.read_path,
             "vllm": self.vllm,
+            "recompute": self.recompute or None,
         }
 
 
@@ -201,7 +205,7 @@ def serde_json(dep: Deployment) -> dict[str, Any] | None:
 def shared_tier_json(dep: Deployment) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(the shared tier's ``--l2-adapter`` object without credentials, the tier as
     ``render --json`` shows it with the credentials redacted); (None, None) without one."""
-    tier = shared_tier_of(dep.settings)
+    tier = dep.shared
     if tier is None:
         return None, None
     shown = {**tier.to_dict(), "secret_file": dep.settings.shared_tier_secret_file,
@@ -239,13 +243,15 @@ def manifest(dep: Deployment, l2_capacity_gb: float | None = None) -> dict[str, 
 
 def render(dep: Deployment, templates: Mapping[str, str], *, l1_size_gb: float,
            l2_capacity_gb: float, lmcache_bin: str = "lmcache",
-           vllm_version: str | None = None) -> Rendered:
+           vllm_version: str | None = None, recompute: str = "") -> Rendered:
     """Render all launch artefacts of ``dep``.
 
     ``l1_size_gb`` and ``l2_capacity_gb`` come from the budget plan; ``vllm_version`` is the
     vLLM release that will run (default: the one the deployment names), whose flag table
     renders the engine flags and whose own flags (:attr:`vllm_seam.Release.rendered_flags`)
-    are added. Raises ConfigError if a template is missing or refers to an undefined value.
+    are added. ``recompute``: why vLLM runs without the cache connector (its
+    ``--kv-transfer-config`` left out: the namespace's canary failed); '' : with it. Raises
+    ConfigError if a template is missing or refers to an undefined value.
     """
     missing = [n for n in TEMPLATE_NAMES if n not in templates]
     if missing:
@@ -273,7 +279,7 @@ def render(dep: Deployment, templates: Mapping[str, str], *, l1_size_gb: float,
         vllm = _lines(env.get_template("vllm-serve.argv.j2").render(
             s=s, ident=ident, namespace=dep.namespace, model_dtype=model_dtype,
             model_positional=RELEASES[version].model_positional,
-            vllm_kv_cache_dtype=vllm_kv, kv_transfer_config=ktc,
+            vllm_kv_cache_dtype=vllm_kv, kv_transfer_config={} if recompute else ktc,
             release_flags=RELEASES[version].rendered_flags,
             shutdown_timeout=VLLM_DRAIN_SECONDS,
             engine_args=engine_argv(ident.get("engine_args", {}), version)))
@@ -293,7 +299,9 @@ def render(dep: Deployment, templates: Mapping[str, str], *, l1_size_gb: float,
         model_link={"dir": s.model_link_dir, "name": dep.namespace, "target": s.model_path},
         container_argv=container,
         listeners=[lst.to_dict() for lst in listeners(s)],
-        warnings=serde_warnings(s.serde),
+        warnings=serde_warnings(s.serde) + ([
+            f"vLLM is rendered WITHOUT the cache connector (recompute): {recompute}"]
+            if recompute else []),
         shared_l2_adapter=shared_adapter,
         shared_tier=shared_shown,
         read_path=explain_read_path(dep).to_dict(),
@@ -303,6 +311,7 @@ def render(dep: Deployment, templates: Mapping[str, str], *, l1_size_gb: float,
               "serve": list(RELEASES[version].serve),
               "rendered_flags": list(RELEASES[version].rendered_flags),
               "env": [f"{k}={v}" for k, v in CPU_CONTAINER_ENV] if s.device == "cpu" else []},
+        recompute=recompute,
     )
 
 

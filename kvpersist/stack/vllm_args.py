@@ -39,7 +39,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -58,7 +57,7 @@ from kvpersist.config.engine_flags import KV, NEUTRAL, rows_for
 from kvpersist.config.loader import load_deployment, load_identity_values
 from kvpersist.errors import KvpError, Problem
 from kvpersist.stack.render import container_argv, container_python_argv
-from kvpersist.system import vllm_seam
+from kvpersist.system import procs, vllm_seam
 from kvpersist.system.files import atomic_write_json
 from kvpersist.system.software import running_vllm_version
 from kvpersist.system.untrusted import UnreadableFile, read_json_object
@@ -224,10 +223,9 @@ def run_parser(command: Sequence[str], request: Mapping[str, Any], *,
                env: Mapping[str, str] | None = None,
                timeout: float = TIMEOUT_S) -> dict[str, Any]:
     """Run :data:`SCRIPT` with ``command`` (``[python]`` or a ``docker run ... python``) and
-    return its result; raises OSError / subprocess.TimeoutExpired / ValueError."""
-    res = subprocess.run([*command, "-c", SCRIPT], input=json.dumps(request),
-                         capture_output=True, text=True, env=dict(env) if env else None,
-                         timeout=timeout, check=False)
+    return its result; raises OSError / procs.TimeoutExpired / ValueError."""
+    res = procs.run([*command, "-c", SCRIPT], input_text=json.dumps(request),
+                    env=env or None, timeout=timeout)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("KVP-RESULT ")]
     if not lines:
         tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
@@ -330,9 +328,9 @@ def check_vllm_args(vllm_argv: Sequence[str], extra: Sequence[str], engine_text:
     start = time.monotonic()
     try:
         result = run_parser(command, request, env=run_env, timeout=timeout)
-    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+    except (OSError, ValueError, procs.TimeoutExpired) as exc:
         why = f"timed out after {timeout:.0f} s" if isinstance(
-            exc, subprocess.TimeoutExpired) else str(exc)
+            exc, procs.TimeoutExpired) else str(exc)
         where = f"in the image {image}" if image else f"with {python}"
         message = f"cannot run vLLM's own parser {where}: {why}"
         if image:

@@ -8,6 +8,7 @@ caller never lets an ``OSError`` reach the user as a traceback.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpersist.errors import KvpError
+from kvpersist.errors import EXIT_USAGE, KvpError, UsageError
 from kvpersist.system.untrusted import show_path
 
 #: mode bits that let users other than the owner and its group into a directory (the cache
@@ -193,22 +194,50 @@ def service_uids(user: str) -> tuple[int, ...]:
                        "user or fix the name") from None
 
 
-def write_textfile(path: str | os.PathLike[str], registry: Any) -> None:
-    """Write a ``prometheus_client`` registry's exposition to ``path`` with the library's
-    ``write_to_textfile`` (a temp file beside it, then rename: node_exporter's textfile
-    collector never reads half a file). The file is 0644, whatever the umask, so that
-    node_exporter (another user) can read it; it holds no secret. Raises KvpError."""
-    from prometheus_client import write_to_textfile
-
-    target = os.fspath(path)
-    old = os.umask(0o022)
+def open_textfile_dir(directory: str | os.PathLike[str]) -> int:
+    """The descriptor of the textfile directory ``directory``, opened without following a
+    symbolic link at its last component (the caller closes it). Raises UsageError (exit 2)
+    for a symbolic link, something that is not a directory or a directory that does not
+    exist; KvpError when it cannot be opened."""
+    shown = show_path(directory)
     try:
-        write_to_textfile(target, registry)
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        raise KvpError(f"cannot write {show_path(target)}: {exc.strerror or exc}; check "
-                       "that the directory exists and that this user may write there") from exc
-    finally:
-        os.umask(old)
+        if exc.errno == errno.ELOOP or os.path.islink(directory):
+            raise UsageError(f"--textfile {shown} is a symbolic link: kvpersist writes no file "
+                             "through one; give the directory itself (readlink -f)") from None
+        if isinstance(exc, FileNotFoundError | NotADirectoryError):
+            raise UsageError(f"--textfile {shown}: {exc.strerror}; give node_exporter's "
+                             "textfile-collector directory") from None
+        raise KvpError(f"cannot open {shown}: {exc.strerror or exc}") from None
+
+
+def write_textfile_at(dir_fd: int, name: str, registry: Any, shown: str = "") -> None:
+    """Write a ``prometheus_client`` registry's exposition as ``name`` in the directory
+    ``dir_fd``: a temp file created beside it (``O_EXCL``, never through a link), then
+    renamed over ``name`` (node_exporter never reads half a file; a link named ``name`` is
+    replaced, never followed). The file is 0644: node_exporter (another user) reads it; it
+    holds no secret. Raises KvpError."""
+    from prometheus_client import generate_latest
+
+    data = generate_latest(registry)
+    tmp = f".{name}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644, dir_fd=dir_fd)
+        try:
+            os.fchmod(fd, 0o644)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise KvpError(f"cannot write {shown or name}: {exc.strerror or exc}; check that this "
+                       "user may write there") from exc
 
 
 def direct_io_problem(directory: str | os.PathLike[str]) -> str:
@@ -254,6 +283,15 @@ def file_problems(path: str | os.PathLike[str], st: os.stat_result, *,
     return out
 
 
+class UnusableSecret(KvpError):
+    """A key, secret or CA file a setting names cannot be used (missing, a link, a FIFO, too
+    big, readable by others, not what its format says): a configuration error, exit 2,
+    whichever command meets it (issue 40: ``fleet status`` and ``scrub`` exited 1, which
+    ``scrub`` also means for "dirty padding left")."""
+
+    exit_code = EXIT_USAGE
+
+
 def read_checked(path: str | os.PathLike[str], *, what: str, fix: str, max_bytes: int,
                  also: tuple[int, ...] = (), secret: bool = True) -> tuple[bytes, list[str]]:
     """Open ``path`` without following a symbolic link and without blocking (a FIFO), check
@@ -261,14 +299,15 @@ def read_checked(path: str | os.PathLike[str], *, what: str, fix: str, max_bytes
     of ``also`` and be readable by nobody else) and read at most ``max_bytes`` of it.
 
     Returns (the bytes read: none when it is not a regular file or, ``secret``, when it has a
-    problem; every problem found). Raises KvpError ("``what`` ``path``: why; ``fix``") when it
-    cannot be opened or read."""
+    problem; every problem found). Raises :class:`UnusableSecret` (exit 2: "``what``
+    ``path``: why; ``fix``") when it cannot be opened or read."""
     p = os.fspath(path)
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
         fd = os.open(p, flags)
     except OSError as exc:
-        raise KvpError(f"{what} {p}: {exc.strerror}" + (f"; {fix}" if fix else "")) from exc
+        raise UnusableSecret(f"{what} {p}: {exc.strerror}" + (f"; {fix}" if fix else "")
+                             ) from exc
     try:
         st = os.fstat(fd)
         me = os.geteuid()
@@ -286,7 +325,7 @@ def read_checked(path: str | os.PathLike[str], *, what: str, fix: str, max_bytes
             left -= len(chunk)
         return b"".join(chunks), problems
     except OSError as exc:
-        raise KvpError(f"cannot read {what} {p}: {exc.strerror or exc}") from exc
+        raise UnusableSecret(f"cannot read {what} {p}: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
 
@@ -298,12 +337,13 @@ def read_owner_only(path: str | os.PathLike[str], *, what: str, max_bytes: int,
     readable by nobody else, of at most ``max_bytes`` bytes. ``what`` names it in errors
     ("shared tier secret file"), ``fix`` says what to check when it cannot be opened.
 
-    Raises KvpError naming the file, the first problem and its fix (never the content)."""
+    Raises :class:`UnusableSecret` (exit 2: a configuration error) naming the file, the
+    first problem and its fix (never the content)."""
     data, problems = read_checked(path, what=what, fix=fix, max_bytes=max_bytes + 1,
                                   also=also, secret=True)
     if problems:
-        raise KvpError(f"{what} {problems[0]}")
+        raise UnusableSecret(f"{what} {problems[0]}")
     if len(data) > max_bytes:
-        raise KvpError(f"{what} {os.fspath(path)} holds more than {max_bytes} bytes; point "
-                       "the setting at the right file")
+        raise UnusableSecret(f"{what} {os.fspath(path)} holds more than {max_bytes} bytes; "
+                             "point the setting at the right file")
     return data

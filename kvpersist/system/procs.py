@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import psutil
 
@@ -222,7 +223,7 @@ def start_background(argv: Sequence[str], *, log_path: str | os.PathLike[str],
 
 
 def exec_foreground(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-                    cwd: str | None = None, umask: int = 0o077) -> None:
+                    cwd: str | None = None, umask: int = 0o077) -> NoReturn:
     """Replace this process with ``argv`` (for systemd). Never returns on success."""
     os.umask(umask)
     if cwd:
@@ -382,3 +383,71 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)
+
+
+def cmdline(pid: int) -> list[str] | None:
+    """The command line of process ``pid``, or None when it cannot be read (gone, another
+    user's, a zombie)."""
+    try:
+        return list(psutil.Process(pid).cmdline())
+    except (psutil.Error, OSError):
+        return None
+
+
+def listeners_of_port(port: int) -> set[int]:
+    """The pids of the processes listening on TCP ``port`` (any address). Raises OSError
+    when the sockets cannot be listed."""
+    try:
+        conns = psutil.net_connections(kind="inet")
+    except psutil.Error as exc:
+        raise OSError(str(exc)) from exc
+    return {c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr
+            and c.laddr.port == port and c.pid}
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """``ip:port`` of every TCP socket process ``pid`` listens on, sorted. Raises OSError
+    when they cannot be read."""
+    try:
+        conns = psutil.Process(pid).net_connections(kind="inet")
+    except psutil.Error as exc:
+        raise OSError(str(exc)) from exc
+    return sorted({f"{c.laddr.ip}:{c.laddr.port}" for c in conns
+                   if c.status == psutil.CONN_LISTEN})
+
+
+#: a child started by :func:`start_background`
+Child = subprocess.Popen[bytes]
+#: what :func:`run` raises past its timeout
+TimeoutExpired = subprocess.TimeoutExpired
+
+
+def wait_child(child: Child, timeout: float) -> int | None:
+    """The exit status of ``child`` once it exits within ``timeout`` seconds, else None (it
+    still runs)."""
+    try:
+        return child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def run(argv: Sequence[str], *, timeout: float, input_text: str | None = None,
+        env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` to its end (text in and out, captured; never raises for its status).
+    Raises OSError when it cannot start, subprocess.TimeoutExpired past ``timeout``."""
+    return subprocess.run(list(argv), input=input_text, capture_output=True, text=True,
+                          env=dict(env) if env is not None else None, timeout=timeout,
+                          check=False)
+
+
+def start_time(pid: int) -> float | None:
+    """When process ``pid`` started (epoch seconds), or None when it cannot be read."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except (psutil.Error, OSError):
+        return None
+
+
+def memory_total_bytes() -> int:
+    """This host's physical memory in bytes."""
+    return int(psutil.virtual_memory().total)

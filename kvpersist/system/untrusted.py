@@ -15,6 +15,18 @@ must not crash it with ``RecursionError``, a number too big for a float must not
   way of failing (``ValueError``, ``RecursionError``, ``MemoryError``, bad UTF-8) into an
   :class:`UnreadableFile` naming the file.
 * :func:`read_json` is both.
+* :class:`ChunkFile` opens a file named like an LMCache chunk (relative to a directory
+  descriptor, never through a symlink, never blocking) whose size must be at most what
+  LMCache can write for its namespace's geometry, and reads it in bounded blocks: a 50 GB
+  sparse file named like a chunk costs one ``fstat``, a real one a block of memory.
+* :func:`http` reads an HTTP reply of the cache server or vLLM (their admin and OpenAI
+  APIs) up to :data:`MAX_HTTP_BYTES`, in a bounded time; :func:`http_lines` a streamed one
+  line by line, each line and the whole bounded; :meth:`HttpReply.json` parses it as
+  untrusted JSON.
+* :func:`bounded_resp_parser` is the parser of every reply of the shared tier's store: a
+  reply that announces or sends more than :data:`MAX_REPLY_BYTES` is refused before it is
+  read (a store that announced ``$2147483647`` and streamed zeros ended ``fleet status``,
+  ``upgrade plan`` and ``metrics`` with ``MemoryError``).
 
 :class:`UnreadableFile` is a :class:`~kvpersist.errors.KvpError` (exit 2: the operator fixes
 or removes the file) that carries the path, why and the fix; :meth:`UnreadableFile.problem`
@@ -31,6 +43,9 @@ import math
 import os
 import re
 import stat
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.errors import EXIT_USAGE, KvpError, Problem
@@ -44,6 +59,18 @@ MAX_STATE_BYTES = 4 << 20       # a state file kvpersist writes (manifest, pins,
 MAX_MODEL_JSON_BYTES = 64 << 20  # config.json, tokenizer_config.json (chat templates inside)
 MAX_TEMPLATE_BYTES = 4 << 20    # a chat template (.jinja)
 MAX_RECORD_BYTES = 64 << 10     # a small record (a pid file, a download record)
+#: a chunk file is read in blocks of at most this many bytes, whatever its size
+CHUNK_BLOCK_BYTES = 1 << 20
+#: the most bytes one reply of the shared tier's store may take: kvpersist asks for SCAN
+#: pages of 500 keys, INFO, lengths and values read by bounded scripts (a fleet record is
+#: at most 4 KiB), never a chunk's value
+MAX_REPLY_BYTES = 16 << 20
+#: the longest line of such a reply (a status, an error, a length)
+MAX_REPLY_LINE_BYTES = 1 << 20
+#: the most bytes of an HTTP reply read (the cache server's and vLLM's JSON answers are a
+#: few KiB; a streamed reply's lines are bounded one by one, :data:`MAX_HTTP_LINE_BYTES`)
+MAX_HTTP_BYTES = 4 << 20
+MAX_HTTP_LINE_BYTES = 1 << 20
 
 #: the flags of every open: read-only, not inherited, never blocking on a FIFO
 _FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
@@ -129,6 +156,79 @@ def read_bytes(path: str | os.PathLike[str], *, max_bytes: int, follow: bool = T
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+class TooLarge(UnreadableFile):
+    """A file larger than its format allows (never read). Exit 2 where it ends a command;
+    verify and scrub name it and go on."""
+
+
+class ChunkFile:
+    """A regular file named like a chunk, open for reading (``write``: and writing) relative
+    to the directory descriptor ``dir_fd``, never through a symbolic link and never blocking
+    on a FIFO; checked on the open descriptor to be a regular file of at most ``max_bytes``.
+
+    Raises OSError from the open (ELOOP for a symlink, FileNotFoundError when gone),
+    :class:`UnreadableFile` for what is not a regular file and :class:`TooLarge` for a file
+    past ``max_bytes``. A context manager; ``st`` is the ``fstat`` of the open file;
+    ``on_read`` is called with the size of every read (a byte count, a rate cap)."""
+
+    def __init__(self, dir_fd: int, name: str, *, max_bytes: int, write: bool = False,
+                 where: str = "", on_read: Callable[[int], None] | None = None) -> None:
+        self.on_read = on_read
+        shown = where or show_path(name)
+        mode = os.O_RDWR if write else os.O_RDONLY
+        self.fd = os.open(name, mode | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                          dir_fd=dir_fd)
+        try:
+            self.st = os.fstat(self.fd)
+            if not stat.S_ISREG(self.st.st_mode):
+                raise UnreadableFile(shown, f"is not a regular file ({_kind(self.st.st_mode)})")
+            if self.st.st_size > max_bytes:
+                raise TooLarge(shown, f"is {self.st.st_size:,} bytes, larger than the "
+                               f"{max_bytes:,} bytes a chunk of its namespace can be: not read",
+                               "kvp-admin verify CONFIG --apply moves it to the quarantine")
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.size = self.st.st_size
+
+    def pread(self, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer only at the end of the file). At most
+        :data:`CHUNK_BLOCK_BYTES` at once is the caller's to ask. Raises OSError."""
+        parts: list[bytes] = []
+        done = 0
+        while done < n:
+            b = os.pread(self.fd, n - done, offset + done)
+            if not b:
+                break
+            parts.append(b)
+            done += len(b)
+        if self.on_read is not None and done:
+            self.on_read(done)
+        return b"".join(parts)
+
+    def blocks(self, start: int, end: int) -> Iterator[bytes]:
+        """The bytes ``[start, end)`` in blocks of at most :data:`CHUNK_BLOCK_BYTES` (the
+        last block short if the file is). Raises OSError."""
+        pos = start
+        while pos < end:
+            b = self.pread(pos, min(CHUNK_BLOCK_BYTES, end - pos))
+            if not b:
+                return
+            yield b
+            pos += len(b)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> ChunkFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def read_tail(path: str | os.PathLike[str], *, max_bytes: int, follow: bool = True) -> bytes:
@@ -286,3 +386,162 @@ def read_json_object(path: str | os.PathLike[str], *, max_bytes: int, follow: bo
         raise UnreadableFile(where or show_path(path), f"is a JSON {type(doc).__name__}, not "
                              "an object", fix)
     return doc
+
+
+def bounded_resp_parser(max_bytes: int = MAX_REPLY_BYTES) -> type[Any]:
+    """A redis-py RESP2 parser class (``parser_class=``) that refuses a reply of more than
+    ``max_bytes``: one announced longer (``$2147483647``) before a byte of it is read, one
+    that streams past it (an endless line, a huge array) as soon as it does. The refusal is
+    a ``redis.ConnectionError`` (the connection is dropped: what follows in the stream is
+    not trusted either), whose message says why."""
+    from redis._parsers.resp2 import _RESP2Parser
+    from redis._parsers.socket import SocketBuffer
+    from redis.exceptions import ConnectionError as StoreConnectionError
+    from redis.exceptions import RedisError
+    from redis.utils import SENTINEL
+
+    def too_large(size: int) -> Exception:
+        return StoreConnectionError(f"the store sent or announced a reply longer than the "
+                                    f"{max_bytes:,} bytes kvpersist reads (at least "
+                                    f"{size - 2:,}): not read")
+
+    class _Buffer(SocketBuffer):
+        def _size(self) -> int:
+            buf = self._live_buffer()
+            pos = buf.tell()
+            end = buf.seek(0, os.SEEK_END)
+            buf.seek(pos)
+            return end
+
+        def _read_from_socket(self, length: int | None = None, *args: Any,
+                              **kw: Any) -> bool:
+            if length is not None and self._size() + length > max_bytes:
+                raise too_large(self._size() + length)
+            got = bool(super()._read_from_socket(length, *args, **kw))
+            if self._size() > max_bytes:
+                raise too_large(self._size())
+            return got
+
+        def readline(self, timeout: Any = SENTINEL) -> bytes:
+            # redis-py's own loop, with a bound on the line (a status, an error, a length:
+            # never long) so that an endless line costs neither memory nor quadratic copies
+            buf = self._live_buffer()
+            try:
+                data = buf.readline()
+                while not data.endswith(b"\r\n"):
+                    if len(data) > MAX_REPLY_LINE_BYTES:
+                        raise too_large(len(data) + 2)
+                    self._read_from_socket(timeout=timeout)
+                    data += buf.readline()
+            except ValueError:  # the buffer was closed under the read
+                raise StoreConnectionError("Connection closed by server.") from None
+            line = bytes(data[:-2])
+            # an array announcing more items than the bound can hold (each takes at least
+            # 4 bytes, ":1\r\n") is refused before its first item is read
+            if line[:1] == b"*" and line[1:].isdigit() and int(line[1:]) > max_bytes // 4:
+                raise too_large(int(line[1:]) * 4)
+            return line
+
+    class BoundedParser(_RESP2Parser):
+        def read_response(self, *args: Any, **kw: Any) -> Any:
+            try:
+                reply = super().read_response(*args, **kw)
+            except RedisError as exc:  # "Protocol Error: <the whole line>": shortened
+                raise _shortened(exc) from None
+            return _shortened(reply) if isinstance(reply, RedisError) else reply
+
+        def on_connect(self, connection: Any) -> None:
+            super().on_connect(connection)  # type: ignore[no-untyped-call]
+            self._buffer = _Buffer(connection._sock, self.socket_read_size,
+                                   connection.socket_timeout)
+
+    return BoundedParser
+
+
+#: the longest message of a store error kept (a hostile store's error line can be megabytes)
+MAX_REPLY_MESSAGE = 300
+
+
+def _shortened(exc: Any) -> Any:
+    """``exc`` (a redis-py error), its message cut to :data:`MAX_REPLY_MESSAGE` characters and
+    escaped (:func:`show_path`'s rules) when it is longer or not printable."""
+    text = str(exc)
+    if len(text) <= MAX_REPLY_MESSAGE and text.isprintable():
+        return exc
+    cut = show_path(text[:MAX_REPLY_MESSAGE].encode("utf-8", "surrogateescape"))
+    more = len(text) - MAX_REPLY_MESSAGE
+    return type(exc)(cut + (f"... ({more:,} more characters)" if more > 0 else ""))
+
+
+@dataclass(frozen=True)
+class HttpReply:
+    """An HTTP reply read with a bound: its status and at most ``max_bytes`` of its body
+    (``cut``: there was more, not read)."""
+
+    status: int
+    body: bytes
+    cut: bool = False
+
+    def json(self, where: str) -> Any:
+        """The body as untrusted JSON (:func:`parse_json`). Raises UnreadableFile, also for
+        a body cut at the bound."""
+        if self.cut:
+            raise UnreadableFile(where, f"answered more than the {len(self.body):,} bytes "
+                                 "kvpersist reads")
+        return parse_json(self.body, where)
+
+    def object(self, where: str = "the reply") -> dict[str, Any]:
+        """The body if it is a JSON object, else ``{}`` (an answer that is not one is read as
+        an answer without the fields asked for)."""
+        try:
+            doc = self.json(where)
+        except UnreadableFile:
+            return {}
+        return doc if isinstance(doc, dict) else {}
+
+    def text(self, limit: int = 300) -> str:
+        """The first ``limit`` characters of the body, escaped (:func:`show_path`)."""
+        return show_path(self.body[:limit * 4].decode("utf-8", "replace")[:limit])
+
+
+def http(method: str, url: str, *, timeout: float, json_body: Any = None,
+         max_bytes: int = MAX_HTTP_BYTES) -> HttpReply:
+    """``method`` on ``url`` with ``requests``: the reply read up to ``max_bytes`` (streamed,
+    never more), within ``timeout`` for the connection and for each read and at most twice
+    ``timeout`` for the whole body. Raises ``requests.RequestException`` as ``requests``
+    does (``requests.Timeout`` for a body that trickles past the bound)."""
+    import requests
+
+    deadline = time.monotonic() + 2 * timeout
+    with requests.request(method, url, json=json_body, timeout=timeout, stream=True) as r:
+        parts: list[bytes] = []
+        size = 0
+        for block in r.iter_content(65536):
+            parts.append(block)
+            size += len(block)
+            if size > max_bytes:
+                return HttpReply(r.status_code, b"".join(parts)[:max_bytes], True)
+            if time.monotonic() > deadline:
+                raise requests.Timeout(f"{url} sent its answer for more than {2 * timeout:g} s")
+        return HttpReply(r.status_code, b"".join(parts))
+
+
+def http_lines(response: Any, *, max_line: int = MAX_HTTP_LINE_BYTES,
+               max_bytes: int = 64 * MAX_HTTP_BYTES) -> Iterator[bytes]:
+    """The lines of a streamed ``requests`` reply (``\\n``, ``\\r\\n``), each at most
+    ``max_line`` bytes and ``max_bytes`` in all. Raises UnreadableFile beyond either."""
+    pending = b""
+    total = 0
+    for block in response.iter_content(65536):
+        total += len(block)
+        if total > max_bytes:
+            raise UnreadableFile(str(response.url), f"streamed more than {max_bytes:,} bytes")
+        pending += block
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+        if len(pending) > max_line:
+            raise UnreadableFile(str(response.url), f"streamed a line longer than "
+                                 f"{max_line:,} bytes")
+    if pending:
+        yield pending.rstrip(b"\r")

@@ -61,6 +61,8 @@ def _chat(stack: Stack) -> Any:
 def test_cold_run_serves_and_stores_every_full_chunk(stack: Stack) -> None:
     info = stack.launch()
     ns = info["namespace"]
+    # the canary's first run in bfloat16 (docs/canary.md): prompt and reference made, passed
+    assert (info["canary"]["state"], info["canary"]["path"]) == ("passed", "computed")
     STATE["ns"] = ns
     cold = _chat(stack)
     assert cold.prompt_tokens and cold.prompt_tokens > 5 * 256, cold
@@ -91,7 +93,10 @@ def test_restart_both_hits_from_disk_with_identical_output(stack: Stack) -> None
     manifest_file = stack.state_dir / "manifests" / f"{STATE['ns']}.json"
     record = json.loads(manifest_file.read_text())["weights"]
     full_chunks = STATE["prompt_tokens"] // 256
-    stack.launch()
+    info = stack.launch()
+    # bfloat16: the new vLLM retrieves the canary from L2 through the new server, and passes
+    assert (info["canary"]["state"], info["canary"]["path"], info["canary"]["tier"]) == \
+        ("passed", "lmcache", "l2"), info["canary"]
     warm = _chat(stack)
     assert warm.text == STATE["cold"]
     hits = vllm_metric(stack.vllm_url, HITS)

@@ -48,6 +48,7 @@ import pytest
 import requests
 
 from kvpersist.demo.chat import chat_completion, long_chat
+from kvpersist.stack.warm import readiness
 from kvpersist.system import procs
 
 from ..conftest import REPO
@@ -174,7 +175,7 @@ def test_health_says_warming_while_the_warmup_runs_and_healthy_after(stack: Stac
         # the step's warm-up has started: its pid file is this step's, naming a live process
         def warmup_started() -> bool:
             return (pid_file.exists() and pid_file.stat().st_mtime >= t0 - 1
-                    and procs.check_pid_file(pid_file, ("kvpersist.stack.warmup",)).running)
+                    and procs.check_pid_file(pid_file, readiness.WARMUP_MARKERS).running)
 
         assert wait_until(warmup_started, 120, 0.05), step.poll()
         seen: list[tuple[int, dict[str, Any]]] = []

@@ -85,7 +85,7 @@ def test_kill9_during_store_bursts_never_leaves_a_torn_file(stack: Stack) -> Non
 
 
 def _assert_all_authenticate(stack: Stack, ns: str) -> None:
-    from kvpersist.l2 import keys
+    from kvpersist.l2.keys import store as keys
     from tests.l2_roots import verify_at
 
     key = keys.read_key(stack.state_dir / "keys" / ns / "l2-master.key")
@@ -97,10 +97,12 @@ def _assert_all_authenticate(stack: Stack, ns: str) -> None:
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int, int, bytes]]:
-    """Every file under ``root``: (inode, mtime_ns, size, bytes)."""
+    """Every file under ``root``: (inode, mtime_ns, size, bytes); not the frame record
+    (``.kvpersist/frames/``), which the launch's check writes as it learns."""
     out = {}
+    frames = root / ".kvpersist" / "frames"
     for p in sorted(root.rglob("*")):
-        if p.is_file() and not p.is_symlink():
+        if p.is_file() and not p.is_symlink() and frames not in p.parents:
             st = p.stat()
             out[str(p.relative_to(root))] = (st.st_ino, st.st_mtime_ns, st.st_size,
                                              p.read_bytes())
@@ -159,6 +161,7 @@ def test_after_kill9_launch_quarantines_a_bad_full_size_file_before_serving(
     after = _snapshot(stack.root)
     del after[str(q.relative_to(stack.root))]
     assert after == before, "the check touched another file"
+    assert cw["frames"]["authenticated"] == 12 and cw["frames"]["new"] == 12, cw["frames"]
     with connect(stack.rpc, stack.http, ns) as d:
         lk = d.lookup(4)
         assert lk.hit_chunks < lk.total_chunks

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kvpersist.l2.fleet import RECORD_TTL_S, FleetRecord, host_id, serde_fingerprint
+from kvpersist.l2.fleet.records import RECORD_TTL_S, FleetRecord, host_id, serde_fingerprint
 
 from ..conftest import REPO, free_port
 from ..fullstack._stack import KVP_ADMIN, Stack, wait_until
@@ -242,9 +242,9 @@ def test_records_and_index_on_a_cluster(tmp_path: Path) -> None:
     them all without a scan, report's scan finds them, a lapsed one is dropped by the next
     write, a delete removes record and index entry."""
     from kvpersist.config.shared_tier import SharedSecret, parse_shared_tier
-    from kvpersist.l2 import fleet_store as fs
-    from kvpersist.l2 import shared_store as ss
-    from kvpersist.stack.fleet import read_keys, read_namespace
+    from kvpersist.l2.fleet import store as fs
+    from kvpersist.l2.fleet.host import read_keys, read_namespace
+    from kvpersist.l2.shared import store as ss
 
     r = start_redis(tmp_path / "store", cluster=True)
     try:

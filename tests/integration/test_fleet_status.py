@@ -1,5 +1,5 @@
 """``kvp-admin fleet status`` against a real redis-server (ACL user and password): records of
-three hosts written by kvpersist's own writer (kvpersist.stack.fleet.write, the one launch
+three hosts written by kvpersist's own writer (kvpersist.l2.fleet.host.write, the one launch
 and health call; for the host that lapses, the record and index writer under it with a
 1 s TTL), read back through the real CLI in a subprocess.
 
@@ -19,12 +19,12 @@ import pytest
 from kvpersist.config.deployment import Deployment, shared_tier_of
 from kvpersist.config.loader import load_deployment
 from kvpersist.config.shared_tier import SharedSecret
-from kvpersist.l2 import keys
-from kvpersist.l2.fleet import serde_fingerprint
-from kvpersist.l2.fleet_store import write_record
+from kvpersist.l2.fleet import host as fleet
+from kvpersist.l2.fleet.records import serde_fingerprint
+from kvpersist.l2.fleet.store import write_record
 from kvpersist.l2.inventory import size_deployment
-from kvpersist.l2.shared_store import connect
-from kvpersist.stack import fleet
+from kvpersist.l2.keys import store as keys
+from kvpersist.l2.shared.store import connect
 
 from ..conftest import free_port
 from ..fullstack._stack import Stack

@@ -97,7 +97,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterator[World]:
-    from kvpersist.stack.warm_tokens import tokenize
+    from kvpersist.stack.warm.tokens import tokenize
 
     tmp = tmp_path_factory.mktemp("forget")
     tmp.chmod(0o700)

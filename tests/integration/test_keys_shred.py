@@ -22,7 +22,7 @@ import pytest
 
 from kvpersist.config.key_paths import namespace_key_path, root_key_path, tombstone_path
 from kvpersist.demo.kvdriver import connect
-from kvpersist.l2 import keys
+from kvpersist.l2.keys import store as keys
 
 from ..conftest import REPO
 from ..fullstack._stack import Stack

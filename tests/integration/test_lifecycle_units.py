@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvpersist.deploy import hook
-from kvpersist.l2 import frames, keys, verify
+from kvpersist.l2 import frames
+from kvpersist.l2.keys import store as keys
+from kvpersist.l2.verify import root as verify
 from kvpersist.stack import health
 from kvpersist.system import procs
 

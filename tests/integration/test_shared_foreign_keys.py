@@ -28,8 +28,8 @@ import pytest
 
 from kvpersist.config.loader import load_deployment
 from kvpersist.config.shared_tier import ACL_CLUSTER_RULES, ACL_RULES
-from kvpersist.l2.fleet import FleetRecord, host_id
-from kvpersist.stack import fleet
+from kvpersist.l2.fleet import host as fleet
+from kvpersist.l2.fleet.records import FleetRecord, host_id
 
 from ._redis import Redis, start_redis
 from .test_metrics_shared_tier import client, config_dir, kvp, namespace_of, pick, samples

@@ -32,8 +32,8 @@ import pytest
 
 from kvpersist.config.loader import load_deployment
 from kvpersist.config.shared_tier import ACL_RULES
-from kvpersist.l2.fleet import FleetRecord, host_id
-from kvpersist.stack import fleet
+from kvpersist.l2.fleet import host as fleet
+from kvpersist.l2.fleet.records import FleetRecord, host_id
 
 from ..conftest import clean_env
 from ..hostile import HostileRunner, Outcome, assert_all_bounded

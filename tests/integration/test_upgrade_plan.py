@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 
 from kvpersist.config.shared_tier import SharedSecret, parse_shared_tier
-from kvpersist.l2 import fleet_store, shared_store
-from kvpersist.l2.fleet import FleetRecord, host_id, serde_fingerprint
+from kvpersist.l2.fleet import store as fleet_store
+from kvpersist.l2.fleet.records import FleetRecord, host_id, serde_fingerprint
 from kvpersist.l2.layout import ChunkName
-from kvpersist.l2.pins import pin_document
+from kvpersist.l2.pins.usage import pin_document
+from kvpersist.l2.shared import store as shared_store
 
 from ..cli import kvp
 from ..conftest import REPO

@@ -216,3 +216,63 @@ def test_the_checker_sees_what_it_must() -> None:
     assert len(found) > 100
     assert any(e.importer == "kvpersist.cli" and e.imported == "kvpersist.errors" for e in found)
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# --------------------------------------------------------------------------- actions and I/O
+
+#: ``- composition: `actions/a.py` uses `actions/b.py`, `actions/c.py` (why)``
+COMPOSITION = re.compile(r"^- composition: `(actions/[a-z_]+\.py)` uses (.*)$", re.M)
+#: ``- I/O: `module` only in `system/a.py`, `system/b.py```
+IO_RULE = re.compile(r"^- I/O: `([a-z_.]+)` only in (.*)$", re.M)
+PATHS = re.compile(r"`([a-z_/]+\.py)`")
+
+
+def _module_of(rel: str) -> str:
+    return "kvpersist." + rel.removesuffix(".py").replace("/", ".")
+
+
+def test_actions_call_only_the_compositions_listed() -> None:
+    """``actions/`` never calls another action but as ARCHITECTURE.md's list says (each
+    composition names exactly the actions it uses)."""
+    listed = {_module_of(a): {_module_of(p) for p in PATHS.findall(uses)}
+              for a, uses in COMPOSITION.findall(DOC.read_text(encoding="utf-8"))}
+    assert listed, "ARCHITECTURE.md lists no composition"
+    actual: dict[str, set[str]] = {}
+    for e in edges():
+        if e.importer.startswith("kvpersist.actions.") and \
+                e.imported.startswith("kvpersist.actions."):
+            actual.setdefault(e.importer, set()).add(e.imported)
+    assert actual == listed, (f"actions importing actions: {actual}; ARCHITECTURE.md lists: "
+                              f"{listed}")
+
+
+def _imported_names(path: Path) -> Iterator[tuple[str, int]]:
+    """Every name a module imports, fully qualified (``a.b`` and ``a.b.c`` for ``from a.b
+    import c``), with its line; relative imports resolved."""
+    name = module_name(path)
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            mod = _resolve(name, node) if node.level else (node.module or "")
+            yield mod, node.lineno
+            for alias in node.names:
+                yield f"{mod}.{alias.name}", node.lineno
+
+
+def test_io_happens_only_where_the_document_says() -> None:
+    """HTTP to the servers through the clients, processes through system/procs.py (the
+    lines of ARCHITECTURE.md's "Where I/O happens")."""
+    rules = {mod: {_module_of("system/" + p.split("system/", 1)[1]) for p in PATHS.findall(where)}
+             for mod, where in IO_RULE.findall(DOC.read_text(encoding="utf-8"))}
+    assert {"requests", "subprocess", "psutil"} <= set(rules), rules
+    wrong = []
+    for name, path in MODULES.items():
+        for imported, line in _imported_names(path):
+            for mod, allowed in rules.items():
+                if (imported == mod or imported.startswith(mod + ".")) and \
+                        name not in allowed and name != mod.rpartition(".")[0]:
+                    wrong.append(f"{name}:{line} imports {imported} (only "
+                                 f"{', '.join(sorted(allowed))} may)")
+    assert wrong == []

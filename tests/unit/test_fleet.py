@@ -1,4 +1,4 @@
-"""Fleet records (kvpersist.l2.fleet), the health check on them and prune's active rule
+"""Fleet records (kvpersist.l2.fleet.records), the health check on them and prune's active rule
 (pure, table-driven and property-based)."""
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpersist.actions.shared import active_reasons
-from kvpersist.l2 import keys
-from kvpersist.l2.fleet import (
+from kvpersist.l2.fleet.records import (
     ALL_PATTERN,
     RECORD_TTL_S,
     WRONG_TYPE,
@@ -37,8 +36,9 @@ from kvpersist.l2.fleet import (
     record_ttl,
     serde_fingerprint,
 )
-from kvpersist.l2.shared_keys import lock_key, namespace_of
-from kvpersist.l2.shared_keys import match_pattern as chunk_pattern
+from kvpersist.l2.keys import store as keys
+from kvpersist.l2.shared.keys import lock_key, namespace_of
+from kvpersist.l2.shared.keys import match_pattern as chunk_pattern
 from kvpersist.stack.health import component_status, fleet_check, shared_checks
 
 NS = "kvp-" + "a" * 32
@@ -232,7 +232,7 @@ def test_ages_are_told_in_plain_units() -> None:
 
 
 def _facts(own: FleetRecord, others: list[FleetRecord], now: float = 1060.0) -> dict[str, object]:
-    from kvpersist.l2.fleet import host_rows
+    from kvpersist.l2.fleet.records import host_rows
 
     return {"host_id": own.host_id, "record_key": own.key, "serde": own.serde,
             "serde_key_fingerprint": own.serde_key_fingerprint,

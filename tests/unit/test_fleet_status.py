@@ -1,4 +1,4 @@
-"""``kvp-admin fleet status`` (pure part, kvpersist.l2.fleet_status) and the optional fields
+"""``kvp-admin fleet status`` (pure part, kvpersist.l2.fleet.status) and the optional fields
 of the fleet record it shows (since, health, nvme): backward-compatible decoding of older
 records, the same strictness for the new fields as for the old ones, the size bound."""
 
@@ -12,12 +12,13 @@ import pytest
 
 from kvpersist.cli import main
 from kvpersist.commands.fleet import format_status
-from kvpersist.l2.fleet import (
+from kvpersist.l2.fleet.records import (
     HEALTH_STATES,
     MAX_COUNT,
     MAX_FIELD_CHARS,
     MAX_RECORD_BYTES,
     MAX_TIME_S,
+    MAX_TTL_S,
     RECORD_TTL_S,
     FleetRecord,
     HealthStamp,
@@ -27,7 +28,7 @@ from kvpersist.l2.fleet import (
     host_id,
     serde_fingerprint,
 )
-from kvpersist.l2.fleet_status import SCHEMA, FleetStatus, namespace_status
+from kvpersist.l2.fleet.status import SCHEMA, FleetStatus, namespace_status
 
 from .test_cli_startup import HEAVY, loaded_modules, matching
 
@@ -59,6 +60,19 @@ def test_a_record_with_the_new_fields_round_trips() -> None:
     assert doc["health"] == {"status": "healthy", "at": NOW - 60}
     assert doc["nvme"] == {"files": 1234, "bytes": 5 << 30, "at": NOW - 7200}
     assert decode_record(FULL.key, FULL.encode()) == (FULL, "")
+
+
+def test_a_record_carries_the_canary_a_health_run_read() -> None:
+    """docs/canary.md: fleet status shows a host whose namespace's canary failed; a value
+    this kvpersist does not know is dropped, not trusted."""
+    failed = replace(FULL, health=HealthStamp("degraded", NOW - 60, "failed"))
+    assert json.loads(failed.encode())["health"]["canary"] == "failed"
+    assert decode_record(failed.key, failed.encode()) == (failed, "")
+    odd = json.loads(failed.encode())
+    odd["health"]["canary"] = "great"
+    back, why = decode_record(failed.key, json.dumps(odd).encode())
+    assert why == "" and back is not None and back.health is not None
+    assert back.health.canary is None
 
 
 def test_an_older_record_without_them_decodes_with_none() -> None:
@@ -122,6 +136,14 @@ HOSTILE: list[tuple[str, str]] = [
     (_with(nvme={"files": 1, "bytes": 2}), "nvme is not an object"),
     (_with(nvme={**GOOD_NVME, "at": -0.5}), "nvme is not an object"),
     (_with(nvme={**GOOD_NVME, "at": None}), "nvme is not an object"),
+    # issue 40: a ttl_s of 400 digits ended fleet status with OverflowError (updated_at + ttl_s)
+    (_with(ttl_s=10 ** 400), "ttl_s is not a whole number"),
+    (_with(ttl_s=MAX_TTL_S + 1), "ttl_s is not a whole number"),
+    (_with(ttl_s=0), "ttl_s is not a whole number"),
+    (_with(ttl_s=1290.0), "ttl_s is not a whole number"),
+    (_with(updated_at=10 ** 400), "updated_at is not a number"),
+    (_with(updated_at=MAX_TIME_S + 1), "updated_at is not a number"),
+    (_with(updated_at=-1), "updated_at is not a number"),
 ]
 for _const, _why in (("NaN", "not a number JSON allows"), ("Infinity", "not a number JSON "
                      "allows"), ("-Infinity", "not a number JSON allows"),
@@ -141,6 +163,9 @@ def test_a_hostile_new_field_makes_the_record_foreign(value: str, why: str) -> N
     got, reason = decode_record(FULL.key, value)
     assert got is None and why in reason and reason.endswith("skipped"), reason
     assert "foreign" in reason
+    # and the status of a namespace with such a record is built without an exception
+    st = namespace_status(NS, [(FULL.host_id, value)], NOW)
+    assert st.live == [] and st.problems and json.dumps(st.to_dict(NOW))
 
 
 @pytest.mark.parametrize("state", HEALTH_STATES)
@@ -155,7 +180,7 @@ def test_the_largest_record_this_version_writes_fits_the_bound() -> None:
     name = "h" * 63
     r = replace(FULL, host=big, host_id=host_id(name, "m", "/s"), deployment=big,
                 version=big, serde=big, serde_key_fingerprint=big, updated_at=MAX_TIME_S,
-                ttl_s=MAX_COUNT, since=float(MAX_TIME_S) - 0.123456789,
+                ttl_s=MAX_TTL_S, since=float(MAX_TIME_S) - 0.123456789,
                 health=HealthStamp("degraded", float(MAX_TIME_S) - 0.123456789),
                 nvme=NvmeUse(MAX_COUNT, MAX_COUNT, float(MAX_TIME_S) - 0.123456789))
     assert len(r.encode().encode()) <= MAX_RECORD_BYTES
@@ -237,7 +262,7 @@ def test_new_fields_are_shown_with_their_ages() -> None:
     doc = FleetStatus({"endpoint": "127.0.0.1:6379", "cluster": False}, (st,), NOW).to_dict()
     [h] = doc["namespaces"][0]["hosts"]
     assert h["since"] == NOW - 7200
-    assert h["health"] == {"status": "healthy", "at": NOW - 60, "age_s": 60.0}
+    assert h["health"] == {"status": "healthy", "at": NOW - 60, "age_s": 60.0, "canary": None}
     assert h["nvme"] == {"files": 1234, "bytes": 5 << 30, "at": NOW - 7200, "age_s": 7200.0}
     text = format_status(doc)
     assert "healthy (60 s ago)" in text and "1,234 files" in text and "(2 h)" in text

@@ -12,10 +12,10 @@ import pytest
 from kvpersist.actions.forget import ForgetResult, MemoryOutcome, SharedOutcome
 from kvpersist.config.warmset import WarmEntry
 from kvpersist.errors import ConfigError
-from kvpersist.l2.forget import FilesOutcome, forget_files
-from kvpersist.l2.forget_plan import ChunkKey, plan_forget
+from kvpersist.l2.forget.files import FilesOutcome, forget_files
+from kvpersist.l2.forget.plan import ChunkKey, plan_forget
 from kvpersist.l2.tree import open_root
-from kvpersist.stack.forget_input import conversation_requests, parse_input
+from kvpersist.stack.forget.input import MAX_MESSAGES, conversation_requests, parse_input
 
 from .test_cli_startup import HEAVY, loaded_modules, matching
 
@@ -54,6 +54,58 @@ def test_a_conversation_ending_with_the_answer_and_tools() -> None:
     assert [(len(e.body["messages"]), e.body["add_generation_prompt"]) for e in reqs] == \
         [(1, True), (2, False)]  # the same request once
     assert all(e.body["tools"] == tools for e in reqs)
+
+
+def _turns(n: int) -> bytes:
+    return json.dumps([{"role": "user" if i % 2 == 0 else "assistant", "content": ""}
+                       for i in range(n)]).encode()
+
+
+def test_requests_are_built_in_linear_time_and_memory() -> None:
+    """Issue 40: 8,000 empty turns took 52 s and 1.5 GB (a slice and a JSON copy of the
+    conversation per request), 40,000 ended in MemoryError. At the cap, 2,048 messages: the
+    requests are views; building them and walking every one keeps one request's slice at a
+    time (twice the turns cost twice, not four times, the memory)."""
+    import time
+    import tracemalloc
+
+    peaks, times = [], []
+    for n in (1024, MAX_MESSAGES):
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        inp = parse_input("messages", _turns(n), "conv.json")
+        assert len(inp.entries) == n  # every message but a trailing one ends a request
+        assert [len(e.body["messages"]) for e in inp.entries][-2:] == [n - 1, n]
+        times.append(time.perf_counter() - t0)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] < 3 * peaks[0], peaks  # linear (quadratic would be 4x)
+    assert max(times) < 5, times
+
+
+@pytest.mark.parametrize("n", [MAX_MESSAGES + 1, 8000, 40_000])
+def test_a_conversation_past_the_cap_is_refused_at_once(n: int) -> None:
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as exc:
+        parse_input("messages", _turns(n), "conv.json")
+    assert f"{n:,} messages, more than the {MAX_MESSAGES:,}" in str(exc.value)
+    assert exc.value.exit_code == 2 and time.perf_counter() - t0 < 2
+    with pytest.raises(ConfigError):  # the object form too
+        parse_input("messages", json.dumps({"messages": json.loads(_turns(n))}).encode(),
+                    "conv.json")
+
+
+def test_the_cli_refuses_a_conversation_past_the_cap(tmp_path: Path) -> None:
+    from tests.cli import kvp
+
+    f = tmp_path / "chat.json"
+    f.write_bytes(_turns(40_000))  # 1.26 MB of empty turns: MemoryError after 19-33 s
+    res = kvp("forget", "cpu-demo", "--messages", str(f), "--json")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["schema"] == "kvpersist.error/1" and "2,048" in doc["error"]
 
 
 def test_object_form_prompt_and_token_ids() -> None:

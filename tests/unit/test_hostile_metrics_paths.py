@@ -8,11 +8,14 @@ that, as on a raw escape character). The roots given with ``--root`` are
 ``bad-\\xff/root`` and ``a\\nb\\x1b[2J/root``; a config's root comes from the environment
 (``KVP_CACHE_ROOT``: one that is not UTF-8 is refused as a configuration error, exit 2).
 Under each root: a foreign file ``x\\xff.bin``, a foreign directory ``d\\xff`` holding one, a
-chunk of cpu-demo's namespace whose salt holds ``\\xff``, one whose salt holds a newline, and
-an operator's ``notes\\xff.tmp.keep``.
+name like a chunk of cpu-demo's namespace whose salt holds ``\\xff`` (foreign: LMCache cannot
+have written it, issue 40), a chunk whose salt holds a newline, and an operator's
+``notes\\xff.tmp.keep``.
 
 What it shows: no traceback, no ``UnicodeEncodeError``; every ``--json`` output is one JSON
-document without a lone surrogate; the text output is printable; the metrics' ``root``
+document in ASCII whose names are the names on disk (bytes that are not UTF-8 as PEP 383's
+``\\udcXX`` escapes: ``os.fsencode`` gives them back, docs/inventory.md); the text output
+is printable and escaped by kvpersist; the metrics' ``root``
 label is the escaped path (what ``report`` shows) and the exposition passes
 ``promtool check metrics``; the textfile of a root is named by the digest of its path's
 bytes. Two runs in real processes with a strict UTF-8 stdout prove the same without the
@@ -44,7 +47,7 @@ CHUNK = ChunkName(NS, 0x01000100, 0, "ab" * 32).filename().encode()
 NAMES: dict[bytes, str] = {
     b"x\xff.bin": "foreign",
     b"d\xff/inner\xff": "foreign",
-    CHUNK[:-4] + b"@s\xfft.bin": "chunk",
+    CHUNK[:-4] + b"@s\xfft.bin": "foreign",
     CHUNK[:-4].replace(b"abab", b"cdcd", 1) + b"@s\nt.bin": "chunk",
     b"notes\xff.tmp.keep": "foreign",
 }
@@ -87,15 +90,17 @@ def demo_env(root: str) -> dict[str, str]:
 
 
 def escaped_by_kvpersist(o: Outcome) -> None:
-    """What the command printed was escaped by kvpersist, not by the stream's fallback (a
-    lone surrogate would show as ``\\udcXX``), and carries no raw control character."""
-    for stream in (o.stdout, o.stderr):
+    """What the command printed as text was escaped by kvpersist, not by the stream's
+    fallback (a lone surrogate would show as ``\\udcXX``), and carries no raw control
+    character; a ``--json`` document is ASCII (its escapes are JSON's own)."""
+    is_json = "--json" in o.argv and o.code in (0, 1, 2)
+    for stream in (o.stderr,) if is_json else (o.stdout, o.stderr):
         assert "\\udc" not in stream, (o.argv, stream[-2000:])
         assert "\x1b" not in stream and all(line.isprintable() for line in
                                             stream.splitlines()), (o.argv, stream[-2000:])
-    if "--json" in o.argv and o.code in (0, 1, 2):
-        doc = json.loads(o.stdout)
-        assert "\\udc" not in json.dumps(doc), o.argv  # no lone surrogate inside either
+    if is_json:
+        assert o.stdout.isascii(), o.argv
+        json.loads(o.stdout)
 
 
 def promtool_accepts(text: str) -> None:
@@ -118,9 +123,14 @@ def test_roots_given_with_root(tree: tuple[list[str], str], runner: HostileRunne
                      ["metrics", "--no-vllm"]):
             outcomes.append(runner.run(*argv, "--root", root))
         doc = json.loads(outcomes[-5].stdout)
-        assert doc["root"] == display_name(root) and doc["chunk_files"] == 2, doc
-        assert doc["foreign"]["files"] == 3 and doc["lmcache_deletes_at_stop"]["files"] == 1
-        assert json.loads(outcomes[-3].stdout)["planned"]["files"] == 2
+        # the root as it is: os.fsencode gives the bytes back (PEP 383)
+        assert doc["root"] == root and doc["chunk_files"] == 1, doc
+        assert os.fsencode(doc["root"]) == os.fsencode(root)
+        assert doc["foreign"]["files"] == 4 and doc["lmcache_deletes_at_stop"]["files"] == 1
+        pruned = json.loads(outcomes[-3].stdout)
+        assert pruned["planned"]["files"] == 1 and pruned["root"] == root
+        assert [os.fsencode(f) for f in pruned["files"]] == [
+            CHUNK[:-4].replace(b"abab", b"cdcd", 1) + b"@s\nt.bin"]  # a newline is a newline
         exposition = outcomes[-1].stdout
         labels = {s.labels.get("root") for fam in text_string_to_metric_families(exposition)
                   for s in fam.samples if "root" in s.labels}
@@ -174,7 +184,7 @@ def test_names_under_a_configs_root(tree: tuple[list[str], str],
     promtool_accepts(exposition)
     assert f'root="{clean}"' in exposition
     verify = json.loads(outcomes[1].stdout)
-    assert verify["files"] == 2 and verify["root"] == clean, verify
+    assert verify["files"] == 1 and verify["root"] == clean, verify
     assert len(outcomes) + len(refused) == 2 * len(CONFIG_COMMANDS)
 
 

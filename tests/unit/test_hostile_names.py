@@ -1,9 +1,11 @@
 """Hostile file names under a cache root: names that are not UTF-8, carry control characters,
 look almost like chunk files, are as long as the filesystem allows, or start with a dash.
 Every command reads past them (they are foreign files: counted, shown escaped, never
-touched) and none ends in a traceback. A namespace's chunk whose cache salt holds such
-characters (``SALTED``) is the namespace's: counted in it, shown escaped, deleted by
-``prune --namespace``."""
+touched) and none ends in a traceback. A namespace's chunk whose cache salt holds text vLLM
+can send (a newline, an escape sequence: ``SALTED``) is the namespace's: counted in it, shown
+escaped on a terminal and as it is in ``--json``, deleted by ``prune --namespace``; one whose
+salt LMCache cannot have written (bytes that are not UTF-8, an ``@``: ``UNSENDABLE``) is
+foreign (issue 40)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from kvpersist.l2.layout import display_name
 
 from ..cli import kvp
 from ..conftest import clean_env, free_port
@@ -35,13 +39,14 @@ HOSTILE: list[bytes] = [
 ]
 HOSTILE_DIRS: list[bytes] = [b"\xff\xfe", b"ab\xff", b"d\nir", b"-d", b"zz"]
 #: chunks of another namespace (no deployment here uses it) whose salt (the client's
-#: cache_salt, appended by LMCache as it is) holds a byte that is not UTF-8, a newline, an
-#: escape sequence, a "_" and an "@"
+#: cache_salt, appended by LMCache as it is) holds a newline, an escape sequence and a "_"
 SALTED_NS = "kvp-" + "12" * 16
 _SC = f"{SALTED_NS}_01000100_0_".encode()
-SALTED: list[bytes] = [_SC + b"ab@s\xff.bin", _SC + b"ab@s\nt.bin",
-                       _SC + b"ab@\x1b[2J_01000100_0_cd.bin", _SC + b"ab@a@b.bin",
+SALTED: list[bytes] = [_SC + b"ab@s\nt.bin", _SC + b"ab@\x1b[2J_01000100_0_cd.bin",
                        _SC + b"ab@q_01000100_0_ff.bin"]  # printable: the scan's fast path
+#: named like the namespace's chunks, with a salt LMCache cannot have written: a byte that
+#: is not UTF-8 (no request carries one) or a second "@" (LMCache refuses it)
+UNSENDABLE: list[bytes] = [_SC + b"ab@s\xff.bin", _SC + b"ab@\xff\xfe.bin", _SC + b"ab@a@b.bin"]
 
 
 def _populate(root: Path) -> list[bytes]:
@@ -67,9 +72,9 @@ def _populate(root: Path) -> list[bytes]:
     return made
 
 
-def _salted(root: Path) -> list[bytes]:
+def _salted(root: Path, names: list[bytes] = SALTED) -> list[bytes]:
     made = []
-    for name in SALTED:
+    for name in names:
         p = os.path.join(os.fsencode(root), name)
         with open(p, "wb") as f:
             f.write(os.urandom(4096))  # an aesgcm frame's size: verify authenticates it
@@ -84,30 +89,35 @@ def hostile_root(tmp_path: Path) -> tuple[Path, list[bytes]]:
     return root, _populate(root)
 
 
-def test_a_salt_holding_anything_is_its_namespaces(hostile_root: tuple[Path, list[bytes]]
-                                                   ) -> None:
-    """Finding: a salt with a newline (or a byte that is not UTF-8) made the chunk foreign,
-    so ``report`` left it out of its namespace and ``prune --namespace`` left it behind
-    while removing the namespace's manifest. Every other hostile name stays foreign."""
+def test_a_salt_holding_any_text_is_its_namespaces(hostile_root: tuple[Path, list[bytes]]
+                                                    ) -> None:
+    """Finding (issue 20): a salt with a newline made the chunk foreign, so ``report`` left
+    it out of its namespace and ``prune --namespace`` left it behind while removing the
+    namespace's manifest. Finding (issue 40): a salt of bytes that are not UTF-8 was called
+    foreign by ``report`` and deleted by ``prune``; and ``--json`` showed a newline as
+    ``\\x0a``, so what was reported could not be matched with what was deleted. Every other
+    hostile name stays foreign."""
     root, made = hostile_root
     salted = _salted(root)
+    foreign_before = scan_at(root).foreign.files
+    foreign = _salted(root, UNSENDABLE)
     for workers in (1, 2):
         res = scan_at(root, workers=workers)
         assert res.chunk_files == len(SALTED), workers
         ns = res.prefixes[SALTED_NS]
         assert (ns.files, ns.bytes, ns.salted_files) == (len(SALTED), 4096 * len(SALTED),
                                                          len(SALTED))
-        for salt in ns.salts:
-            salt.encode("utf-8")
-            assert salt.isprintable(), salt
-        assert "s\\xff" in ns.salts and "s\\x0at" in ns.salts, ns.salts
+        assert ns.salts == {"s\nt", "\x1b[2J_01000100_0_cd", "q_01000100_0_ff"}, ns.salts
     env = clean_env()
     env.update({"KVP_CACHE_ROOT": str(root), "KVP_L2_SERDE": "none"})
     doc = json.loads(kvp("report", "--root", str(root), "--json", env=env).stdout)
     [row] = [r for r in doc["namespaces"] if r["namespace"] == SALTED_NS]
-    assert row["files"] == len(SALTED)
-    # verify derives the salt's key (HKDF over the salt's bytes): no traceback for a salt
-    # that is not UTF-8; random bytes fail authentication, named escaped
+    assert row["files"] == len(SALTED) and "s\nt" in row["salts"]  # a newline is a newline
+    assert doc["foreign"]["files"] == foreign_before + len(UNSENDABLE)
+    human = kvp("report", "--root", str(root), env=env)
+    assert "s\\x0at" in human.stdout and "\x1b" not in human.stdout, human.stdout
+    # verify derives the salt's key (HKDF over the salt's bytes); random bytes fail
+    # authentication, named escaped on a terminal and as they are in --json
     keys = root.parent / ".kvpersist" / root.name / "keys"
     keys.mkdir(parents=True, mode=0o700)
     (keys / "l2-master.key").write_bytes(os.urandom(32))
@@ -116,9 +126,10 @@ def test_a_salt_holding_anything_is_its_namespaces(hostile_root: tuple[Path, lis
                "--json", env={**env, "KVP_L2_SERDE": "aesgcm"})
     assert ver.returncode == 1 and "Traceback" not in ver.stderr, ver.stderr
     findings = json.loads(ver.stdout)["findings"]
-    assert len(findings) == len(SALTED) and all(f["kind"] == "auth" for f in findings)
+    assert sorted(os.fsencode(f["path"]) for f in findings) == sorted(salted)
+    assert all(f["kind"] == "auth" for f in findings)
     human = kvp("verify", "cpu-demo", "--all-namespaces", env={**env, "KVP_L2_SERDE": "aesgcm"})
-    assert "\x1b" not in human.stdout and "s\\xff.bin" in human.stdout, human.stdout
+    assert "\x1b" not in human.stdout and "s\\x0at.bin" in human.stdout, human.stdout
     manifest = root / ".kvpersist" / "manifests" / f"{SALTED_NS}.json"
     manifest.parent.mkdir(parents=True)
     manifest.write_text(json.dumps({"schema": "kvpersist.manifest/1",
@@ -127,13 +138,18 @@ def test_a_salt_holding_anything_is_its_namespaces(hostile_root: tuple[Path, lis
     assert listed.returncode == 0 and "\x1b" not in listed.stdout, listed.stderr
     assert all(line.isprintable() for line in listed.stdout.splitlines())
     assert f"{SALTED_NS}_01000100_0_ab@s\\x0at.bin" in listed.stdout, listed.stdout
-    done = kvp("prune", "--namespace", SALTED_NS, "--root", str(root), "--apply",
+    done = kvp("prune", "--namespace", SALTED_NS, "--root", str(root), "--apply", "--list",
                 "--json", env=env)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["deleted"]["files"] == len(SALTED), done.stdout
+    # the names deleted are the names planted, byte for byte
+    assert sorted(os.fsencode(p) for p in out["files"]) == sorted(
+        os.path.basename(p) for p in salted)
     assert not any(os.path.lexists(p) for p in salted)
-    # removed with the last of the namespace's files (before, it went while they stayed)
+    # the names LMCache cannot have written stay, and keep the manifest (no file left of
+    # the namespace: removed with the last of them)
+    assert all(os.path.lexists(p) for p in foreign)
     assert out["manifests_removed"] == [SALTED_NS] and not manifest.exists()
     assert all(os.path.lexists(p) for p in made)  # every foreign name is still there
 
@@ -148,8 +164,10 @@ def test_scan_counts_hostile_names_as_foreign_and_equals_du(
         assert res.total_bytes == int(du), workers
         assert res.chunk_files == 0 and res.temp.files == 0
         for sample in res.foreign.samples + res.symlinks.samples:
-            sample.encode("utf-8")  # printable, strict UTF-8
-            assert sample.isprintable(), sample
+            # the name as it is (PEP 383: os.fsencode gives its bytes back); shown escaped
+            assert os.path.join(os.fsencode(root), os.fsencode(sample)) in made, sample
+            display_name(sample).encode("utf-8")
+            assert display_name(sample).isprintable(), sample
     assert res.symlinks.files == len(HOSTILE_DIRS)
 
 

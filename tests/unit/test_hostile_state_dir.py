@@ -34,10 +34,11 @@ import pytest
 
 from kvpersist.config.warmset import parse_warm_set, tokens_cache_name, tokens_document
 from kvpersist.deploy import hook
-from kvpersist.l2 import keys
+from kvpersist.l2.keys import store as keys
 from kvpersist.l2.layout import ChunkName
-from kvpersist.stack import crash_window, warmup
+from kvpersist.stack import crash_window
 from kvpersist.stack.stops import Launched
+from kvpersist.stack.warm import run as warmup
 from kvpersist.system import procs
 
 from ..conftest import REPO

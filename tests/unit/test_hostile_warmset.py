@@ -1,5 +1,5 @@
 """Issue 20, the warm set: ``KVP_WARMUP_FILE`` is the operator's input, read by
-``kvp-admin warmup CONFIG`` and by the warm-up child ``python -m kvpersist.stack.warmup``
+``kvp-admin warmup CONFIG`` and by the warm-up child ``python -m kvpersist.cli warmup``
 (the launch, the units and the hook start it), and by the launch's preflight (``launch`` and
 ``launch --check`` with vLLM: a bad warm set refuses the launch before anything starts).
 Whatever it is — 16 MiB of bad lines, 16 MiB of lines nested 100,000 deep, one 16 MiB
@@ -150,11 +150,12 @@ def _bounded() -> None:  # pragma: no cover - runs in the child before exec
 @pytest.mark.parametrize("name", ["16 MiB of bad lines", "16 MiB of lines nested 100,000 deep",
                                   "a FIFO", "/dev/zero"])
 def test_the_warmup_child_refuses_them_the_same_way(tmp_path: Path, name: str) -> None:
-    """``python -m kvpersist.stack.warmup CONFIG --json`` (what a launch starts), as its own
-    process under the same address-space limit: exit 2, the problems on stderr, bounded."""
+    """``python -m kvpersist.cli warmup CONFIG --json`` (the command a launch starts), as its
+    own process under the same address-space limit: exit 2, the problems on stderr,
+    bounded."""
     path = warm_file(tmp_path, name)
     env = deployment(tmp_path, path)
-    r = subprocess.run([sys.executable, "-m", "kvpersist.stack.warmup", "cpu-demo", "--json"],
+    r = subprocess.run([sys.executable, "-m", "kvpersist.cli", "warmup", "cpu-demo", "--json"],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=60,
                        preexec_fn=_bounded)
     assert r.returncode == 2, r.stderr[-2000:]

@@ -1,6 +1,6 @@
 """Per-namespace L2 keys: where they live (kvpersist/config/key_paths.py), which key a launch
-uses and what shred destroys (kvpersist/l2/keyplan.py, pure), and the key files themselves
-on real directories (kvpersist/l2/keys.py: adoption, destruction, tombstones, lookup)."""
+uses and what shred destroys (kvpersist/l2/keys/plan.py, pure), and the key files themselves
+on real directories (kvpersist/l2/keys/store.py: adoption, destruction, tombstones, lookup)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from kvpersist.config.key_paths import (
     root_key_path,
     tombstone_path,
 )
-from kvpersist.l2 import keys
-from kvpersist.l2.keyplan import (
+from kvpersist.l2.keys import store as keys
+from kvpersist.l2.keys.plan import (
     ADOPT,
     CREATE,
     EXPLICIT,

@@ -56,37 +56,57 @@ def test_salt_with_underscores_falls_back_to_full_parse() -> None:
 
 
 @pytest.mark.parametrize("salt", [
-    "line\nbreak", "\x1b[2Jwipe", "tab\there", "\udcff\udcfe",  # not UTF-8 (surrogateescape)
-    "a_01000100_0_ff", "x@y", "\\back", " ", "\u202eevil", "\x7f", "é" * 100,
+    "line\nbreak", "\x1b[2Jwipe", "tab\there", "a_01000100_0_ff", " ", "\u202eevil", "\x7f",
+    "é" * 100, "x" * 128, "\r", "a.tmp.b",
 ])
-def test_a_namespace_chunk_belongs_to_its_namespace_whatever_its_salt_holds(salt: str) -> None:
-    """vLLM accepts any cache_salt character but @ / \\ and NUL, LMCache appends it as it
-    is; such a chunk was foreign (report left it out, prune --namespace left it behind)."""
-    for ns in (NS, UNPINNED):
-        name = f"{ns}_01000100_0_{HASH}@{salt}.bin"
+def test_a_chunk_belongs_to_its_prefix_whatever_text_its_salt_holds(salt: str) -> None:
+    """vLLM accepts any text in cache_salt, LMCache refuses only @ / \\ NUL and more than
+    128 characters and appends it as it is: such a chunk is its prefix's, a namespace or
+    any other model name (issue 40: a newline made another model's chunk foreign)."""
+    for prefix in (NS, UNPINNED, "test-model", "my_model_v2"):
+        name = f"{prefix}_01000100_0_{HASH}@{salt}.bin"
         c = parse_chunk_name(name)
-        assert c is not None and (c.prefix, c.salt, c.chunk_hash) == (ns, salt, HASH)
-        assert c.namespace == ns and c.filename() == name
+        assert c is not None and (c.prefix, c.salt, c.chunk_hash) == (prefix, salt, HASH)
+        assert c.filename() == name
         assert classify(name) == (Kind.CHUNK, c)
         assert classify(f"{name}.tmp.{'0f' * 16}") == (Kind.TEMP, c)
         shard = (HASH[0:2], HASH[2:4])
         assert classify(name, shard) == (Kind.CHUNK, c)
 
 
+@pytest.mark.parametrize("salt", [
+    "\udcff\udcfe", "s\udcff", "\udced\udca0\udc80",  # bytes that are not UTF-8
+    "x@y", "\\back", "a/b", "n\x00ul", "x" * 129, "",
+])
+def test_a_salt_lmcache_cannot_have_written_makes_the_name_foreign(salt: str) -> None:
+    """Issue 40: a salt of bytes that are not UTF-8 (vLLM cannot have sent it, so LMCache did
+    not write it) was called foreign by report and deleted by prune. Every command now
+    decides with this one parser: foreign, never touched."""
+    for prefix in (NS, UNPINNED, "test-model"):
+        name = f"{prefix}_01000100_0_{HASH}@{salt}.bin"
+        assert parse_chunk_name(name) is None, name
+        assert classify(name)[0] is Kind.FOREIGN
+        assert classify(f"{name}.tmp.{'0f' * 16}")[0] is Kind.FOREIGN
+
+
 @pytest.mark.parametrize("name", [
     f"{NS}_01000100_0_{HASH}@.bin",                  # empty salt
     f"{NS}_01000100_0_{HASH}\n@s.bin",               # the newline is before the salt
     f"{NS}\n_01000100_0_{HASH}@s.bin",
-    f"test-model_01000100_0_{HASH}@s\n.bin",         # not a namespace: printable names only
-    f"kvp-short_01000100_0_{HASH}@s\x1b.bin",
     f"{NS}_01000100_0_{HASH.upper()}@s\n.bin",
+    f"{NS}_01000100_0_abc@s.bin",                   # an odd number of hash digits
+    f"{NS}_01000100_00_{HASH}.bin",                 # a group LMCache writes as "0"
+    f"{NS}_01000100_01_{HASH}.bin",
+    f"{NS}_01000100_0_{HASH}.bin.tmp.{'0f' * 15}",  # a token shorter than uuid4().hex
+    f"{NS}_01000100_0_{HASH}.bin.tmp.{'0F' * 16}",
+    f"x@y_01000100_0_{HASH}.bin",                   # "@" in a model name: LMCache refuses it
 ])
-def test_only_the_salt_may_hold_anything(name: str) -> None:
+def test_only_what_lmcache_writes_parses(name: str) -> None:
     assert parse_chunk_name(name) is None and classify(name)[0] is Kind.FOREIGN
 
 
 @pytest.mark.parametrize("prefix", ["test-model", "--a--b", "my_model_v2", "org--m_1_2",
-                                    "x@y", "kvp-short"])
+                                    "kvp-short"])
 def test_prefixes_that_are_not_namespaces_still_parse(prefix: str) -> None:
     c = parse_chunk_name(f"{prefix}_01000100_0_{HASH}.bin")
     assert c is not None and c.prefix == prefix
@@ -140,8 +160,8 @@ def test_shard_dirs_follow_lmcache() -> None:
     assert classify(c.filename(), ("ab", "cd")) == (Kind.CHUNK, c)
     # a chunk in the wrong shard directory is never LMCache's: foreign
     assert classify(c.filename(), ("ab", "ce"))[0] is Kind.FOREIGN
-    assert classify(temp_name(c, "aa"), ("ab", "cd"))[0] is Kind.TEMP
-    assert classify(temp_name(c, "aa"), ("00", "cd"))[0] is Kind.FOREIGN
+    assert classify(temp_name(c, "aa" * 16), ("ab", "cd"))[0] is Kind.TEMP
+    assert classify(temp_name(c, "aa" * 16), ("00", "cd"))[0] is Kind.FOREIGN
     assert is_shard_dir_name("0f") and not is_shard_dir_name("0F")
     assert not is_shard_dir_name("abc")
 
@@ -179,7 +199,7 @@ def test_kv_rank_rejects_out_of_range() -> None:
         KvRank(256, 0, 1, 0).encode()
 
 
-_prefix = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.@", min_size=1, max_size=40)
+_prefix = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_.", min_size=1, max_size=40)
 _salt = st.one_of(st.none(), st.text(alphabet="abcxyz0123456789-.", min_size=1, max_size=12))
 
 
@@ -197,6 +217,35 @@ def test_format_then_parse_round_trips(prefix: str, world: int, rank: int, group
     if "_" not in prefix:
         assert parsed == c
     assert KvRank.decode(kv) == KvRank(world, rank, world, rank)
+
+
+#: any text LMCache's ObjectKey takes as a salt (surrogates: bytes that are not UTF-8, which
+#: no request carries, are left to the test above)
+_lmcache_salt = st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="@/\\\0"),
+                        min_size=1, max_size=128)
+
+
+@given(model=st.text(st.characters(blacklist_categories=["Cs", "Cc", "Cf", "Zl", "Zp"],
+                                   blacklist_characters="@/\\"), min_size=1, max_size=40)
+       .filter(str.isprintable),
+       digest=st.sampled_from([8, 16, 32]).flatmap(lambda n: st.binary(min_size=n, max_size=n)),
+       group=st.integers(0, 2**16), salt=st.one_of(st.just(""), _lmcache_salt))
+def test_every_name_lmcache_writes_parses_back_to_its_key(model: str, digest: bytes, group: int,
+                                                         salt: str) -> None:
+    """LMCache's own ``_object_key_to_filename`` of any key its ``ObjectKey`` accepts (hashes
+    of 8, 16 and 32 bytes: the builtin hash, xxhash, blake3 and sha256) parses back to the
+    same prefix, rank, group, hash and salt."""
+    import importlib
+
+    agent = importlib.import_module(
+        "lmcache.v1.distributed.l2_adapters.nixl_store_agents.dynamic_nixl_store_agent")
+    from lmcache.v1.distributed.api import ObjectKey
+
+    key = ObjectKey(chunk_hash=digest, model_name=model, kv_rank=0x04020401,
+                    object_group_id=group, cache_salt=salt)
+    c = parse_chunk_name(agent._object_key_to_filename(key))
+    assert c == ChunkName(prefix_for_model_name(model), 0x04020401, group, digest.hex(),
+                          salt or None)
 
 
 @given(st.text(max_size=60))

@@ -47,7 +47,7 @@ NS_B = "kvp-" + "b" * 32
 
 @pytest.mark.parametrize(("text", "seconds"), [
     ("", 0.0), ("30d", 30 * DAY), ("12h", 43200.0), ("90m", 5400.0), ("2w", 14 * DAY),
-    (" 7d ", 7 * DAY), ("1.5d", 1.5 * DAY),
+    ("1.5d", 1.5 * DAY), ("7D", 7 * DAY),
 ])
 def test_max_age_values(text: str, seconds: float) -> None:
     assert parse_max_age(text) == (seconds, "")
@@ -56,6 +56,10 @@ def test_max_age_values(text: str, seconds: float) -> None:
 @pytest.mark.parametrize(("text", "needle"), [
     ("30", "give a unit: 30d"), ("x", "not a duration"), ("10s", "at least a minute"),
     ("-3d", "not a duration"), ("30y", "not a duration"),
+    # issue 40: one token, as written, nothing around it (decided: refused, not trimmed)
+    ("30 d", "not a duration"), ("30d\n", "not a duration"), (" 7d ", "not a duration"),
+    ("\t7d", "not a duration"), ("30d\u00a0", "not a duration"), ("３０d", "not a duration"),
+    ("99999999999d", "longer than 100 years"),
 ])
 def test_max_age_refusals(text: str, needle: str) -> None:
     seconds, problem = parse_max_age(text)

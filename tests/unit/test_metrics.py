@@ -69,7 +69,7 @@ def root(tmp_path: Path) -> Path:
     for i in range(3):
         chunk_file(r, NS, i, 1000, age_s=7200 * (i + 1))
     chunk_file(r, OTHER, 9, 500)
-    tmp = r / temp_name(ChunkName(NS, 0x01000100, 0, "f" * 64), "0123abcd")
+    tmp = r / temp_name(ChunkName(NS, 0x01000100, 0, "f" * 64), "0123abcd" * 4)
     tmp.write_bytes(b"t" * 10)
     old = time.time() - 5000
     os.utime(tmp, (old, old))
@@ -196,10 +196,29 @@ def test_a_missing_root_still_exports_health_and_exits_1(tmp_path: Path) -> None
 
 
 def test_a_missing_textfile_directory_is_a_clean_error(tmp_path: Path, root: Path) -> None:
+    """A usage error naming the option (exit 2, issue 40: every usage error is 2)."""
     res = kvp("metrics", "--root", str(root), "--textfile", str(tmp_path / "nope"))
-    assert res.returncode == 1, res.stderr
-    assert "Traceback" not in res.stderr and "cannot write" in res.stderr
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and "--textfile" in res.stderr
     assert not (tmp_path / "nope").exists()
+
+
+def test_a_textfile_directory_that_is_a_symlink_is_refused(tmp_path: Path, root: Path) -> None:
+    """Decided (issue 40): kvpersist writes no file through a symbolic link, the textfile
+    directory included (before, ``--textfile LINK`` wrote into the link's target). The
+    directory itself, named by its real path, is written as before."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    link = tmp_path / "textfiles"
+    link.symlink_to(target)
+    res = kvp("metrics", "--root", str(root), "--textfile", str(link))
+    assert res.returncode == 2 and "symbolic link" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and list(target.iterdir()) == []
+    ok = kvp("metrics", "--root", str(root), "--textfile", str(target))
+    assert ok.returncode == 0, ok.stderr
+    files = list(target.iterdir())
+    assert len(files) == 1 and files[0].name.startswith("kvpersist-root-")
+    assert files[0].stat().st_mode & 0o777 == 0o644
 
 
 # --------------------------------------------------------------------------- runs
@@ -222,6 +241,7 @@ def test_runs_round_trip_and_metrics(root: Path) -> None:
     assert value(m, "kvpersist_last_verify_timestamp_seconds") == 1_700_000_000
     assert value(m, "kvpersist_last_verify_success") == 0
     assert value(m, "kvpersist_last_verify_findings") == 3
+    assert value(m, "kvpersist_last_verify_moved") == 0  # a run recorded without the count
     assert value(m, "kvpersist_last_prune_success") == 1
     assert value(m, "kvpersist_last_prune_deleted_bytes") == 4096
     assert abs(value(m, "kvpersist_last_prune_timestamp_seconds") - time.time()) < 60
@@ -268,7 +288,7 @@ def test_a_record_that_is_not_ours_is_ignored(tmp_path: Path, root: Path, bad: s
 
 
 def test_verify_and_prune_record_their_runs(tmp_path: Path, root: Path) -> None:
-    from kvpersist.l2.keys import ensure_key
+    from kvpersist.l2.keys.store import ensure_key
 
     env = demo_env(root)
     # the deployment's key, where its default state dir keeps it (beside the root)
@@ -370,8 +390,8 @@ def store_text(facts: Any) -> str:
 
 def up_store(active: frozenset[str] = frozenset()) -> Any:
     from kvpersist.actions.metrics import StoreFacts
-    from kvpersist.l2.shared_keys import plan_store_budget
-    from kvpersist.l2.shared_store import NodeMemory, SharedUsage, StoreMeasurement, StoreProbe
+    from kvpersist.l2.shared.keys import plan_store_budget
+    from kvpersist.l2.shared.store import NodeMemory, SharedUsage, StoreMeasurement, StoreProbe
 
     nodes = (NodeMemory("10.0.0.7:6379", 700, 1000, "allkeys-lru", 12),
              NodeMemory("10.0.0.8:6379", 50, 0, "noeviction", 0))
@@ -415,7 +435,7 @@ def test_store_series_are_the_measurement() -> None:
 @pytest.mark.parametrize("case", ["down", "refused", "unreadable_secret", "scan_failed"])
 def test_a_store_that_cannot_be_measured_exports_up_0_and_no_figures(case: str) -> None:
     from kvpersist.actions.metrics import StoreFacts
-    from kvpersist.l2.shared_store import StoreMeasurement, StoreProbe
+    from kvpersist.l2.shared.store import StoreMeasurement, StoreProbe
 
     measured = {
         "down": StoreMeasurement(StoreProbe(False, False, error="connection refused")),

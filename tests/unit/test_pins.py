@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvpersist.l2.layout import ChunkName
-from kvpersist.l2.pin_store import measure_pins, pins_path
-from kvpersist.l2.pins import (
+from kvpersist.l2.pins.store import measure_pins, pins_path
+from kvpersist.l2.pins.usage import (
     PinnedUsage,
     all_names,
     parse_pin_document,

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpersist.l2.preread import Candidate, off_reason, plan_preread, preread_cap
+from kvpersist.l2.hot_files import Candidate, off_reason, plan_preread, preread_cap
 from kvpersist.l2.read_path import explain_read_path
 from kvpersist.l2.tree import open_root
 from kvpersist.stack.preread import PrereadResult, list_candidates, preread, start_preread

@@ -1,4 +1,4 @@
-"""The priming request (kvpersist.stack.prime): its body, its one-line summary, and a vLLM
+"""The priming request (kvpersist.stack.warm.prime): its body, its one-line summary, and a vLLM
 that does not answer. The request against a real vLLM runs in the full-stack readiness test
 (tests/fullstack/test_readiness_e2e.py): it primes and stores nothing."""
 
@@ -8,8 +8,8 @@ import time
 from dataclasses import replace
 
 from kvpersist.config.loader import load_deployment
-from kvpersist.stack import prime
 from kvpersist.stack.locate import locate
+from kvpersist.stack.warm import prime
 from kvpersist.system import procs
 
 

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from kvpersist.actions.metrics import Exposition, health_families
-from kvpersist.stack import health, readiness
-from kvpersist.stack.readiness import WarmupFacts, epoch_of, judge
+from kvpersist.stack import health
+from kvpersist.stack.warm import readiness
+from kvpersist.stack.warm.readiness import WarmupFacts, epoch_of, judge
 from kvpersist.system import procs
 
 NS = "kvp-" + "a" * 32
@@ -189,7 +190,7 @@ def test_gather_reads_the_record_and_checks_the_pid_file(tmp_path: Path) -> None
     Path(loc.warmup_state_file).write_text(json.dumps(record("warming", ns=dep.namespace,
                                                              started=time.time())))
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
-                             "kvpersist.stack.warmup"])
+                             *readiness.WARMUP_MARKERS])
     try:
         procs.write_pid_file(loc.warmup_pid_file, proc.pid)
         got = readiness.gather(loc, proc.pid)
@@ -229,13 +230,17 @@ def test_the_record_is_read_typed_and_its_error_cut(tmp_path: Path) -> None:
 
 
 def test_warmup_argv_is_the_contract() -> None:
-    assert readiness.warmup_argv("cpu-demo", 120.0, python="/py") == [
-        "/py", "-m", "kvpersist.stack.warmup", "cpu-demo", "--wait", "120", "--json"]
-    assert readiness.warmup_argv("/etc/x/identity.env", 2.5, python="/py")[4:6] == [
+    assert readiness.warmup_argv("cpu-demo", 120.0, "/s/h.json", python="/py") == [
+        "/py", "-m", "kvpersist.cli", "warmup", "cpu-demo", "--wait", "120", "--json",
+        "--rendered", "/s/h.json"]
+    assert readiness.warmup_argv("/etc/x/identity.env", 2.5, "/h", python="/py")[5:7] == [
         "--wait", "2.5"]
     # the pid file of the child it starts is checked against markers its argv carries
-    assert procs.cmdline_matches(readiness.warmup_argv("cpu-demo", 1.0),
+    assert procs.cmdline_matches(readiness.warmup_argv("cpu-demo", 1.0, "/h"),
                                  readiness.WARMUP_MARKERS)
+    # a warm-up run by hand, a launch --warmup-only are not the child
+    assert not procs.cmdline_matches(["/py", "-m", "kvpersist.cli", "warmup", "cpu-demo"],
+                                     readiness.WARMUP_MARKERS)
     assert not procs.cmdline_matches(["/py", "-m", "kvpersist.cli", "health", "cpu-demo"],
                                      readiness.WARMUP_MARKERS)
 

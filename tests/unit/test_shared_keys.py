@@ -1,11 +1,12 @@
-"""l2/shared_keys.py and the shared tier's health checks (pure, table-driven)."""
+"""l2/shared/keys.py and the shared tier's health checks (pure, table-driven)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpersist.l2.fleet import WRONG_TYPE, decode_record, record_key
-from kvpersist.l2.shared_keys import (
+from kvpersist.l2.fleet.host import decode_all
+from kvpersist.l2.fleet.records import WRONG_TYPE, decode_record, record_key
+from kvpersist.l2.shared.keys import (
     NOT_A_CHUNK,
     NOT_A_STRING,
     SKIPPED_SHOWN,
@@ -18,7 +19,6 @@ from kvpersist.l2.shared_keys import (
     plan_store_budget,
     skipped_lines,
 )
-from kvpersist.stack.fleet import decode_all
 from kvpersist.stack.health import Facts, component_status, shared_checks, verdict
 
 NS = "kvp-" + "a" * 32
@@ -76,7 +76,9 @@ def test_shared_tier_is_degraded_never_down(probe: dict[str, object], status: st
 
 
 # --------------------------------------------------------------------------- foreign keys
-def test_skipped_keys_are_counted_per_kind_the_first_few_named_escaped() -> None:
+def test_skipped_keys_are_counted_per_kind_the_first_few_named_as_they_are() -> None:
+    """The document names the keys as the store holds them (issue 40: --json is lossless);
+    the text lines escape them."""
     sk = Skipped()
     for i in range(SKIPPED_SHOWN + 5):
         sk.add(NOT_A_STRING, f"{NS}@01000100@0@{i:x}@salt\n\x1b[2J\udcff")
@@ -85,8 +87,9 @@ def test_skipped_keys_are_counted_per_kind_the_first_few_named_escaped() -> None
     assert doc["count"] == SKIPPED_SHOWN + 6
     shown = doc["kinds"][NOT_A_STRING]
     assert shown["count"] == SKIPPED_SHOWN + 5 and len(shown["first"]) == SKIPPED_SHOWN
-    assert all(n.isprintable() and "\\x0a" in n for n in shown["first"])
+    assert all(n.endswith("salt\n\x1b[2J\udcff") for n in shown["first"])
     lines = skipped_lines(doc)
+    assert all(line.isprintable() for line in lines) and "salt\\x0a" in lines[0]
     assert len(lines) == 2 and "and 5 more" in lines[0] and lines[1].startswith("1 keys")
     assert skipped_lines({}) == [] and Skipped().to_dict() == {"count": 0, "kinds": {}}
 

@@ -14,7 +14,7 @@ import pytest
 from kvpersist.config.identity import ALL_IDENTITY_KEYS
 from kvpersist.config.warmset import file_digest, tokens_cache_name, tokens_document
 from kvpersist.l2.layout import ChunkName
-from kvpersist.l2.pins import pin_document
+from kvpersist.l2.pins.usage import pin_document
 from kvpersist.l2.upgrade_plan import (
     DIFFERENT,
     REASONS,

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from kvpersist.l2 import verify
 from kvpersist.l2.layout import ChunkName
-from kvpersist.l2.verify_order import ReadOrder, failed_verdict
+from kvpersist.l2.verify import root as verify
+from kvpersist.l2.verify.order import ReadOrder, failed_verdict
+from kvpersist.system.untrusted import ChunkFile
 
 from ..l2_roots import verify_at
 from .test_verify_walk import MASTER, NS, dirty_frame, frame, put
@@ -149,16 +150,16 @@ def recording(monkeypatch: pytest.MonkeyPatch, clock: Any = None) -> list[tuple[
     """Record (name, size) of every file verify reads; with ``clock``, each read of a small
     garbage file costs one second of its time."""
     reads: list[tuple[str, int]] = []
-    real = verify._read
+    real = verify._open
 
-    def read(dfd: int, name: str) -> tuple[bytes, os.stat_result]:
-        blob, st = real(dfd, name)
-        reads.append((name, st.st_size))
-        if clock is not None and st.st_size == 4096:
+    def opened(dfd: int, name: str, **kw: Any) -> ChunkFile:
+        f = real(dfd, name, **kw)
+        reads.append((name, f.size))
+        if clock is not None and f.size == 4096:
             clock.t += 1.0
-        return blob, st
+        return f
 
-    monkeypatch.setattr(verify, "_read", read)
+    monkeypatch.setattr(verify, "_open", opened)
     return reads
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpersist.l2 import verify_rules as rules
+from kvpersist.l2.verify import rules
 from tests.l2_roots import verify_at
 from tests.unit.test_verify_walk import MASTER, NS, chunk, frame, put
 

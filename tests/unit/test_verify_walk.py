@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from kvpersist.errors import KvpError, UsageError
-from kvpersist.l2 import frames, verify
+from kvpersist.l2 import frames
 from kvpersist.l2.layout import ChunkName, temp_name
+from kvpersist.l2.verify import root as verify
 from tests.l2_roots import verify_at
 
 NS = "kvp-" + "d4" * 16

@@ -1,4 +1,4 @@
-"""The warm-up's compute requests (kvpersist.stack.warm_compute): the body vLLM is sent, the
+"""The warm-up's compute requests (kvpersist.stack.warm.compute): the body vLLM is sent, the
 budget that keeps a request from being sent, and every way an answer fails, against a real
 HTTP server on loopback (the success path with real vLLM: tests/fullstack/test_readiness_e2e.py)."""
 
@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvpersist.config.settings import DEPLOY_FIX, DEPLOYMENT_KEYS
-from kvpersist.stack import warm_compute
-from kvpersist.stack.warm_compute import COMPUTE_USER, compute, compute_body
+from kvpersist.stack.warm import compute as warm_compute
+from kvpersist.stack.warm.compute import COMPUTE_USER, compute, compute_body
 
 from ..completions_stub import Stub, completions_stub
 

@@ -1,4 +1,4 @@
-"""The warm-up's loads into vLLM (kvpersist.stack.warm_load): which entries, the prompt that
+"""The warm-up's loads into vLLM (kvpersist.stack.warm.load): which entries, the prompt that
 loads exactly their found chunks, and the request sent (the success path with real vLLM and a
 real cache server: tests/fullstack/test_persistence_e2e.py)."""
 
@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpersist.stack.warm_compute import COMPUTE_USER
-from kvpersist.stack.warm_load import LOADS, LoadPlan, load, plan_loads
+from kvpersist.stack.warm.compute import COMPUTE_USER
+from kvpersist.stack.warm.load import LOADS, LoadPlan, load, plan_loads
 
 from ..completions_stub import Stub, completions_stub
 

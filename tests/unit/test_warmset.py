@@ -171,8 +171,8 @@ def cached_and_pinned(tmp_path: Path) -> tuple[dict[str, str], str]:
     from kvpersist.config.loader import load_deployment
     from kvpersist.config.warmset import file_digest, tokens_cache_name
     from kvpersist.l2.layout import ChunkName
-    from kvpersist.l2.pin_store import write_pins
-    from kvpersist.l2.pins import pin_document
+    from kvpersist.l2.pins.store import write_pins
+    from kvpersist.l2.pins.usage import pin_document
     from kvpersist.l2.tree import open_root
     from kvpersist.system.files import atomic_write_json
 
@@ -217,29 +217,40 @@ def test_a_server_that_does_not_answer_fails_the_warm_up_with_exit_1(tmp_path: P
 # ----------------------------------------------------------------------------- the launch's child
 
 
-def run_child(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """The warm-up a launch starts (``readiness.warmup_argv``), with ``env``."""
-    from kvpersist.stack.readiness import warmup_argv
+def run_child(env: dict[str, str], handoff_dir: Path) -> subprocess.CompletedProcess[str]:
+    """The warm-up a launch starts (``readiness.warmup_argv``), with ``env``, handed the
+    rendered arguments as a launch hands them."""
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.stack.warm.handoff import write_handoff
+    from kvpersist.stack.warm.readiness import warmup_argv
+    from kvpersist.stack.warm.run import render_handoff
 
-    return subprocess.run(warmup_argv("cpu-demo", 1.0), capture_output=True, text=True,
-                          cwd=REPO, timeout=120, env=env)
+    handoff_dir.mkdir(parents=True, exist_ok=True)
+    handoff = handoff_dir / "warmup-handoff.json"
+    write_handoff(str(handoff), render_handoff(load_deployment("cpu-demo", env,
+                                                               allow_unpinned=True)))
+    return subprocess.run(warmup_argv("cpu-demo", 1.0, str(handoff)), capture_output=True,
+                          text=True, cwd=REPO, timeout=120, env=env)
 
 
 def test_the_launch_child_keeps_the_commands_contract(tmp_path: Path) -> None:
-    """``python -m kvpersist.stack.warmup CONFIG --wait S --json``: the JSON of ``kvp-admin
-    warmup --json`` on stdout, exit 0 without a warm set, 2 for bad input (the message on
-    stderr, nothing written), 1 for a warm-up that failed."""
+    """``python -m kvpersist.cli warmup CONFIG --wait S --json --rendered FILE``: the JSON of
+    ``kvp-admin warmup --json`` on stdout, exit 0 without a warm set, 2 for bad input (the
+    message on stderr, nothing written), 1 for a warm-up that failed."""
     base = dict(clean_env(), KVP_CACHE_ROOT=str(tmp_path / "cache"),
                 KVP_LMCACHE_PORT=str(free_port()), KVP_LMCACHE_HTTP_PORT=str(free_port()),
                 KVP_VLLM_PORT=str(free_port()), KVP_MODEL_PATH=str(tmp_path / "model"))
     (tmp_path / "cache").mkdir()
     wf = tmp_path / "warm.jsonl"
     wf.write_text(GOOD + "{}\n")
-    r = run_child(dict(base, KVP_WARMUP_FILE=str(wf)))
-    assert r.returncode == 2 and f"{wf}:5" in r.stderr and r.stdout == "", r.stderr
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-handoff"  # not among the files written
+    r = run_child(dict(base, KVP_WARMUP_FILE=str(wf)), elsewhere / "1")
+    assert r.returncode == 2 and f"{wf}:5" in r.stderr, r.stderr
+    err = json.loads(r.stdout)  # kvp-admin's --json: one error document
+    assert err["schema"] == "kvpersist.error/1" and err["exit_code"] == 2
     assert r.stderr.startswith("kvp-admin: ") and "Traceback" not in r.stderr
     assert written(tmp_path) == []
-    r = run_child(base)
+    r = run_child(base, elsewhere / "2")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["state"] == "none" and out["warm_set"] is False
@@ -248,7 +259,7 @@ def test_the_launch_child_keeps_the_commands_contract(tmp_path: Path) -> None:
 
     (tmp_path / "failed").mkdir()
     env, state_dir = cached_and_pinned(tmp_path / "failed")
-    r = run_child({**clean_env(), **env})
+    r = run_child({**clean_env(), **env}, elsewhere / "3")
     assert r.returncode == 1, r.stderr
     out = json.loads(r.stdout)
     assert out["tokens_cached"] and out["pins"]["reused"]

@@ -22,7 +22,7 @@ completion requests), ``template_sha256``, ``also`` (more renderings: their ``se
   inputs with the CUDA platform stood in for (this machine has no GPU, and vLLM's own
   config cannot be built here: "vLLM on x86 CPUs requires Triton");
 * ``tokens``: the entries' token ids through kvpersist's tokenizer (the warm-up's and
-  ``forget``'s, :func:`kvpersist.stack.warm_tokens.tokenize`). 0.34's CPU platform refuses
+  ``forget``'s, :func:`kvpersist.stack.warm.tokens.tokenize`). 0.34's CPU platform refuses
   to build any ``VllmConfig`` on an x86 CPU without triton-cpu (which PyPI does not serve),
   so vLLM's render pipeline (its own render server's too) cannot start here; a GPU host
   takes the CUDA platform instead. Only then the probe stands in for that one platform check
@@ -42,7 +42,7 @@ from kvpersist.config.engine_flags import flags_for
 from kvpersist.config.warmset import WarmEntry
 from kvpersist.errors import ConfigError
 from kvpersist.stack.vllm_args import COMPARE
-from kvpersist.stack.warm_tokens import tokenize
+from kvpersist.stack.warm.tokens import tokenize
 from kvpersist.system import vllm_seam
 from tests.integration._vllm_parser import (
     VARIANTS,

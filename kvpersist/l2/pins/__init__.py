@@ -1,0 +1,1 @@
+"""The warm set's pins: what they protect, how they are stored."""
