@@ -9,8 +9,12 @@
 # The root filesystem is made with mmdebstrap (variant minbase) from Debian's packages:
 # systemd and systemd-sysv (PID 1), dbus, openssh-server, python3 (Ansible's modules and the
 # interpreter the hosts run kvpersist with), iproute2 and procps (ss, ps for testinfra),
-# e2fsprogs (fsck of the NVMe stand-in at boot) and the shared libraries the CPU wheels of
-# torch and vLLM load (libgomp1, libnuma1). It carries no kvpersist, LMCache or vLLM: the
+# e2fsprogs (fsck of the NVMe stand-in at boot), the shared libraries the CPU wheels of
+# torch and vLLM load (libgomp1, libnuma1), g++ and openssl: vLLM's CPU build compiles its
+# logprobs op with torch.compile (Inductor's C++ backend, which also runs the openssl
+# command) at the first request that asks for logprobs (the canary's), and without them its
+# engine dies there (InvalidCxxCompiler, then "No such file or directory: 'openssl'") and
+# the API server exits 0 (seen on these hosts). It carries no kvpersist, LMCache or vLLM: the
 # tests bind-mount the project's venv read-only into each host (the image's python3.11 runs
 # it; see tests/deploy/_hosts.py). Two changes to the packages' defaults, both for hosts
 # made from one image: no SSH host keys in the image (each host makes its own at its first
@@ -30,7 +34,7 @@ if [ $# -ne 0 ]; then
 fi
 name=${KVP_HOST_IMAGE_NAME:-localhost/kvp-host}
 mirror=${KVP_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-packages=systemd,systemd-sysv,dbus,openssh-server,python3,iproute2,procps,e2fsprogs,libgomp1,libnuma1
+packages=systemd,systemd-sysv,dbus,openssh-server,python3,iproute2,procps,e2fsprogs,libgomp1,libnuma1,g++,openssl
 command -v podman >/dev/null || { echo "$0: podman not found (scripts/setup.sh)" >&2; exit 2; }
 key=$( { sha256sum <"$0"; echo "$packages $mirror bookworm"; } | sha256sum | cut -c1-16)
 ref="$name:$key"

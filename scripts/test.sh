@@ -47,7 +47,7 @@ if command -v podman >/dev/null && command -v mmdebstrap >/dev/null; then
     bash scripts/build-cpu-image.sh "$VENV" >"$tmp/image.log" 2>&1 &
 fi
 # The real hosts' image (tests/deploy/test_hosts_*.py: Debian with systemd and sshd, from
-# Debian's mirror, ~40 s on a fresh machine, then reused) is built the same way; the hosts'
+# Debian's mirror, 2.3 min on a fresh machine, 514 MB, then reused) is built the same way; the hosts'
 # fixture waits for it on the script's lock.
 if command -v podman >/dev/null && command -v mmdebstrap >/dev/null; then
     bash scripts/build-host-image.sh >"$tmp/host-image.log" 2>&1 &
