@@ -114,7 +114,7 @@ def test_vllm_unit_stops_vllm_through_its_api_server_only():
 def test_vllm_unit_is_active_only_after_the_warmup():
     """ExecStartPost waits for vLLM and warms up within the start timeout less 30 s, with no
     "-": a failed warm-up exits 0, a failed canary exits 3 and fails the unit (then
-    Restart=on-failure serves recomputed). The health unit runs the canary, counts warming
+    Restart=always serves recomputed). The health unit runs the canary, counts warming
     (3) as a completed check, like degraded (1); only down (2) fails it; it may write the
     canary's record and nothing else of the state."""
     units = sr.render_units(sr.UnitSettings(kvp_admin="/k/kvp-admin", config_dir="/cfg",
@@ -125,7 +125,7 @@ def test_vllm_unit_is_active_only_after_the_warmup():
     assert post == ["ExecStartPost=/k/kvp-admin launch /cfg/%i/identity.env --warmup-only "
                     "--deadline 870 --vllm-pid $MAINPID"]
     assert "TimeoutStartSec=900" in settings
-    assert "Restart=on-failure" in settings
+    assert "Restart=always" in settings
     health = units["kvp-health@.service"].splitlines()
     assert [ln for ln in health if ln.startswith("SuccessExitStatus=")] == ["SuccessExitStatus=1 3"]
     assert [ln for ln in health if ln.startswith("ExecStart=")][-1] == \
