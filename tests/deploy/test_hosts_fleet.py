@@ -255,7 +255,10 @@ def test_the_resumed_roll_rolls_the_rest_and_reports_the_stale_namespace(fleet: 
     run = fleet.playbook(ROLLING, "-e", "kvp_roll_skip_ready=true")
     assert run.returncode == 0, run.output[-6000:]
     assert all(c["failed"] == 0 for c in run.recap().values()), run.recap()
-    assert fleet.main_pid("h1", "kvp-vllm") == fleet.seen["h1_vllm_v2"]  # skipped
+    h1 = fleet.hosts.hosts["h1"]
+    assert fleet.main_pid("h1", "kvp-vllm") == fleet.seen["h1_vllm_v2"], (  # skipped
+        h1.show(f"kvp-vllm@{NAME}.service", "NRestarts", "ExecMainStartTimestamp"),
+        run.output[-8000:], h1.journal("-u", f"kvp-vllm@{NAME}.service", "-n", "60"))
     for h in HOSTS:
         code, doc = fleet.health(h)
         assert (code, doc["namespace"]) == (0, fleet.ns["v2"]), (h, doc["checks"])
