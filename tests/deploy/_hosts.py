@@ -534,10 +534,18 @@ class SignalWatch:
     labels: dict[int, str]
     out: Path
     proc: subprocess.Popen[str] | None = None
+    #: the host's pid -> label (senders: si_pid is in the host's pid namespace)
+    inner: dict[int, str] = field(default_factory=dict)
+    #: thread id -> process (machine pids), as at attach
+    tids: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def start(cls, host: Host, units: Sequence[str], out: Path) -> SignalWatch:
         labels: dict[int, str] = {}
+        #: the host's pid (what a signal's si_pid names) -> label; 1 is the host's systemd
+        inner: dict[int, str] = {1: "systemd (PID 1)"}
+        #: thread id (machine) -> its process (machine pid), known at attach
+        tids: dict[int, int] = {}
         for unit in units:
             main = int(host.show(unit, "MainPID")["MainPID"])
             listing = host.sh(f"grep -l '/{unit}$' /proc/[0-9]*/cgroup || true").stdout
@@ -547,13 +555,14 @@ class SignalWatch:
                 if not comm:
                     continue
                 role = " (main)" if pid == main else ""
-                labels[host.machine_pid(pid)] = f"{unit}: {comm}{role}"
+                labels[host.machine_pid(pid)] = inner[pid] = f"{unit}: {comm}{role}"
         argv = ["strace", "-f", "-qq", "-tt", "-e", "trace=none", "-e", "signal=all",
                 "-o", str(out)]
         for pid in labels:
             for task in Path(f"/proc/{pid}/task").iterdir():
                 argv += ["-p", task.name]
-        w = cls(host, labels, out)
+                tids[int(task.name)] = pid
+        w = cls(host, labels, out, inner=inner, tids=tids)
         w.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   text=True, start_new_session=True)
         time.sleep(1.0)  # attached (it prints nothing until a signal comes)
@@ -566,7 +575,7 @@ class SignalWatch:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=30)
-        tgid: dict[int, int] = {}
+        tgid: dict[int, int] = dict(self.tids)
         for pid in self.labels:
             with contextlib.suppress(OSError):
                 for task in Path(f"/proc/{pid}/task").iterdir():
@@ -580,7 +589,7 @@ class SignalWatch:
             if m and m.group(2) != "SIGCHLD":
                 tid, sig, sender = int(m.group(1)), m.group(2), int(m.group(3))
                 who = ("systemd (PID 1)" if sender == init else
-                       self.labels.get(tgid.get(sender, sender), f"pid {sender}"))
+                       self.inner.get(sender, f"pid {sender}"))
                 out.append(Delivery(self._label(tid, tgid), sig, who))
             elif k:
                 out.append(Delivery(self._label(int(k.group(1)), tgid), k.group(2), "",

@@ -143,12 +143,18 @@ def test_units_enabled_and_timers_scheduled(host, kvp_layout):
         for kind in kvp_layout.timers:
             timer = f"kvp-{kind}@{dep.name}.timer"
             assert host.service(timer).is_enabled, timer
-            shown = dict(line.split("=", 1) for line in host.check_output(
-                f"systemctl show {timer} -p ActiveState -p NextElapseUSecMonotonic "
-                "-p NextElapseUSecRealtime").splitlines() if "=" in line)
+            # while the timer's service runs (it just fired) systemd shows no next elapse
+            # ("infinity") until the run ends: ask again for up to a minute
+            for _ in range(30):
+                shown = dict(line.split("=", 1) for line in host.check_output(
+                    f"systemctl show {timer} -p ActiveState -p NextElapseUSecMonotonic "
+                    "-p NextElapseUSecRealtime").splitlines() if "=" in line)
+                nexts = [shown.get("NextElapseUSecMonotonic", ""),
+                         shown.get("NextElapseUSecRealtime", "")]
+                if any(n and n not in ("infinity", "0", "n/a") for n in nexts):
+                    break
+                time.sleep(2)
             assert shown["ActiveState"] == "active", (timer, shown)
-            nexts = [shown.get("NextElapseUSecMonotonic", ""),
-                     shown.get("NextElapseUSecRealtime", "")]
             assert any(n and n not in ("infinity", "0", "n/a") for n in nexts), (timer, shown)
 
 
