@@ -2,9 +2,10 @@
 # Set up kvpersist on a fresh machine: a venv in .venv with vLLM's CPU build, stock
 # LMCache 0.5.6 and nixl, kvpersist itself (editable) with its test and deploy extras, and
 # the few system tools the tests use (jq, systemd-analyze, iproute2, iptables, redis-server,
-# redis-tools, openssl, strace, mkfs.ext4 and mkfs.xfs, Prometheus' promtool, prometheus and
-# node_exporter for the monitoring/ rules and dashboard, and podman, runc, mmdebstrap and
-# docker's daemon for vLLM in a container). Idempotent: a second run only re-checks.
+# redis-tools, openssl, strace, the ssh client, mkfs.ext4 and mkfs.xfs, Prometheus' promtool,
+# prometheus and node_exporter for the monitoring/ rules and dashboard, and podman, runc,
+# mmdebstrap and docker's daemon for vLLM in a container and the real hosts' tests).
+# Idempotent: a second run only re-checks.
 # Usage: bash scripts/setup.sh   (env: KVP_VENV=path to use another venv)
 #
 #        bash scripts/setup.sh --vllm VERSION   (0.33.0 or 0.34.0)
@@ -76,6 +77,8 @@ command -v redis-benchmark >/dev/null || need_apt+=(redis-tools)  # bench/networ
 command -v openssl >/dev/null || need_apt+=(openssl)  # the TLS store's test certificates
 command -v setpriv >/dev/null || need_apt+=(util-linux)  # secret checks as another user
 command -v strace >/dev/null || need_apt+=(strace)  # what a refused launch executes
+# the real hosts' tests: the controller's SSH client and keys (tests/deploy/_hosts.py)
+{ command -v ssh && command -v ssh-keygen; } >/dev/null || need_apt+=(openssh-client)
 # a full and a read-only cache root on loop-mounted ext4 and XFS images (test_full_filesystem;
 # run as root): mkfs, mount and losetup live in sbin, which a user's PATH may lack
 have_sbin() { PATH="$PATH:/usr/sbin:/sbin" command -v "$1" >/dev/null; }

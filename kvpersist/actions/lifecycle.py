@@ -149,14 +149,15 @@ class WarmupOnlyOutcome:
                 "warmup": self.warmup.to_dict()}
 
 
-def warmup_only(config: str, *, deadline_s: float = 1800.0,
+def warmup_only(config: str, *, deadline_s: float = 1800.0, vllm_pid: int | None = None,
                 environ: dict[str, str] | None = None,
                 progress: Progress = quiet) -> WarmupOnlyOutcome:
     """For the vLLM unit's ``ExecStartPost`` and the ``KV_PERSIST=1`` hook: wait until the
     deployment's vLLM serves its namespace, then run the warm-up, within ``deadline_s`` (see
-    :func:`kvpersist.stack.warm.readiness.warmup_after_vllm`). Never scans or sizes; raises only
-    ConfigError for a config that does not load. The warm-up child is handed this
-    deployment's rendered arguments (rendered once, here)."""
+    :func:`kvpersist.stack.warm.readiness.warmup_after_vllm`; ``vllm_pid``: stop waiting
+    when that process exits). Never scans or sizes; raises only ConfigError for a config
+    that does not load. The warm-up child is handed this deployment's rendered arguments
+    (rendered once, here)."""
     import os
 
     dep, loc = load_located(config)
@@ -164,7 +165,7 @@ def warmup_only(config: str, *, deadline_s: float = 1800.0,
     handoff = render_handoff(dep) if dep.settings.warmup_file else Handoff((), ())
     step = warmup_after_vllm(loc, config, handoff, warm_file=dep.settings.warmup_file,
                              env=dict(os.environ if environ is None else environ),
-                             deadline_s=deadline_s, progress=logged)
+                             deadline_s=deadline_s, vllm_pid=vllm_pid, progress=logged)
     logged(lc.warmup_summary(step.warmup))
     return WarmupOnlyOutcome(dep.name, dep.namespace, step.warmup, step.prime, step.canary)
 

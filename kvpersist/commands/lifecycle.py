@@ -87,13 +87,16 @@ _warmup_wait = click.option(
               metavar="SECONDS",
               help="With --warmup-only: seconds for the wait and the warm-up together (the "
                    "warm-up gets KVP_WARMUP_WAIT or what is left).")
+@click.option("--vllm-pid", type=click.IntRange(min=1), default=None, metavar="PID",
+              help="With --warmup-only: vLLM's process (the vLLM unit passes $MAINPID); "
+                   "stop waiting as soon as it exits.")
 @json_option
 def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_timeout: float,
            allow_unpinned: bool, allow_tmp_cleanup: bool, allow_unsupported_vllm: bool,
            crash_rate: float,
            crash_seconds: float, check: bool,
            no_warmup: bool, no_canary: bool, warmup_wait: float | None, warmup_only: bool,
-           deadline: float, as_json: bool) -> None:
+           deadline: float, vllm_pid: int | None, as_json: bool) -> None:
     """Preflight CONFIG, start whatever of its lmcache server and vLLM does not run, warm up.
 
     The two are independent processes: a running one is left as it is (and said so). After
@@ -104,6 +107,8 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
 
     if warmup_wait is not None and warmup_wait <= 0:
         raise UsageError("--warmup-wait must be > 0 seconds")
+    if vllm_pid is not None and not warmup_only:
+        raise UsageError("--vllm-pid goes with --warmup-only")
     if warmup_only:
         if check or foreground or no_warmup or no_canary or warmup_wait is not None:
             raise UsageError("--warmup-only cannot be combined with --check, --foreground, "
@@ -111,7 +116,8 @@ def launch(config: str, no_vllm: bool, foreground: bool, timeout: float, vllm_ti
                              "KVP_WARMUP_WAIT and KVP_CANARY)")
         if deadline <= 0:
             raise UsageError("--deadline must be > 0 seconds")
-        ready = lifecycle.warmup_only(config, deadline_s=deadline, progress=_progress)
+        ready = lifecycle.warmup_only(config, deadline_s=deadline, vllm_pid=vllm_pid,
+                                      progress=_progress)
         if as_json:
             echo_json(ready.to_dict())
         else:

@@ -239,6 +239,17 @@ def alive(pid: int) -> bool:
         return False
 
 
+def exit_watch(pid: int) -> Callable[[], bool]:
+    """A function that says whether process ``pid``, as it is now, has exited (gone, a
+    zombie, or its pid taken by another process since: psutil compares the start time).
+    A ``pid`` that does not exist now has exited already."""
+    try:
+        p = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return lambda: True
+    return lambda: _exited(p)
+
+
 def _exited(p: psutil.Process) -> bool:
     """True once ``p`` has exited: gone, or a zombie its parent has not reaped yet (a zombie
     holds no memory, port or file any more; init may take seconds to reap one)."""

@@ -120,3 +120,7 @@ def test_invalid_deployments_are_refused(converged, mutate, message):
     assert run.returncode != 0
     assert message in run.output, run.output[-4000:]
     assert run.recap.get("changed") == 0
+    # a failed loop item is printed in full: never an entry with its vaulted secrets
+    for secret in (kvp_converge.CI_SHARED_PASSWORD, kvp_converge.CI_SERDE_KEY_B64,
+                   kvp_converge.CI_NAMESPACE_KEY_B64):
+        assert secret not in run.output

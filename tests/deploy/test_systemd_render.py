@@ -112,20 +112,26 @@ def test_vllm_unit_stops_vllm_through_its_api_server_only():
 
 
 def test_vllm_unit_is_active_only_after_the_warmup():
-    """ExecStartPost waits for vLLM and warms up within the start timeout less 30 s; "-": a
-    failed warm-up never fails the unit. The health unit counts warming (3) as a completed
-    check, like degraded (1); only down (2) fails it."""
+    """ExecStartPost waits for vLLM and warms up within the start timeout less 30 s, with no
+    "-": a failed warm-up exits 0, a failed canary exits 3 and fails the unit (then
+    Restart=always serves recomputed). The health unit runs the canary, counts warming
+    (3) as a completed check, like degraded (1); only down (2) fails it; it may write the
+    canary's record and nothing else of the state."""
     units = sr.render_units(sr.UnitSettings(kvp_admin="/k/kvp-admin", config_dir="/cfg",
                                             vllm_start_timeout_sec=900))
     settings = [ln for ln in units["kvp-vllm@.service"].splitlines()
                 if ln and not ln.startswith("#")]
     post = [ln for ln in settings if ln.startswith("ExecStartPost=")]
-    assert post == ["ExecStartPost=-/k/kvp-admin launch /cfg/%i/identity.env --warmup-only "
-                    "--deadline 870"]
+    assert post == ["ExecStartPost=/k/kvp-admin launch /cfg/%i/identity.env --warmup-only "
+                    "--deadline 870 --vllm-pid $MAINPID"]
     assert "TimeoutStartSec=900" in settings
-    health = [ln for ln in units["kvp-health@.service"].splitlines()
-              if ln.startswith("SuccessExitStatus=")]
-    assert health == ["SuccessExitStatus=1 3"]
+    assert "Restart=always" in settings
+    health = units["kvp-health@.service"].splitlines()
+    assert [ln for ln in health if ln.startswith("SuccessExitStatus=")] == ["SuccessExitStatus=1 3"]
+    assert [ln for ln in health if ln.startswith("ExecStart=")][-1] == \
+        "ExecStart=/k/kvp-admin health /cfg/%i/identity.env --json --canary $KVP_HEALTH_ARGS"
+    writable = [ln for ln in health if ln.startswith("ReadWritePaths=")]
+    assert writable[0] == f"ReadWritePaths=-{sr.UnitSettings().state_dir}/%i/canary", writable
     with pytest.raises(sr.UnitRenderError, match="'vllm_start_timeout_sec'"):
         sr.render_units(sr.UnitSettings(vllm_start_timeout_sec=60))
 

@@ -6,6 +6,11 @@ loopback. The test talks to it over stdin/stdout, one JSON object per line::
         -> {"text": "...", "ttft_s": 0.41, "total_s": 0.52, "prompt_tokens": 1790}
     {"op": "metric", "name": "vllm:external_prefix_cache_hits_total"}  -> {"value": 1792.0}
     {"op": "post", "path": "/reset_prefix_cache"}                      -> {"status": 200}
+    {"op": "references", "requests": [[uid, round, messages], ...]}
+        -> {"answers": [[uid, round, "..."], ...]}   (bench.traffic.references: each alone,
+                                                      cold, under a cache salt of its own)
+    {"op": "storm", "requests": [...], "phase": "p", "spread_s": 1.0}
+        -> {"records": [{...}, ...]}                 (bench.traffic.storm: all at once)
 
 An error (vLLM refused, a timeout) comes back as ``{"error": "..."}``; the child stays.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 from ..childproc import JsonLineChild
@@ -39,6 +45,20 @@ def serve(base_url: str) -> None:
                        "prompt_tokens": r.prompt_tokens}
             elif cmd["op"] == "metric":
                 out = {"value": vllm_metric(base_url, cmd["name"])}
+            elif cmd["op"] in ("references", "storm"):
+                from bench import traffic
+
+                reqs = [(int(u), int(r), m) for u, r, m in cmd["requests"]]
+                if cmd["op"] == "references":
+                    refs = traffic.references(base_url, cmd.get("model", "cpu-demo"), reqs,
+                                              max_tokens=int(cmd.get("max_tokens", 16)))
+                    out = {"answers": [[u, r, t] for (u, r), t in refs.items()]}
+                else:
+                    recs = traffic.storm(base_url, cmd.get("model", "cpu-demo"), reqs,
+                                         phase=str(cmd.get("phase", "")),
+                                         spread_s=float(cmd.get("spread_s", 1.0)),
+                                         max_tokens=int(cmd.get("max_tokens", 16)))
+                    out = {"records": [asdict(r) for r in recs]}
             elif cmd["op"] == "post":
                 resp = requests.post(f"{base_url}{cmd['path']}", timeout=60)
                 out = {"status": resp.status_code}

@@ -76,6 +76,8 @@ class Layout:
     deployments: tuple[Deployment, ...]
     #: node_exporter's textfile directory the health unit writes metrics into ("" : none)
     metrics_textfile_dir: str = ""
+    #: the timers the role enables per deployment (kvp-<kind>@<deployment>.timer)
+    timers: tuple[str, ...] = ("health", "scrub")
 
 
 def layout_from_vars(given: dict[str, Any], *, local_converge: bool) -> Layout:
@@ -124,6 +126,10 @@ def layout_from_vars(given: dict[str, Any], *, local_converge: bool) -> Layout:
         local_converge=local_converge, deployments=tuple(deployments),
         metrics_textfile_dir=(prefix + v["kvp_metrics_textfile_dir"]
                               if v.get("kvp_metrics_textfile_dir") else ""),
+        timers=tuple(kind for kind, key in (("health", "kvp_health_timer"),
+                                            ("scrub", "kvp_scrub_timer"),
+                                            ("prune-max-age", "kvp_max_age_prune_timer"))
+                     if v.get(key)),
     )
 
 

@@ -123,6 +123,41 @@ def test_units_installed(host, kvp_layout):
                     unit == "kvp-scrub@.service" and " scrub " in line), line
 
 
+def test_units_enabled_and_timers_scheduled(host, kvp_layout):
+    """Where the role manages the services (systemd is PID 1), each deployment's cache server
+    (and its vLLM unit, where it has one) is enabled and running, and each timer the role
+    installs is enabled, active and has a next run; where it does not (kvp_manage_services:
+    false), the role enabled nothing."""
+    if not kvp_layout.manage_services:
+        wants = host.run(f"find {shlex.quote(kvp_layout.systemd_dir)} -path '*.wants/kvp-*'")
+        assert wants.rc == 0 and wants.stdout.strip() == "", wants.stdout + wants.stderr
+        return
+    assert kvp_layout.timers, "the role enables the health and scrub timers by default"
+    for dep in kvp_layout.deployments:
+        services = [f"kvp-lmcache@{dep.name}.service"]
+        if dep.vllm:
+            services.append(f"kvp-vllm@{dep.name}.service")
+        for unit in services:
+            svc = host.service(unit)
+            assert svc.is_enabled and svc.is_running, unit
+        for kind in kvp_layout.timers:
+            timer = f"kvp-{kind}@{dep.name}.timer"
+            assert host.service(timer).is_enabled, timer
+            # while the timer's service runs (it just fired) systemd shows no next elapse
+            # ("infinity") until the run ends: ask again for up to a minute
+            for _ in range(30):
+                shown = dict(line.split("=", 1) for line in host.check_output(
+                    f"systemctl show {timer} -p ActiveState -p NextElapseUSecMonotonic "
+                    "-p NextElapseUSecRealtime").splitlines() if "=" in line)
+                nexts = [shown.get("NextElapseUSecMonotonic", ""),
+                         shown.get("NextElapseUSecRealtime", "")]
+                if any(n and n not in ("infinity", "0", "n/a") for n in nexts):
+                    break
+                time.sleep(2)
+            assert shown["ActiveState"] == "active", (timer, shown)
+            assert any(n and n not in ("infinity", "0", "n/a") for n in nexts), (timer, shown)
+
+
 def test_dropins_name_only_the_cache_root(host, kvp_layout):
     for dep in kvp_layout.deployments:
         f = host.file(f"{kvp_layout.systemd_dir}/kvp-lmcache@{dep.name}.service.d/"
@@ -234,7 +269,9 @@ def cache_server(host, kvp_layout):
 def test_cache_server_listens_on_loopback_only(host, kvp_layout, cache_server):
     srv = cache_server
     assert srv.healthy, "cache server not healthy in time; log:\n" + srv.log_tail(host)
-    ports = {srv.dep.env[k] for k in ("KVP_LMCACHE_PORT", "KVP_LMCACHE_HTTP_PORT")}
+    # the generic config's ports where the deployment sets none
+    ports = {srv.dep.env.get("KVP_LMCACHE_PORT", "5555"),
+             srv.dep.env.get("KVP_LMCACHE_HTTP_PORT", "8080")}
     for port in ports:
         assert host.socket(f"tcp://127.0.0.1:{port}").is_listening, port
         assert not host.socket(f"tcp://0.0.0.0:{port}").is_listening, port
@@ -261,11 +298,19 @@ def test_cache_server_files_are_owner_only(host, kvp_layout, cache_server):
     srv = cache_server
     assert srv.healthy, srv.log_tail(host)
     dirs = " ".join(shlex.quote(d) for d in (srv.dep.cache_root, srv.dep.state_dir))
-    loose = host.run(f"find {dirs} -perm /077 -print")
+    # a symbolic link's own mode means nothing (the namespace's link to the weights)
+    loose = host.run(f"find {dirs} ! -type l -perm /077 -print")
     assert loose.rc == 0, loose.stderr
     assert loose.stdout.strip() == "", f"group/other-accessible files:\n{loose.stdout}"
-    foreign = host.run(f"find {dirs} -mindepth 1 ! -user {srv.run_as} -print")
-    assert foreign.stdout.strip() == "", foreign.stdout
+    foreign = host.run(f"find {dirs} -mindepth 1 ! -user {srv.run_as} -printf '%u %p\\n'")
+    # ... but the model-link directory: whoever starts vLLM makes it, and the vLLM unit runs
+    # as root (docs/deployment.md, "The vLLM unit"); root's, owner-only, and nothing else
+    links = srv.dep.env.get("KVP_MODEL_LINK_DIR", f"{srv.dep.state_dir}/models")
+    others = [line for line in foreign.stdout.splitlines()
+              if not (srv.dep.vllm and kvp_layout.manage_services
+                      and line.split(" ", 1)[1].startswith(links)
+                      and line.split(" ", 1)[0] == "root")]
+    assert others == [], foreign.stdout
 
 
 def test_health_is_zero(host, kvp_layout, cache_server):

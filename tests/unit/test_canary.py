@@ -287,3 +287,23 @@ def test_warm_sample_takes_the_entries_in_turn() -> None:
     assert record.parse(r.to_dict(), NS).warm_next == 3
     with pytest.raises(ValueError, match="warm_next"):
         record.parse({**r.to_dict(), "warm_next": -1}, NS)
+
+
+def test_a_record_root_writes_is_given_to_the_service_user(tmp_path: Path) -> None:
+    """The vLLM unit's readiness step runs as root; the health timer, as the service user,
+    reads and writes the record again: root gives the record and its directory away (the
+    suite runs as root)."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    owner = (nobody.pw_uid, nobody.pw_gid)
+    path = str(tmp_path / "state" / record.CANARY_DIR / "kvp-x.json")
+    record.write_record(path, record.Record("kvp-x"), owner)
+    for p in (os.path.dirname(path), path):
+        st = os.lstat(p)
+        assert (st.st_uid, st.st_gid) == owner, p
+        assert stat.S_IMODE(st.st_mode) & 0o077 == 0, p
+    assert record.read_record(path, "kvp-x") == record.Record("kvp-x")
+    assert record.record_owner("") is None
+    assert record.record_owner("root") is None
+    assert record.record_owner("nobody") == owner

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvpersist.errors import KvpError
 from kvpersist.stack.canary.verdict import STATES, Step, steps_from
 from kvpersist.system.files import atomic_write_json
 from kvpersist.system.untrusted import MAX_STATE_BYTES, UnreadableFile, read_json_object
@@ -169,9 +170,34 @@ def read_record(path: str, namespace: str) -> Record | None:
         raise UnreadableFile(path, str(exc), fix) from None
 
 
-def write_record(path: str, record: Record) -> None:
-    """Write ``record`` atomically, owner-only. Raises KvpError."""
+def write_record(path: str, record: Record, owner: tuple[int, int] | None = None) -> None:
+    """Write ``record`` atomically, owner-only. ``owner`` (uid, gid): the record and its
+    directory are given to that user (root writes it in the vLLM unit's readiness step; the
+    service user's health timer reads and writes it again). Raises KvpError."""
     atomic_write_json(path, record.to_dict())
+    if owner is None:
+        return
+    try:
+        for p in (os.path.dirname(path), path):
+            st = os.lstat(p)
+            if (st.st_uid, st.st_gid) != owner:
+                os.chown(p, *owner, follow_symlinks=False)
+    except OSError as exc:
+        raise KvpError(f"cannot give {path} to uid {owner[0]}: {exc.strerror or exc}") from exc
+
+
+def record_owner(service_user: str) -> tuple[int, int] | None:
+    """(uid, gid) the record belongs to when root writes it: the deployment's
+    KVP_SERVICE_USER (None when not root, no such user, or root)."""
+    if os.geteuid() != 0 or not service_user:
+        return None
+    import pwd
+
+    try:
+        pw = pwd.getpwnam(service_user)
+    except KeyError:
+        return None
+    return (pw.pw_uid, pw.pw_gid) if pw.pw_uid != 0 else None
 
 
 def remove_record(path: str) -> bool:
@@ -184,4 +210,4 @@ def remove_record(path: str) -> bool:
 
 
 __all__ = ["CANARY_DIR", "HISTORY", "SCHEMA", "Record", "now_iso", "parse", "read_record",
-           "record_path", "remove_record", "write_record"]
+           "record_owner", "record_path", "remove_record", "write_record"]

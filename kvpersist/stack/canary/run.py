@@ -26,6 +26,7 @@ from kvpersist.stack.canary.record import (
     Record,
     now_iso,
     read_record,
+    record_owner,
     write_record,
 )
 from kvpersist.stack.canary.verdict import (
@@ -173,7 +174,8 @@ def run_canary(loc: Location, *, when: str, tier: str = "",
             "; ".join(x for x in (run.detail, f"warm set: {warm.detail}") if x)
         run = replace(run, state=state, detail=detail, warm_sample=warm,
                       seconds=time.monotonic() - t0)
-    write_record(loc.canary_file, rec.with_run(run.record_entry()))
+    write_record(loc.canary_file, rec.with_run(run.record_entry()),
+                 record_owner(loc.service_user))
     if run.state == FAILED:
         return replace(run, failed_since=at)
     return run

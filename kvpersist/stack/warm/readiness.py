@@ -397,22 +397,27 @@ class AfterVllm:
 
 def warmup_after_vllm(loc: Location, config: str, handoff: Handoff, *, warm_file: str,
                       env: Mapping[str, str], deadline_s: float, cwd: str | None = None,
+                      vllm_pid: int | None = None,
                       progress: Progress = _quiet) -> AfterVllm:
     """For the units and the hook, which start vLLM themselves: wait until vLLM serves the
     namespace, prime it (:mod:`kvpersist.stack.warm.prime`), then :func:`run_warmup`, all of it
     within ``deadline_s`` seconds (the vLLM unit's start timeout must not expire under it):
     the warm-up gets KVP_WARMUP_WAIT or what is left, whichever is less. Without a warm set
-    (``warm_file`` empty) the warm-up is skipped, the prime is not. Never raises for a vLLM
-    that does not come up in time (the result says so)."""
+    (``warm_file`` empty) the warm-up is skipped, the prime is not. ``vllm_pid``: the vLLM
+    process (the unit's main process): the wait ends as soon as it exits, so that a vLLM
+    that dies while it starts fails its unit at once instead of after the whole deadline.
+    Never raises for a vLLM that does not come up in time (the result says so)."""
     t0 = time.monotonic()
     vllm_bound = max(1.0, deadline_s - GRACE_S - 10.0)
+    exited = procs.exit_watch(vllm_pid) if vllm_pid is not None else (lambda: False)
     progress(f"waiting for vLLM at {loc.vllm_url} to serve {loc.namespace} "
              f"(at most {vllm_bound:.0f} s)")
-    if not procs.wait_for(lambda: vllm_ready(loc, 2.0), vllm_bound, 2.0):
+    if not procs.wait_for(lambda: vllm_ready(loc, 2.0), vllm_bound, 2.0,
+                          should_abort=exited):
         what = "no warm-up" if warm_file else "not primed"
-        return AfterVllm(None, WarmupRun(
-            "failed", f"vLLM did not serve the namespace within {vllm_bound:.0f} s: {what}",
-            time.monotonic() - t0))
+        why = (f"vLLM (pid {vllm_pid}) exited before it served the namespace" if exited()
+               else f"vLLM did not serve the namespace within {vllm_bound:.0f} s")
+        return AfterVllm(None, WarmupRun("failed", f"{why}: {what}", time.monotonic() - t0))
     progress(f"vLLM serves after {time.monotonic() - t0:.1f} s")
     primed = prime_vllm(loc, timeout=min(PRIME_TIMEOUT_S, max(1.0, deadline_s / 4)))
     progress(primed.summary())
