@@ -71,6 +71,8 @@ from ansible.template import Templar, trust_as_template
 role = "ansible/roles/kvp"
 tasks = yaml.safe_load(open(f"{role}/tasks/validate.yml"))
 checks = next(t for t in tasks if "loop" in t and "kvp_deployments" in t["loop"])
+# the task loops over indexes and names the entry kvp_entry (a failed loop item is printed in
+# full, and an entry holds secrets); the vars' templates read it as item
 that = checks["ansible.builtin.assert"]["that"]
 forbidden = yaml.safe_load(open(f"{role}/vars/main.yml"))["_kvp_env_value_forbidden"]
 template = open(f"{role}/templates/identity.env.j2").read()
@@ -78,7 +80,7 @@ out = []
 for value in json.loads(sys.argv[1]):
     item = {"name": "d", "cache_root": "/nvme/d", "env": {"KVP_MODEL_ID": value}}
     t = Templar(loader=DataLoader(), variables={
-        "item": item, "_kvp_env_value_forbidden": forbidden,
+        "item": item, "kvp_entry": item, "_kvp_env_value_forbidden": forbidden,
         "kvp_identity_env": item["env"], "ansible_managed": "Ansible managed"})
     ok = all(t.evaluate_conditional(trust_as_template(c)) for c in that)
     out.append({"accepted": ok, "text": t.template(trust_as_template(template))})
@@ -252,11 +254,13 @@ role = "ansible/roles/kvp"
 v = yaml.safe_load(open(f"{role}/vars/main.yml"))
 tasks = yaml.safe_load(open(f"{role}/tasks/validate.yml"))
 checks = next(t for t in tasks if "loop" in t and "kvp_deployments" in t["loop"])
+# the task loops over indexes and names the entry kvp_entry (a failed loop item is printed in
+# full, and an entry holds secrets); the vars' templates read it as item
 that = [c for c in checks["ansible.builtin.assert"]["that"] if "shared_tier" in c]
 out = []
 for tier in json.loads(sys.argv[1]):
     item = {"name": "d", "cache_root": "/nvme/d", "env": {}, "shared_tier": tier}
-    t = Templar(loader=DataLoader(), variables={"item": item})
+    t = Templar(loader=DataLoader(), variables={"item": item, "kvp_entry": item})
     ok = all(t.evaluate_conditional(trust_as_template(c)) for c in that)
     nets = list(t.template(trust_as_template(v["_kvp_shared_tier_networks"]))) if ok else None
     out.append([ok, nets])
