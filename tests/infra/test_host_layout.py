@@ -306,10 +306,14 @@ def test_cache_server_files_are_owner_only(host, kvp_layout, cache_server):
     # ... but the model-link directory: whoever starts vLLM makes it, and the vLLM unit runs
     # as root (docs/deployment.md, "The vLLM unit"); root's, owner-only, and nothing else
     links = srv.dep.env.get("KVP_MODEL_LINK_DIR", f"{srv.dep.state_dir}/models")
+    # ... and the canary's directory, the service user's whoever runs the server here: the
+    # health unit (User=) writes the canary's record there (docs/canary.md)
+    canary = f"{srv.dep.state_dir}/canary"
     others = [line for line in foreign.stdout.splitlines()
               if not (srv.dep.vllm and kvp_layout.manage_services
                       and line.split(" ", 1)[1].startswith(links)
-                      and line.split(" ", 1)[0] == "root")]
+                      and line.split(" ", 1)[0] == "root")
+              and line != f"{kvp_layout.user} {canary}"]
     assert others == [], foreign.stdout
 
 
