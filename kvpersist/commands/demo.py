@@ -36,5 +36,9 @@ def demo(workdir: str, size: str, turns: int, keep_running: bool, as_json: bool)
         echo_json(result.to_dict())
     else:
         click.echo(format_result(result))
-    if not result.identical or result.warm.tokens_from_disk <= 0:
+    # after the restart the chat must reuse the persisted cache: read from it by the chat, or
+    # loaded from it into vLLM's prefix cache by the warm-up before ready (a restarted vLLM's
+    # prefix cache holds nothing else of the chat)
+    reused = result.warm.tokens_from_disk + result.warm.tokens_from_prefix_cache
+    if not result.identical or reused <= 0:
         exit_with(1)

@@ -43,7 +43,7 @@ from kvpersist.stack.plan import prepare_launch
 from kvpersist.stack.processes import stop_deployment
 from kvpersist.system import procs
 from kvpersist.system.vllm_client import VllmClient
-from kvpersist.system.vllm_seam import METRIC_EXTERNAL_PREFIX_HITS
+from kvpersist.system.vllm_seam import METRIC_EXTERNAL_PREFIX_HITS, METRIC_PREFIX_HITS
 
 #: the most of the server's log read for its L2 hits (what one demo run writes is far less)
 LOG_READ_BYTES = 64 << 20
@@ -65,6 +65,9 @@ class Phase:
     total_s: float = 0.0
     prompt_tokens: int = 0
     tokens_from_disk: float = 0.0
+    #: the chat's tokens from vLLM's own prefix cache: after a restart, what the launch's
+    #: warm-up loaded there from the cache server before ready
+    tokens_from_prefix_cache: float = 0.0
     l2_chunks_hit: int = 0
     text: str = ""
     #: the same chat once more right after (the running deployment: vLLM's prefix cache)
@@ -243,6 +246,7 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "demo"
                 log_offset = os.path.getsize(plan.server_log)
             # what the launch's own requests (the canary's) took from the cache: not the chat's
             from_disk_before = metric(plan.vllm_url, HITS_METRIC)
+            local_before = metric(plan.vllm_url, METRIC_PREFIX_HITS)
             progress(f"[{n + 1}/6] long chat ({turns} turns) ...")
             with step(f"the long chat ({name})", logs):
                 # min_tokens: a random-weight model may pick the end of sequence first, and
@@ -252,6 +256,7 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "demo"
             ph.ttft_s, ph.total_s, ph.text = r.ttft_s, r.total_s, r.text
             ph.prompt_tokens = r.prompt_tokens or 0
             ph.tokens_from_disk = metric(plan.vllm_url, HITS_METRIC) - from_disk_before
+            ph.tokens_from_prefix_cache = metric(plan.vllm_url, METRIC_PREFIX_HITS) - local_before
             if i == 0:
                 with step("the long chat again on the running deployment", logs):
                     again = chat_completion(plan.vllm_url, dep.settings.served_model_name,
@@ -263,7 +268,8 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "demo"
             time.sleep(0.5)
             ph.l2_chunks_hit = _l2_hits(plan.server_log, log_offset)
             progress(f"      TTFT {ph.ttft_s * 1000:.0f} ms, {ph.prompt_tokens} prompt tokens, "
-                     f"{ph.tokens_from_disk:.0f} from the cache on disk")
+                     f"{ph.tokens_from_disk:.0f} from the cache on disk, "
+                     f"{ph.tokens_from_prefix_cache:.0f} from vLLM's prefix cache")
             phases.append(ph)
             if i == 0 or not keep_running:
                 if i == 0:
@@ -320,6 +326,8 @@ def format_result(r: DemoResult) -> str:
         ("prompt tokens", str(r.cold.prompt_tokens), str(r.warm.prompt_tokens)),
         ("tokens from disk (vLLM)", f"{r.cold.tokens_from_disk:.0f}",
          f"{r.warm.tokens_from_disk:.0f}"),
+        ("tokens from vLLM's prefix cache", f"{r.cold.tokens_from_prefix_cache:.0f}",
+         f"{r.warm.tokens_from_prefix_cache:.0f}"),
         ("chunks hit in L2 (server)", str(r.cold.l2_chunks_hit), str(r.warm.l2_chunks_hit)),
         ("launch to ready", f"{r.cold.launch_s:.1f} s", f"{r.warm.launch_s:.1f} s"),
         ("stop to first token", "", f"{r.warm.downtime_s:.1f} s"),

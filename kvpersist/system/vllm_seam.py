@@ -130,6 +130,8 @@ ENV_PREFIX = "VLLM_"
 
 #: vLLM's Prometheus counter of prompt tokens served from the connector (the external cache)
 METRIC_EXTERNAL_PREFIX_HITS = "vllm:external_prefix_cache_hits_total"
+#: tokens vLLM served from its own prefix cache (every supported release)
+METRIC_PREFIX_HITS = "vllm:prefix_cache_hits_total"
 #: vLLM's gauge whose labels describe its KV cache (``num_gpu_blocks``, ``block_size``)
 METRIC_CACHE_CONFIG_INFO = "vllm:cache_config_info"
 _CACHE_INFO = re.compile(r"^" + re.escape(METRIC_CACHE_CONFIG_INFO) + r"\{([^}\n]*)\}", re.M)
