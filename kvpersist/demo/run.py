@@ -147,22 +147,40 @@ def _port(preferred: int) -> int:
     return preferred if procs.port_bindable("127.0.0.1", preferred) else procs.free_port()
 
 
-def metric(url: str, name: str) -> float:
-    """The sum of the samples of counter ``name`` on the Prometheus endpoint ``url/metrics``.
-    Raises DemoFailed when it cannot be read or a sample is not a number."""
-    what = f"read {name} from {url}/metrics"
-    fix = ("check that vLLM still runs and serves its /metrics endpoint (its log says why "
-           "not)")
-    with step(what, fix):
+#: what to do when vLLM's metrics cannot be read
+METRICS_FIX = "check that vLLM still runs and serves its /metrics endpoint (its log says why not)"
+
+
+def _metrics_text(url: str, what: str) -> str:
+    with step(what, METRICS_FIX):
         try:
-            text = VllmClient(url, 10.0).metrics_text()
+            return VllmClient(url, 10.0).metrics_text()
         except KvpError as exc:  # no answer, an error status
-            raise DemoFailed(what, str(exc), fix) from exc
+            raise DemoFailed(what, str(exc), METRICS_FIX) from exc
+
+
+def _sum_samples(text: str, name: str, what: str) -> float:
+    """The sum of the samples of counter ``name`` in Prometheus ``text``."""
+    with step(what, METRICS_FIX):
         total = 0.0
         for line in text.splitlines():
             if line.startswith(name + "{"):
                 total += float(line.rsplit(" ", 1)[-1])
         return total
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of the samples of counter ``name`` on the Prometheus endpoint ``url/metrics``.
+    Raises DemoFailed when it cannot be read or a sample is not a number."""
+    what = f"read {name} from {url}/metrics"
+    return _sum_samples(_metrics_text(url, what), name, what)
+
+
+def _hits(url: str) -> tuple[float, float]:
+    """vLLM's (connector, own prefix cache) hit tokens so far, from one read of its metrics."""
+    what = f"read {HITS_METRIC} and {METRIC_PREFIX_HITS} from {url}/metrics"
+    text = _metrics_text(url, what)
+    return (_sum_samples(text, HITS_METRIC, what), _sum_samples(text, METRIC_PREFIX_HITS, what))
 
 
 def _l2_hits(log: str, since: int) -> int:
@@ -245,8 +263,7 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "demo"
             with step(f"read the cache server's log ({name})", logs):
                 log_offset = os.path.getsize(plan.server_log)
             # what the launch's own requests (the canary's) took from the cache: not the chat's
-            from_disk_before = metric(plan.vllm_url, HITS_METRIC)
-            local_before = metric(plan.vllm_url, METRIC_PREFIX_HITS)
+            from_disk_before, local_before = _hits(plan.vllm_url)
             progress(f"[{n + 1}/6] long chat ({turns} turns) ...")
             with step(f"the long chat ({name})", logs):
                 # min_tokens: a random-weight model may pick the end of sequence first, and
@@ -255,8 +272,9 @@ def run_demo(workdir: str | os.PathLike[str] = "kvp-demo", *, size: str = "demo"
                                     max_tokens=max_tokens, min_tokens=max_tokens)
             ph.ttft_s, ph.total_s, ph.text = r.ttft_s, r.total_s, r.text
             ph.prompt_tokens = r.prompt_tokens or 0
-            ph.tokens_from_disk = metric(plan.vllm_url, HITS_METRIC) - from_disk_before
-            ph.tokens_from_prefix_cache = metric(plan.vllm_url, METRIC_PREFIX_HITS) - local_before
+            from_disk, local = _hits(plan.vllm_url)
+            ph.tokens_from_disk = from_disk - from_disk_before
+            ph.tokens_from_prefix_cache = local - local_before
             if i == 0:
                 with step("the long chat again on the running deployment", logs):
                     again = chat_completion(plan.vllm_url, dep.settings.served_model_name,
