@@ -57,7 +57,6 @@ from kvpersist.system.files import atomic_write, atomic_write_json
 from kvpersist.system.software import running_vllm_version
 from kvpersist.system.templates import read_templates
 from kvpersist.system.untrusted import UnreadableFile, read_bytes, read_json, show_path
-from kvpersist.system.vllm_client import VllmClient
 from kvpersist.system.vllm_seam import kv_cache_tokens
 
 STATE_SCHEMA = "kvpersist.warmup/1"
@@ -328,7 +327,7 @@ def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s:
 def _kv_cache_tokens(loc: Location) -> int | None:
     """vLLM's KV cache in tokens, from its metrics; None when they do not say."""
     try:
-        return kv_cache_tokens(VllmClient(loc.vllm_url).metrics_text())
+        return kv_cache_tokens(loc.vllm().metrics_text())
     except KvpError:  # Unreachable, an error status, an answer too big
         return None
 
