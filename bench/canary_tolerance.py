@@ -50,7 +50,7 @@ from bench.traffic import float32_config  # noqa: E402
 from kvpersist.demo.model import generate_model  # noqa: E402
 from kvpersist.stack.canary.probe import Asked, ask  # noqa: E402
 from kvpersist.stack.canary.verdict import Step  # noqa: E402
-from kvpersist.stack.warm.keys import chunk_files, key_scheme  # noqa: E402
+from kvpersist.stack.warm.chunk_keys import chunk_files, key_scheme  # noqa: E402
 from kvpersist.system.vllm_client import VllmClient  # noqa: E402
 from tests.fullstack._stack import Stack  # noqa: E402
 

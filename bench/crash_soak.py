@@ -67,7 +67,7 @@ def lane(idx: int, cycles: int, tmp: Path, seed: int, out: dict[str, Any],
     from kvpersist.l2.verify.root import verify_root
     from kvpersist.stack import launch as lc
     from kvpersist.stack import processes as proc
-    from kvpersist.stack.plan import prepare_launch
+    from kvpersist.stack.launch_plan import prepare_launch
     from kvpersist.stack.preflight import preflight
     from kvpersist.system import procs
 

@@ -64,7 +64,7 @@ from restart_downtime import (  # noqa: E402
 
 from kvpersist.demo.chat import chat_completion, long_chat  # noqa: E402
 from kvpersist.demo.model import generate_model, identity_env_values  # noqa: E402
-from kvpersist.stack.plan import LaunchPlan, prepare_launch  # noqa: E402
+from kvpersist.stack.launch_plan import LaunchPlan, prepare_launch  # noqa: E402
 
 METRICS = {"engine": "vllm:time_to_first_token_seconds_sum",
            "queue": "vllm:request_queue_time_seconds_sum",

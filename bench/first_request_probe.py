@@ -43,7 +43,7 @@ from restart_downtime import bench_env, kvp, load, log_size, served_from  # noqa
 from kvpersist.demo.chat import chat_completion, long_chat  # noqa: E402
 from kvpersist.demo.model import generate_model  # noqa: E402
 from kvpersist.demo.run import _identity_file  # noqa: E402
-from kvpersist.stack.plan import LaunchPlan, prepare_launch  # noqa: E402
+from kvpersist.stack.launch_plan import LaunchPlan, prepare_launch  # noqa: E402
 
 SUMS = {"engine_ttft": "vllm:time_to_first_token_seconds_sum",
         "queue": "vllm:request_queue_time_seconds_sum",

@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 from kvpersist.demo.chat import chat_completion, long_chat  # noqa: E402
 from kvpersist.demo.model import generate_model  # noqa: E402
 from kvpersist.demo.run import _identity_file  # noqa: E402
-from kvpersist.stack.plan import LaunchPlan, prepare_launch  # noqa: E402
+from kvpersist.stack.launch_plan import LaunchPlan, prepare_launch  # noqa: E402
 from kvpersist.stack.processes import vllm_ready  # noqa: E402
 from kvpersist.system import procs  # noqa: E402
 

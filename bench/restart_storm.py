@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 from kvpersist.demo.chat import ChatResult, chat_completion, long_chat  # noqa: E402
 from kvpersist.demo.model import generate_model  # noqa: E402
 from kvpersist.demo.run import _identity_file  # noqa: E402
-from kvpersist.stack.plan import prepare_launch  # noqa: E402
+from kvpersist.stack.launch_plan import prepare_launch  # noqa: E402
 
 sys.path.insert(0, str(REPO / "bench"))
 from restart_downtime import bench_env, kvp, load  # noqa: E402

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from restart_downtime import _sigterm_to_exit, bench_env  # noqa: E402
 
-from kvpersist.stack.plan import prepare_launch  # noqa: E402
+from kvpersist.stack.launch_plan import prepare_launch  # noqa: E402
 from kvpersist.stack.processes import vllm_ready  # noqa: E402
 
 KVP = [sys.executable, "-m", "kvpersist.cli"]

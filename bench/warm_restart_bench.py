@@ -103,7 +103,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from kvpersist.stack import processes as proc
-    from kvpersist.stack.plan import prepare_launch
+    from kvpersist.stack.launch_plan import prepare_launch
 
     wd = Path(args.workdir or tempfile.mkdtemp(prefix="kvp-warm-bench-"))
     wd.mkdir(parents=True, exist_ok=True)

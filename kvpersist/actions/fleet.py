@@ -21,8 +21,8 @@ from kvpersist.l2.fleet.status import FleetStatus, NamespaceStatus, namespace_st
 from kvpersist.l2.fleet.store import read_index
 from kvpersist.l2.layout import display_name
 from kvpersist.l2.shared.credentials import read_secret_file
-from kvpersist.l2.shared.keys import namespace_problem
 from kvpersist.l2.shared.store import SharedStore, connect, describe, store_errors
+from kvpersist.l2.shared.wire import namespace_problem
 from kvpersist.system.files import service_uids
 
 

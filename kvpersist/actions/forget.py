@@ -3,18 +3,18 @@
 Steps, each in its own layer:
 
 1. load CONFIG (a full identity: an unpinned namespace is a one-off that nothing reuses) and
-   read the input file as untrusted bytes (:mod:`kvpersist.stack.forget.input`: a
+   read the input file as untrusted bytes (:mod:`kvpersist.stack.conversation.input`: a
    conversation becomes the requests it was sent as);
 2. token ids as the deployment computes them: vLLM's own renderer with the deployment's
    tokenizer and chat template, its digest checked against the identity
    (:func:`kvpersist.stack.warm.tokens.tokenize`, the warm-up's code); ``--token-ids`` as given;
 3. the chunk keys with LMCache's own key code, per TP rank, with the cache salt
-   (:mod:`kvpersist.stack.forget.keys`), parse-checked into a frozen plan with the
+   (:mod:`kvpersist.stack.conversation.chunk_keys`), parse-checked into a frozen plan with the
    namespace's warm-set pins (:func:`kvpersist.l2.forget.plan.plan_forget`);
-4. the tiers, in this order: the NVMe files (:func:`kvpersist.l2.forget.files.forget_files`, under
+4. the tiers, in this order: the NVMe files (:func:`kvpersist.l2.forget.remove.forget_files`, under
    the root's prune lock), the shared tier's keys (:func:`kvpersist.l2.forget.shared.
    forget_keys`), then the running server's memory: L1, and the NVMe adapter's index
-   (:mod:`kvpersist.stack.forget.l1`). Files first: once they are gone no lookup can bring
+   (:mod:`kvpersist.stack.conversation.l1`). Files first: once they are gone no lookup can bring
    a chunk back from disk while its L1 copy is being dropped.
 
 A dry run (the default) measures every tier and deletes nothing; the server is only asked
@@ -28,20 +28,20 @@ from typing import Any
 
 from kvpersist.config.loader import load_deployment
 from kvpersist.errors import ConfigError, KvpError, Problem, UsageError
-from kvpersist.l2.forget.files import FilesOutcome, forget_files
 from kvpersist.l2.forget.plan import SCHEMA, ForgetPlan, plan_forget
+from kvpersist.l2.forget.remove import FilesOutcome, forget_files
 from kvpersist.l2.forget.shared import KeysOutcome, forget_keys
 from kvpersist.l2.inventory import open_existing
 from kvpersist.l2.pins.store import read_pins
 from kvpersist.l2.shared.credentials import read_secret_file
 from kvpersist.l2.shared.store import connect, describe, store_errors
 from kvpersist.l2.tree import RootDir
-from kvpersist.stack.forget import l1 as forget_l1
-from kvpersist.stack.forget.input import MAX_BYTES, ForgetInput, parse_input
-from kvpersist.stack.forget.keys import chunk_keys
+from kvpersist.stack.conversation import l1 as forget_l1
+from kvpersist.stack.conversation.chunk_keys import chunk_keys
+from kvpersist.stack.conversation.input import MAX_BYTES, ForgetInput, parse_input
 from kvpersist.stack.locate import locate
 from kvpersist.stack.render import TEMPLATE_NAMES, render
-from kvpersist.stack.warm.keys import key_scheme
+from kvpersist.stack.warm.chunk_keys import key_scheme
 from kvpersist.stack.warm.run import world_size
 from kvpersist.stack.warm.tokens import tokenize
 from kvpersist.system.files import service_uids
@@ -138,7 +138,7 @@ class ForgetResult:
 
 def read_input(kind: str, path: str) -> ForgetInput:
     """Read and parse the input file (a link is followed; what it names must be a regular
-    file of at most :data:`~kvpersist.stack.forget.input.MAX_BYTES`). Raises ConfigError."""
+    file of at most :data:`~kvpersist.stack.conversation.input.MAX_BYTES`). Raises ConfigError."""
     shown = show_path(path)
     try:
         data = read_bytes(path, max_bytes=MAX_BYTES)

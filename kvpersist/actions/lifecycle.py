@@ -20,8 +20,8 @@ from kvpersist.stack import processes as proc
 from kvpersist.stack.canary.run import CanaryRun
 from kvpersist.stack.health import health_report
 from kvpersist.stack.launch_options import DEFAULTS, STOP_TIMEOUT, LaunchOptions
+from kvpersist.stack.launch_plan import LaunchPlan, prepare_launch
 from kvpersist.stack.locate import Location, locate
-from kvpersist.stack.plan import LaunchPlan, prepare_launch
 from kvpersist.stack.preflight import preflight
 from kvpersist.stack.processes import Progress, Stopped, quiet
 from kvpersist.stack.stops import systemd_stop_was_clean, systemd_stop_was_deliberate

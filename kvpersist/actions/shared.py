@@ -22,7 +22,6 @@ from kvpersist.errors import KvpError, UsageError
 from kvpersist.l2.fleet import host as fleet
 from kvpersist.l2.fleet.records import FleetRecord, by_namespace, describe_hosts, host_rows
 from kvpersist.l2.shared.credentials import read_secret_file
-from kvpersist.l2.shared.keys import namespace_problem
 from kvpersist.l2.shared.store import (
     SharedStore,
     connect,
@@ -31,6 +30,7 @@ from kvpersist.l2.shared.store import (
     store_errors,
     usage,
 )
+from kvpersist.l2.shared.wire import namespace_problem
 from kvpersist.system.files import service_uids
 
 REPORT_SCHEMA = "kvpersist.shared-report/1"

@@ -22,7 +22,7 @@ from kvpersist.commands.common import progress_printer as _printer
 from kvpersist.config.values import format_size, parse_duration, parse_max_age
 from kvpersist.errors import UsageError
 from kvpersist.l2.layout import display_name
-from kvpersist.l2.shared.keys import skipped_lines
+from kvpersist.l2.shared.wire import skipped_lines
 
 if TYPE_CHECKING:
     from kvpersist.l2.prune import PruneResult

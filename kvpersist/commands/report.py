@@ -18,7 +18,7 @@ from kvpersist.commands.common import (
 )
 from kvpersist.config.values import format_size
 from kvpersist.l2.layout import display_name
-from kvpersist.l2.shared.keys import skipped_lines
+from kvpersist.l2.shared.wire import skipped_lines
 
 
 def _pins(p: dict[str, Any] | None) -> str:

@@ -39,7 +39,7 @@ from kvpersist.l2.scan import scan_root
 from kvpersist.l2.tree import open_root
 from kvpersist.stack import launch as lc
 from kvpersist.stack.launch_options import LaunchOptions
-from kvpersist.stack.plan import prepare_launch
+from kvpersist.stack.launch_plan import prepare_launch
 from kvpersist.stack.processes import stop_deployment
 from kvpersist.system import procs
 from kvpersist.system.vllm_client import VllmClient

@@ -1,6 +1,6 @@
 """The launch sequence: plan → preflight → (the launch's own writes) → processes → warm-up.
 
-Control flow: :func:`~kvpersist.stack.plan.prepare_launch` (load, size once, render, plan) →
+Control flow: :func:`~kvpersist.stack.launch_plan.prepare_launch` (load, size once, render, plan) →
 :func:`~kvpersist.stack.preflight.preflight` (gathers facts, judges them: every problem at
 once; uses the sizing it is handed, never sizes again, never writes) → after a clean verdict,
 the launch's first writes: the cache root when it is to be created (0700), the state
@@ -33,8 +33,8 @@ from kvpersist.stack.canary.run import CanaryRun, recompute_reason, run_canary
 from kvpersist.stack.canary.verdict import FAILED
 from kvpersist.stack.crash_window import CrashCheck
 from kvpersist.stack.launch_options import DEFAULTS, LaunchOptions
+from kvpersist.stack.launch_plan import LaunchPlan, Prepared, recompute_plan
 from kvpersist.stack.locate import Location
-from kvpersist.stack.plan import LaunchPlan, Prepared, recompute_plan
 from kvpersist.stack.preflight import Preflight, preflight, root_creation_note
 from kvpersist.stack.processes import (
     Progress,

@@ -36,7 +36,7 @@ from kvpersist.l2.layout import display_name
 from kvpersist.l2.shared.credentials import check_ca_file, read_secret_file
 from kvpersist.l2.shared.store import TLS_UNTRUSTED, probe
 from kvpersist.stack import identity_check, vllm_args
-from kvpersist.stack.plan import LaunchPlan
+from kvpersist.stack.launch_plan import LaunchPlan
 from kvpersist.stack.render import serde_warnings
 from kvpersist.stack.warm.run import read_warm_set
 from kvpersist.stack.weights import WeightsCheck, check_weights

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from kvpersist.errors import CheckFailed, KvpError
 from kvpersist.stack import crash_window
+from kvpersist.stack.launch_plan import LaunchPlan
 from kvpersist.stack.locate import Location
-from kvpersist.stack.plan import LaunchPlan
 from kvpersist.stack.preread import start_preread
 from kvpersist.system import procs
 from kvpersist.system.untrusted import UnreadableFile, read_tail

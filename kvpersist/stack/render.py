@@ -345,7 +345,7 @@ def container_argv(dep: Deployment, vllm_args: list[str]) -> list[str]:
         argv += ["-v", f"{mount}:{mount}:ro"]
     argv += ["-w", CONTAINER_MODEL_DIR]
     if s.device == "cpu":
-        # what the direct process gets from the launch's environment (stack/plan.py)
+        # what the direct process gets from the launch's environment (stack/launch_plan.py)
         argv += [f"--env={k}={v}" for k, v in CPU_CONTAINER_ENV]
     else:
         argv += ["--gpus", "all"]

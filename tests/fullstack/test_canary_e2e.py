@@ -35,7 +35,7 @@ import pytest
 
 from bench.traffic import float32_config
 from kvpersist.demo.chat import chat_completion, long_chat
-from kvpersist.stack.warm.keys import chunk_files, key_scheme
+from kvpersist.stack.warm.chunk_keys import chunk_files, key_scheme
 
 from ._stack import Stack, vllm_metric
 

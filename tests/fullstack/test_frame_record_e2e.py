@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvpersist.demo.chat import chat_completion, long_chat
-from kvpersist.stack.warm.keys import chunk_files, key_scheme
+from kvpersist.stack.warm.chunk_keys import chunk_files, key_scheme
 
 from ._stack import Stack
 

@@ -128,9 +128,9 @@ class Lab:
         """Prepare the relocated cpu-demo deployment of ``env`` (``lab_env``) under ``tmp``:
         preflight and state (the serde key) exactly as a launch does; nothing started."""
         from kvpersist.stack import launch as lc
-        from kvpersist.stack.plan import prepare_launch
+        from kvpersist.stack.launch_plan import prepare_launch
         from kvpersist.stack.preflight import preflight
-        from kvpersist.stack.warm import keys as warm_keys
+        from kvpersist.stack.warm import chunk_keys as warm_keys
 
         self.tmp = tmp
         self.env = env
@@ -212,7 +212,7 @@ class Lab:
     def chunk_names(self, seq: int) -> list[str]:
         from lmcache.cli.commands.bench.server_bench.helpers import _build_token_ids
 
-        from kvpersist.stack.warm import keys as warm_keys
+        from kvpersist.stack.warm import chunk_keys as warm_keys
 
         names, _ = warm_keys.chunk_files(self.scheme, self.ns, 1,
                                          _build_token_ids(seq, TOKENS))

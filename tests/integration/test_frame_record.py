@@ -41,8 +41,8 @@ def chunk_names(stack: Stack, ns: str, seq: int) -> list[str]:
     """The chunk file names of sequence ``seq``, in chunk order, by LMCache's key code."""
     from lmcache.cli.commands.bench.server_bench.helpers import _build_token_ids
 
-    from kvpersist.stack.plan import prepare_launch
-    from kvpersist.stack.warm import keys as warm_keys
+    from kvpersist.stack.launch_plan import prepare_launch
+    from kvpersist.stack.warm import chunk_keys as warm_keys
 
     scheme = warm_keys.key_scheme(prepare_launch(stack.config, environ=stack.env)
                                   .plan.server_argv)

@@ -6,6 +6,7 @@
 * an import of a kvpersist module inside a function, outside ``cli.py`` and ``commands/``,
   says why it is lazy (``# lazy: <reason>`` on its line or the line above);
 * every module is at most 600 lines, except the pure data tables ARCHITECTURE.md names.
+* a module or sub-package name stands in at most one of stack/, l2/, config/, system/.
 
 The floors are read from ARCHITECTURE.md's table, so the document and this test cannot drift.
 """
@@ -276,3 +277,22 @@ def test_io_happens_only_where_the_document_says() -> None:
                     wrong.append(f"{name}:{line} imports {imported} (only "
                                  f"{', '.join(sorted(allowed))} may)")
     assert wrong == []
+
+
+#: the floors whose module names must be unique among them (a command and its action may
+#: share a name: they stand on floors 7 and 6)
+UNIQUE_ACROSS = ("stack", "l2", "config", "system")
+
+
+def test_no_module_name_stands_in_two_of_the_lower_floors() -> None:
+    """A module or sub-package name (``plan``, ``keys``, ``forget``) exists in at most one of
+    ``stack/``, ``l2/``, ``config/`` and ``system/``, at any depth: a name says which floor
+    it is on."""
+    where: dict[str, set[str]] = {}
+    for name in MODULES:
+        parts = name.split(".")
+        if len(parts) < 3 or parts[1] not in UNIQUE_ACROSS:
+            continue
+        for part in parts[2:]:
+            where.setdefault(part, set()).add(parts[1])
+    assert {n: sorted(f) for n, f in where.items() if len(f) > 1} == {}

@@ -14,8 +14,8 @@ import pytest
 
 from kvpersist.config.loader import load_deployment
 from kvpersist.stack import vllm_args
+from kvpersist.stack.launch_plan import prepare_launch
 from kvpersist.stack.locate import locate
-from kvpersist.stack.plan import prepare_launch
 from kvpersist.stack.preflight import gather_args
 
 from ..conftest import clean_env, free_port

@@ -37,8 +37,8 @@ from kvpersist.l2.fleet.records import (
     serde_fingerprint,
 )
 from kvpersist.l2.keys import store as keys
-from kvpersist.l2.shared.keys import lock_key, namespace_of
-from kvpersist.l2.shared.keys import match_pattern as chunk_pattern
+from kvpersist.l2.shared.wire import lock_key, namespace_of
+from kvpersist.l2.shared.wire import match_pattern as chunk_pattern
 from kvpersist.stack.health import component_status, fleet_check, shared_checks
 
 NS = "kvp-" + "a" * 32

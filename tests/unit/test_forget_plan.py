@@ -12,10 +12,10 @@ import pytest
 from kvpersist.actions.forget import ForgetResult, MemoryOutcome, SharedOutcome
 from kvpersist.config.warmset import WarmEntry
 from kvpersist.errors import ConfigError
-from kvpersist.l2.forget.files import FilesOutcome, forget_files
 from kvpersist.l2.forget.plan import ChunkKey, plan_forget
+from kvpersist.l2.forget.remove import FilesOutcome, forget_files
 from kvpersist.l2.tree import open_root
-from kvpersist.stack.forget.input import MAX_MESSAGES, conversation_requests, parse_input
+from kvpersist.stack.conversation.input import MAX_MESSAGES, conversation_requests, parse_input
 
 from .test_cli_startup import HEAVY, loaded_modules, matching
 

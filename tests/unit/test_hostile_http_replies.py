@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvpersist.errors import KvpError
-from kvpersist.stack.forget import l1 as forget_l1
+from kvpersist.stack.conversation import l1 as forget_l1
 from kvpersist.stack.warm import prefetch
 from kvpersist.system.untrusted import MAX_HTTP_BYTES, UnreadableFile, http
 

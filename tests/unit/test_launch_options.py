@@ -18,7 +18,7 @@ import pytest
 
 from kvpersist.actions import lifecycle as actions
 from kvpersist.commands import lifecycle as commands
-from kvpersist.stack import crash_window, plan
+from kvpersist.stack import crash_window, launch_plan
 from kvpersist.stack import launch as stack
 from kvpersist.stack.launch_options import DEFAULTS, STOP_TIMEOUT, LaunchOptions
 
@@ -56,7 +56,7 @@ def test_stop_timeouts_are_the_one_value() -> None:
     assert inspect.signature(actions.restart).parameters["timeout"].default == STOP_TIMEOUT
 
 
-@pytest.mark.parametrize("module", [actions, stack, plan, crash_window],
+@pytest.mark.parametrize("module", [actions, stack, launch_plan, crash_window],
                          ids=lambda m: m.__name__)
 def test_no_layer_states_a_default_of_its_own(module: ModuleType) -> None:
     own = []

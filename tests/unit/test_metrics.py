@@ -390,8 +390,8 @@ def store_text(facts: Any) -> str:
 
 def up_store(active: frozenset[str] = frozenset()) -> Any:
     from kvpersist.actions.metrics import StoreFacts
-    from kvpersist.l2.shared.keys import plan_store_budget
     from kvpersist.l2.shared.store import NodeMemory, SharedUsage, StoreMeasurement, StoreProbe
+    from kvpersist.l2.shared.wire import plan_store_budget
 
     nodes = (NodeMemory("10.0.0.7:6379", 700, 1000, "allkeys-lru", 12),
              NodeMemory("10.0.0.8:6379", 50, 0, "noeviction", 0))

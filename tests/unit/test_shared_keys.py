@@ -1,4 +1,4 @@
-"""l2/shared/keys.py and the shared tier's health checks (pure, table-driven)."""
+"""l2/shared/wire.py and the shared tier's health checks (pure, table-driven)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from kvpersist.l2.fleet.host import decode_all
 from kvpersist.l2.fleet.records import WRONG_TYPE, decode_record, record_key
-from kvpersist.l2.shared.keys import (
+from kvpersist.l2.shared.wire import (
     NOT_A_CHUNK,
     NOT_A_STRING,
     SKIPPED_SHOWN,

@@ -34,7 +34,7 @@ from kvpersist.config.engine_flags import KV, NEUTRAL, OWNED, flags_for
 from kvpersist.config.loader import load_deployment
 from kvpersist.deploy.hook import HookError, persist_argv
 from kvpersist.stack import vllm_args
-from kvpersist.stack.plan import plan_launch
+from kvpersist.stack.launch_plan import plan_launch
 from kvpersist.stack.preflight import judge
 from kvpersist.stack.render import TEMPLATE_NAMES, render
 from kvpersist.system.templates import read_templates

@@ -46,8 +46,8 @@ from kvpersist.l2.fleet.store import (
 from kvpersist.l2.keys import store as keys
 from kvpersist.l2.layout import display_name
 from kvpersist.l2.shared.credentials import read_secret_file
-from kvpersist.l2.shared.keys import SKIPPED_SHOWN
 from kvpersist.l2.shared.store import READ_BATCH, connect, read_values, store_errors
+from kvpersist.l2.shared.wire import SKIPPED_SHOWN
 from kvpersist.system.files import service_uids
 from kvpersist.system.untrusted import MAX_RECORD_BYTES, UnreadableFile, read_bytes
 

@@ -12,7 +12,7 @@ scan of the store. Each member is one row:
 * ``gone``: the index names it but the store has no record (it lapsed; the next write of a
   record removes the member);
 * a record that does not decode is foreign: no row, a problem (the first
-  :data:`~kvpersist.l2.shared.keys.SKIPPED_SHOWN` named, the rest counted).
+  :data:`~kvpersist.l2.shared.wire.SKIPPED_SHOWN` named, the rest counted).
 
 The live hosts of a namespace **agree** when they all have the same serde and key
 fingerprint; **disagree** otherwise (chunks each side stores miss on the other); a namespace
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpersist.l2.fleet.records import FleetRecord, Stored, decode_record, record_key
-from kvpersist.l2.shared.keys import SKIPPED_SHOWN
+from kvpersist.l2.shared.wire import SKIPPED_SHOWN
 
 SCHEMA = "kvpersist.fleet-status/1"
 STATES = ("live", "stale", "gone")

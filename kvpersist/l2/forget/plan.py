@@ -1,13 +1,14 @@
 """What ``kvp-admin forget`` removes, tier by tier: the plan, pure.
 
 Given the chunk keys of a conversation (computed with LMCache's own key code by
-:mod:`kvpersist.stack.forget.keys`: one key per complete chunk and TP rank, object group 0)
+:mod:`kvpersist.stack.conversation.chunk_keys`: one key per complete chunk and TP rank,
+object group 0)
 and the namespace's warm-set pins, :func:`plan_forget` returns a frozen :class:`ForgetPlan`:
 every key, which of them are pins (kept unless ``include_pinned``) and the targets. Every
 key is parse-checked before it enters a plan: its file name must parse
 (:func:`kvpersist.l2.layout.parse_chunk_name`) as a chunk of the namespace with the given
 salt, in the shard directory its hash says, and its shared-tier key must parse as the
-namespace's (:func:`kvpersist.l2.shared.keys.namespace_of`); anything else is refused, so a
+namespace's (:func:`kvpersist.l2.shared.wire.namespace_of`); anything else is refused, so a
 disagreement between LMCache's naming and kvpersist's parser can never delete another file.
 
 A key is the same chunk on every tier: its file on the NVMe (``relpath``), its wire key on
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpersist.l2.layout import display_name, parse_chunk_name
-from kvpersist.l2.shared.keys import namespace_of
+from kvpersist.l2.shared.wire import namespace_of
 
 SCHEMA = "kvpersist.forget/1"
 
@@ -32,7 +33,7 @@ SCHEMA = "kvpersist.forget/1"
 class ChunkKey:
     """One chunk of one TP rank, as every tier names it."""
 
-    #: the request (1-based, :func:`kvpersist.stack.forget.input.conversation_requests`)
+    #: the request (1-based, :func:`kvpersist.stack.conversation.input.conversation_requests`)
     #: that first holds the chunk, and the chunk's index in it
     request: int
     index: int

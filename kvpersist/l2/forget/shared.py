@@ -2,7 +2,7 @@
 
 :func:`forget_keys` is given a connected :class:`~kvpersist.l2.shared.store.SharedStore`, the
 namespace and the wire keys of a plan's keys. Only keys that parse as the namespace's chunk
-keys (:func:`~kvpersist.l2.shared.keys.namespace_of`) are ever sent to the store; the others
+keys (:func:`~kvpersist.l2.shared.wire.namespace_of`) are ever sent to the store; the others
 are counted as foreign. The dry run asks each key's ``STRLEN`` (pipelined: a key of another
 type answers ``WRONGTYPE`` and is foreign, never read); ``apply`` runs, per key, the script
 ``prune`` uses: delete it only if it is a string, in one step (no window between the check
@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpersist.l2.shared.keys import NOT_A_CHUNK, NOT_A_STRING, Skipped, namespace_of
 from kvpersist.l2.shared.store import (
     READ_BATCH,
     SharedStore,
@@ -25,6 +24,7 @@ from kvpersist.l2.shared.store import (
     raw_key,
     replies,
 )
+from kvpersist.l2.shared.wire import NOT_A_CHUNK, NOT_A_STRING, Skipped, namespace_of
 
 #: delete a key only if it is a string (a chunk): {size, deleted}, {-1, 0} for another type
 _UNLINK_STRING = ("local n = redis.pcall('strlen', KEYS[1]) "

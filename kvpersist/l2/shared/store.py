@@ -1,5 +1,5 @@
 """Talk to the shared tier's store (Redis/Valkey, standalone or cluster) for ``report``,
-``prune`` and ``health``: the I/O half of :mod:`kvpersist.l2.shared.keys`.
+``prune`` and ``health``: the I/O half of :mod:`kvpersist.l2.shared.wire`.
 
 Listing is server-side iteration only: ``SCAN MATCH`` on every primary node (never ``KEYS``);
 value sizes come from ``STRLEN`` in pipelines of one SCAN page. A prune deletes one namespace
@@ -8,7 +8,7 @@ refreshed per batch, released only by its holder), so two hosts never prune the 
 namespace at once. Running it again deletes nothing more.
 
 Every key is untrusted: one of another type than its name says (``WRONGTYPE``) is foreign,
-counted and skipped (:class:`~kvpersist.l2.shared.keys.Skipped`), never read as what it is
+counted and skipped (:class:`~kvpersist.l2.shared.wire.Skipped`), never read as what it is
 not and never deleted; a prune deletes only keys that *parse* as the namespace's chunk keys
 (the SCAN pattern only narrows the walk), each one only if it is a string, checked and
 deleted in one script (no ``TYPE``: the recommended ACL does not grant it). Keys are sent back
@@ -45,7 +45,7 @@ from kvpersist.l2.fleet.records import (
     is_record_key,
 )
 from kvpersist.l2.layout import display_name
-from kvpersist.l2.shared.keys import (
+from kvpersist.l2.shared.wire import (
     NOT_A_CHUNK,
     NOT_A_STRING,
     Skipped,

@@ -35,7 +35,6 @@ from kvpersist.errors import KvpError
 from kvpersist.l2.frames import Deadline
 from kvpersist.l2.layout import META_DIR
 from kvpersist.l2.tree import RootDir, meta_dir, open_rel, replace_at
-from kvpersist.l2.verify.files import Seen
 from kvpersist.l2.verify.frame_record import (
     HEADER_BYTES,
     MAX_RECORD_BYTES,
@@ -46,6 +45,7 @@ from kvpersist.l2.verify.frame_record import (
     identity_of,
     judge,
 )
+from kvpersist.l2.verify.quarantine import Seen
 from kvpersist.system.untrusted import ChunkFile, UnreadableFile
 
 FRAMES_DIR = "frames"

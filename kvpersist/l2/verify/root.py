@@ -87,10 +87,10 @@ from kvpersist.l2.frames import (
 )
 from kvpersist.l2.layout import display_name
 from kvpersist.l2.tree import RootDir, chunk_dirs
-from kvpersist.l2.verify.files import DirCache, Seen, quarantine
 from kvpersist.l2.verify.frame_record import FrameRecord
 from kvpersist.l2.verify.frame_store import FrameSummary, bind_frames, header_reader
 from kvpersist.l2.verify.order import Group, ReadOrder, failed_verdict
+from kvpersist.l2.verify.quarantine import DirCache, Seen, quarantine
 from kvpersist.l2.verify.rules import dup_detail, perm_verdict, shared_frames, type_verdict
 from kvpersist.system.untrusted import ChunkFile, UnreadableFile
 

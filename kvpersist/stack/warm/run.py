@@ -5,7 +5,7 @@ Steps: read and validate ``KVP_WARMUP_FILE`` (bad lines: ConfigError, nothing wr
 record ``warming`` in ``loc.warmup_state_file``; token ids from the cache in
 ``loc.warmup_tokens_dir`` or computed by vLLM's own renderer (template digest checked,
 :mod:`kvpersist.stack.warm.tokens`); the chunk files with LMCache's own key code
-(:mod:`kvpersist.stack.warm.keys`), recorded as the namespace's pins
+(:mod:`kvpersist.stack.warm.chunk_keys`), recorded as the namespace's pins
 (:mod:`kvpersist.l2.pins.store`), or the pins already recorded for this very warm set; one
 ``POST /cache/prefetches`` per entry (every TP rank, :mod:`kvpersist.stack.warm.prefetch`), each
 polled to completion; the final state ``done`` or ``failed``.
@@ -50,8 +50,8 @@ from kvpersist.stack.render import TEMPLATE_NAMES, render
 from kvpersist.stack.warm import compute as warm_compute
 from kvpersist.stack.warm import load as warm_load
 from kvpersist.stack.warm import prefetch
+from kvpersist.stack.warm.chunk_keys import chunk_files, key_scheme
 from kvpersist.stack.warm.handoff import Handoff
-from kvpersist.stack.warm.keys import chunk_files, key_scheme
 from kvpersist.stack.warm.tokens import tokenize
 from kvpersist.system.files import atomic_write, atomic_write_json
 from kvpersist.system.software import running_vllm_version

@@ -1,6 +1,6 @@
 """The chunk keys of token sequences on every tier, by LMCache's own code (imports lmcache).
 
-As the warm-up does (:mod:`kvpersist.stack.warm.keys`, whose :class:`KeyScheme` parses the
+As the warm-up does (:mod:`kvpersist.stack.warm.chunk_keys`, whose :class:`KeyScheme` parses the
 deployment's server argv with LMCache's parser): ``TokenHasher`` hashes each complete chunk
 chained over its prefix, ``key_resolver.resolve_object_keys`` expands each chunk into one
 ``ObjectKey`` per TP rank in object group 0 (with the request's ``cache_salt``), the
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from kvpersist.errors import ConfigError, Problem
 from kvpersist.l2.forget.plan import ChunkKey
-from kvpersist.stack.warm.keys import KeyScheme
+from kvpersist.stack.warm.chunk_keys import KeyScheme
 
 
 def chunk_keys(scheme: KeyScheme, model_name: str, world_size: int,
