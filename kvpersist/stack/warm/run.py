@@ -259,21 +259,23 @@ def render_handoff(dep: Deployment) -> Handoff:
 
 def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s: float,
          say: Progress, handoff: Handoff) -> None:
-    token_ids = _token_ids(dep, loc, ws, list(handoff.vllm_argv), res, say)
+    tokens = _token_ids(dep, loc, ws, list(handoff.vllm_argv), say)
+    token_ids = tokens.ids
+    res.tokens_cached = tokens.cached
+    res.warnings += tokens.warnings
     root = _open_root(loc)
     try:
-        pins = _reusable_pins(root, dep, loc, ws, res) if res.tokens_cached else None
-        if pins is None:
-            pins = _compute_pins(root, dep, loc, ws, res, list(handoff.server_argv),
-                                 token_ids)
-        else:
-            res.pins_reused = True
-            res.pins_path = pins_path(loc.cache_root, loc.namespace)
-        chunk_size = int(pins["chunk_size"])
+        pins = _pins(root, dep, loc, ws, res.world_size, list(handoff.server_argv), token_ids,
+                     reuse=tokens.cached)
+        res.pins_reused, res.pins_path = pins.reused, pins.path
+        res.warnings += pins.warnings
+        chunk_size = int(pins.doc["chunk_size"])
         res.entries = [EntryOutcome(e.line, len(ids), len(ids) // chunk_size)
                        for e, ids in zip(ws.entries, token_ids, strict=True)]
         res.requested_chunks = sum(e.chunks for e in res.entries)
-        _measure(root, loc, res, pins)
+        measured = _measure(root, loc, pins.doc)
+        res.pinned_files, res.bytes = measured.files, measured.bytes
+        res.warnings += measured.warnings
     finally:
         root.close()
     base = loc.server_http_url
@@ -296,7 +298,13 @@ def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s:
     finally:
         res.prefetch_seconds = time.monotonic() - t0
     if res.compute:
-        _compute_missing(dep, loc, res, token_ids, deadline, say)
+        computed = _compute_missing(dep, loc, res.entries, res.world_size, token_ids,
+                                    deadline, say)
+        res.not_computed, res.compute_seconds = list(computed.not_computed), computed.seconds
+        res.computed_chunks = sum(e.computed_chunks for e in res.entries)
+        res.warnings += computed.warnings
+        if computed.error is not None:
+            raise computed.error
     res.requested_chunks = sum(e.chunks for e in res.entries)
     res.found_chunks = sum(e.found_chunks for e in res.entries)
     # an entry the warm-up just computed is in vLLM's own prefix cache: a load would load none
@@ -332,44 +340,61 @@ def _kv_cache_tokens(loc: Location) -> int | None:
         return None
 
 
-def _compute_missing(dep: Deployment, loc: Location, res: WarmupResult,
-                     token_ids: list[list[int]], deadline: float, say: Progress) -> None:
+@dataclass(frozen=True)
+class _Computed:
+    """What :func:`_compute_missing` did besides the entries' counts."""
+
+    #: lines with chunks still missing after the computing
+    not_computed: tuple[int, ...]
+    warnings: tuple[str, ...]
+    seconds: float
+    #: what ended the computing early (raised by the caller once the rest is recorded)
+    error: KvpError | None = None
+
+
+def _compute_missing(dep: Deployment, loc: Location, entries: list[EntryOutcome],
+                     world_size: int, token_ids: list[list[int]], deadline: float,
+                     say: Progress) -> _Computed:
     """Each entry with chunks found on no tier: sent to vLLM (its token ids), then
-    prefetched again to count what it stored; what does not fit before ``deadline``, or
-    that vLLM did not store, is listed in ``res.not_computed``."""
+    prefetched again to count what it stored (the entry's counts are updated); what does
+    not fit before ``deadline``, or that vLLM did not store, is listed as not computed."""
     t0 = time.monotonic()
+    missing: list[int] = []
+    warnings: list[str] = []
+    error: KvpError | None = None
     try:
-        for entry, ids in zip(res.entries, token_ids, strict=True):
+        for entry, ids in zip(entries, token_ids, strict=True):
             if not entry.chunks or entry.found_chunks >= entry.chunks:
                 continue
             before = entry.found_chunks
-            say(f"line {entry.line}: {entry.chunks - before} chunk(s) on no tier: computing "
-                "them with vLLM")
+            say(f"line {entry.line}: {entry.chunks - before} chunk(s) on no tier: "
+                "computing them with vLLM")
             run = warm_compute.compute(loc.vllm_url, loc.served_model_name, ids,
                                        deadline=deadline)
             if not run.ok:
-                res.not_computed.append(entry.line)
-                res.warnings.append(f"line {entry.line}: not computed: {run.detail}")
+                missing.append(entry.line)
+                warnings.append(f"line {entry.line}: not computed: {run.detail}")
                 continue
             try:
-                _recount(dep, loc, res, entry, ids, deadline, say)
+                _recount(dep, loc, world_size, entry, ids, deadline, say)
             except prefetch.PrefetchFailed as exc:
-                res.warnings.append(f"line {entry.line}: computed, not counted again: {exc}")
+                warnings.append(f"line {entry.line}: computed, not counted again: {exc}")
             entry.computed_chunks = max(0, entry.found_chunks - before)
             if entry.found_chunks < entry.chunks:
-                res.not_computed.append(entry.line)
-    finally:
-        res.compute_seconds = time.monotonic() - t0
-        res.computed_chunks = sum(e.computed_chunks for e in res.entries)
+                missing.append(entry.line)
+    except KvpError as exc:
+        error = exc
+    return _Computed(tuple(missing), tuple(warnings), time.monotonic() - t0, error)
 
 
-def _recount(dep: Deployment, loc: Location, res: WarmupResult, entry: EntryOutcome,
+def _recount(dep: Deployment, loc: Location, world_size: int, entry: EntryOutcome,
              ids: list[int], deadline: float, say: Progress) -> None:
     """Prefetch a computed entry again until every chunk is found (LMCache stores them a
-    moment after vLLM answers) or the tries or the time run out."""
+    moment after vLLM answers) or the tries or the time run out; each count goes into
+    ``entry``."""
     base = loc.server_http_url
     for _ in range(warm_compute.RECOUNT_TRIES):
-        sub = prefetch.submit(base, dep.lmcache_model_name, res.world_size, ids,
+        sub = prefetch.submit(base, dep.lmcache_model_name, world_size, ids,
                               deadline=deadline, on_wait=say)
         if sub.request_id is None:
             return
@@ -382,15 +407,24 @@ def _recount(dep: Deployment, loc: Location, res: WarmupResult, entry: EntryOutc
         time.sleep(warm_compute.RECOUNT_PAUSE_S)
 
 
+@dataclass(frozen=True)
+class _Tokens:
+    """The warm set's token ids, whether they came from the cache, and what to warn of."""
+
+    ids: list[list[int]]
+    cached: bool
+    warnings: tuple[str, ...] = ()
+
+
 def _token_ids(dep: Deployment, loc: Location, ws: WarmSet, vllm_argv: list[str],
-               res: WarmupResult, say: Progress) -> list[list[int]]:
+               say: Progress) -> _Tokens:
     assert dep.identity is not None
     expected = dep.identity.chat_template_sha256
     name = tokens_cache_name(loc.namespace, ws.sha256)
-    ids = _cached_ids(loc, ws, expected, res)
+    ids, why = _cached_ids(loc, ws, expected)
     if ids is not None:
-        res.tokens_cached = True
-        return ids
+        return _Tokens(ids, True)
+    warnings = [why] if why else []
     say("tokenizing the warm set with vLLM's renderer (the deployment's tokenizer and chat "
         "template)")
     tok = tokenize(vllm_argv, dep.settings.model_path, ws.entries,
@@ -403,8 +437,8 @@ def _token_ids(dep: Deployment, loc: Location, ws: WarmSet, vllm_argv: list[str]
                            "may hold")
         atomic_write(os.path.join(loc.warmup_tokens_dir, name), text + "\n")
     except KvpError as exc:
-        res.warnings.append(f"the token ids were not cached: {exc}")
-    return tok.token_ids
+        warnings.append(f"the token ids were not cached: {exc}")
+    return _Tokens(tok.token_ids, False, tuple(warnings))
 
 
 def cached_token_ids(dep: Deployment, loc: Location) -> tuple[list[list[int]] | None, str]:
@@ -415,18 +449,18 @@ def cached_token_ids(dep: Deployment, loc: Location) -> tuple[list[list[int]] | 
     if not dep.settings.warmup_file or dep.identity is None:
         return None, "the deployment has no warm set (KVP_WARMUP_FILE)"
     ws = read_warm_set(dep)
-    res = WarmupResult(loc.namespace, "none", "")
-    ids = _cached_ids(loc, ws, dep.identity.chat_template_sha256, res)
+    ids, why = _cached_ids(loc, ws, dep.identity.chat_template_sha256)
     if ids is None:
         return None, ("the warm set's token ids are not cached yet (a warm-up caches them)"
-                      + (f": {'; '.join(res.warnings)}" if res.warnings else ""))
+                      + (f": {why}" if why else ""))
     return ids, ""
 
 
-def _cached_ids(loc: Location, ws: WarmSet, template_sha256: str,
-                res: WarmupResult) -> list[list[int]] | None:
+def _cached_ids(loc: Location, ws: WarmSet,
+                template_sha256: str) -> tuple[list[list[int]] | None, str]:
     """The warm set's token ids from its cache in ``loc.warmup_tokens_dir``, or None when
-    there is none or it is unusable. The cache is read as untrusted (never through a link,
+    there is none or it is unusable, and the warning that says why it is unusable ('' when
+    it is usable or there is none). The cache is read as untrusted (never through a link,
     never blocking on a FIFO, at most :data:`TOKENS_MAX_BYTES`, depth-limited, finite
     numbers, a bounded count of arrays and objects) and must be the document of exactly this
     namespace, warm file, template and number of entries. An unusable one is never trusted:
@@ -435,52 +469,56 @@ def _cached_ids(loc: Location, ws: WarmSet, template_sha256: str,
     try:
         dfd = open_dir(loc.warmup_tokens_dir)
     except OSError:
-        return None
+        return None, ""
     where = show_path(os.path.join(loc.warmup_tokens_dir, name))
     try:
         doc = read_json(name, dir_fd=dfd, follow=False, max_bytes=TOKENS_MAX_BYTES,
                         max_containers=TOKENS_MAX_CONTAINERS, where=where)
     except FileNotFoundError:
-        return None
+        return None, ""
     except UnreadableFile as exc:
-        res.warnings.append(f"the token-id cache {where} {exc.why}: ignored, the ids are "
-                            "computed again")
-        return None
+        return None, f"the token-id cache {where} {exc.why}: ignored, the ids are computed again"
     finally:
         os.close(dfd)
     ids = parse_tokens_document(doc, loc.namespace, ws.sha256, template_sha256)
     if ids is None or len(ids) != len(ws.entries):
-        res.warnings.append(f"the token-id cache {where} is not the one of this warm set and "
-                            "template: ignored, the ids are computed again")
-        return None
-    return ids
+        return None, (f"the token-id cache {where} is not the one of this warm set and "
+                      "template: ignored, the ids are computed again")
+    return ids, ""
 
 
-def _reusable_pins(root: _Root, dep: Deployment, loc: Location, ws: WarmSet,
-                   res: WarmupResult) -> dict[str, Any] | None:
-    """The root's pin manifest when it was computed for exactly this namespace, warm file,
-    world size, chunk size and file layout (then LMCache need not be imported again)."""
-    doc = _recorded_pins(root, loc)
+@dataclass(frozen=True)
+class _Pins:
+    """The warm set's pin manifest, where it is recorded ('' when it is not) and whether
+    the root's own was for this very warm set."""
+
+    doc: dict[str, Any]
+    path: str
+    reused: bool
+    warnings: tuple[str, ...] = ()
+
+
+def _pins(root: _Root, dep: Deployment, loc: Location, ws: WarmSet, world_size: int,
+          server_argv: list[str], token_ids: list[list[int]], *, reuse: bool) -> _Pins:
+    """The root's pin manifest when ``reuse`` (the token ids came from their cache) and it
+    was computed for exactly this namespace, warm file, world size, chunk size and file
+    layout (then LMCache need not be imported again); else the chunk files of the warm set
+    by LMCache's own key code, recorded as the pins."""
+    doc = _recorded_pins(root, loc) if reuse else None
     g = dep.generic
-    if (doc is None or doc.get("warm_file_sha256") != ws.sha256
-            or doc.get("world_size") != res.world_size or doc.get("chunk_size") != g.chunk_size
-            or doc.get("shard_dirs") != g.l2_shard_dirs):
-        return None
-    return doc
-
-
-def _compute_pins(root: _Root, dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult,
-                  server_argv: list[str], token_ids: list[list[int]]) -> dict[str, Any]:
-    """The chunk files of the warm set by LMCache's own key code, recorded as the pins."""
+    if (doc is not None and doc.get("warm_file_sha256") == ws.sha256
+            and doc.get("world_size") == world_size and doc.get("chunk_size") == g.chunk_size
+            and doc.get("shard_dirs") == g.l2_shard_dirs):
+        return _Pins(doc, pins_path(loc.cache_root, loc.namespace), True)
     scheme = key_scheme(server_argv)
     files: list[str] = []
     chunks = 0
     for ids in token_ids:
-        rel, n = chunk_files(scheme, dep.lmcache_model_name, res.world_size, ids)
+        rel, n = chunk_files(scheme, dep.lmcache_model_name, world_size, ids)
         files += rel
         chunks += n
     try:
-        doc = pin_document(loc.namespace, ws.sha256, files, world_size=res.world_size,
+        doc = pin_document(loc.namespace, ws.sha256, files, world_size=world_size,
                            chunk_size=scheme.chunk_size, hash_algorithm=scheme.hash_algorithm,
                            shard_dirs=scheme.shard_dirs, chunks=chunks,
                            created_ns=time.time_ns())
@@ -488,10 +526,9 @@ def _compute_pins(root: _Root, dep: Deployment, loc: Location, ws: WarmSet, res:
         raise KvpError(f"LMCache's key code and kvpersist's file-name parser disagree: {exc}; "
                        "nothing pinned") from None
     try:
-        res.pins_path = _record_pins(root, doc)
+        return _Pins(doc, _record_pins(root, doc), False)
     except KvpError as exc:
-        res.warnings.append(f"the warm set's files are not pinned: {exc}")
-    return doc
+        return _Pins(doc, "", False, (f"the warm set's files are not pinned: {exc}",))
 
 
 # --------------------------------------------------------------------------- the cache root
@@ -532,14 +569,21 @@ def _record_pins(root: _Root, doc: dict[str, Any]) -> str:
     return write_pins(root.handle, doc)
 
 
-def _measure(root: _Root, loc: Location, res: WarmupResult, doc: dict[str, Any]) -> None:
-    """The pinned files and the bytes of those on disk into ``res`` (a root that cannot be
-    opened is a warning)."""
+@dataclass(frozen=True)
+class _Measured:
+    """The pinned files, the bytes of those on disk, and what to warn of."""
+
+    files: int = 0
+    bytes: int = 0
+    warnings: tuple[str, ...] = ()
+
+
+def _measure(root: _Root, loc: Location, doc: dict[str, Any]) -> _Measured:
+    """The pinned files and the bytes of those on disk (a root that cannot be opened is a
+    warning)."""
     pins, _ = parse_pin_document(doc, loc.namespace)
     if pins is None:
-        return
-    res.pinned_files = len(pins.files)
+        return _Measured()
     if root.handle is None:
-        res.warnings.append(str(root.error))
-        return
-    res.bytes = measure_pins(root.handle, pins).bytes
+        return _Measured(len(pins.files), 0, (str(root.error),))
+    return _Measured(len(pins.files), measure_pins(root.handle, pins).bytes)
