@@ -192,13 +192,16 @@ def compose_venv(dest: Path, venv: Path = VENV) -> Path:
     (dest / "bin" / "python3").symlink_to(exe)
     (dest / "bin" / "python").symlink_to("python3")
     (dest / "bin" / f"python{minor}").symlink_to("python3")
-    shebang = f"#!{venv}/bin/python".encode()
+    # the scripts name the venv by the path it was made at: ``venv`` itself, or where it
+    # resolves to when ``venv`` is a link to it (a worktree's .venv linking to another's)
+    shebangs = {f"#!{v}/bin/python{s}".encode() for v in (venv, venv.resolve())
+                for s in ("", "3", f"{minor}")}
     for src in sorted((venv / "bin").iterdir()):
         if src.is_symlink() or not src.is_file():
             continue
         data = src.read_bytes()
         first, _, rest = data.partition(b"\n")
-        if first.rstrip() not in (shebang, shebang + b"3", shebang + b"3.11"):
+        if first.rstrip() not in shebangs:
             continue
         out = dest / "bin" / src.name
         out.write_bytes(f"#!{HOST_VENV}/bin/python\n".encode() + rest)
