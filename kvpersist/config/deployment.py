@@ -233,7 +233,7 @@ class Deployment:
     def vllm_version(self) -> str | None:
         """The vLLM release this deployment names (KVP_VLLM_BUILD, else KVP_IMAGE's tag), or
         None; the release that runs is the installed one for a direct process
-        (:func:`kvpersist.stack.launch_plan.running_vllm_version`)."""
+        (:func:`kvpersist.system.software.running_vllm_version`)."""
         return version_of_build(str(self.identity_values.get("vllm_build", "")),
                                 self.settings.image)
 
