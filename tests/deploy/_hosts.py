@@ -72,6 +72,7 @@ import yaml
 
 from ..conftest import REPO
 from ..integration._netns import STORE_IP, Net, make_net
+from .conftest import kvp_converge
 
 HOST_IMAGE_SCRIPT = REPO / "scripts" / "build-host-image.sh"
 #: the project's venv (vLLM, LMCache, kvpersist editable), bind-mounted read-only into hosts
@@ -325,15 +326,8 @@ class Hosts:
                     command], check=check, timeout=timeout)
 
     def ansible_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-        env.update({
-            "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
-            "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0",
-            "ANSIBLE_LOCAL_TEMP": str(self.base / "ansible-tmp"),
-            "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.base / "ansible-cp"),
-            "PATH": f"{VENV / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}",
-        })
-        return env
+        return {**kvp_converge.ansible_env(self.base),
+                "ANSIBLE_SSH_CONTROL_PATH_DIR": str(self.base / "ansible-cp")}
 
     def inventory(self, host_vars: dict[str, dict[str, Any]], group_vars: dict[str, Any],
                   name: str = "inventory.yml") -> Path:

@@ -162,13 +162,9 @@ class Fleet:
                  timeout: float = 1200) -> kvp_converge.PlaybookRun:
         argv = [str(kvp_converge.VENV / "bin" / "ansible-playbook"), "-i",
                 str(self.base / "inventory.yml"), str(playbook), *extra]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-        env.update({"ANSIBLE_CONFIG": str(kvp_converge.ANSIBLE_DIR / "ansible.cfg"),
-                    "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0",
-                    "ANSIBLE_LOCAL_TEMP": str(self.base / "ansible-tmp"),
-                    "PATH": f"{kvp_converge.VENV / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}",
-                    "PYTHONPATH": str(kvp_converge.REPO)})
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout,
+        proc = subprocess.run(argv, capture_output=True, text=True,
+                              env=kvp_converge.ansible_env(self.base, pythonpath=True),
+                              timeout=timeout,
                               cwd=str(kvp_converge.REPO))
         return kvp_converge.PlaybookRun(argv, proc.returncode, proc.stdout + proc.stderr)
 

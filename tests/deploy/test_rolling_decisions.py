@@ -12,7 +12,6 @@ why it rolls a host again, and a host that fails its gate stops the roll.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -122,12 +121,8 @@ class Roll:
     def playbook(self, *extra: str) -> kvp_converge.PlaybookRun:
         argv = [str(kvp_converge.VENV / "bin" / "ansible-playbook"), "-i",
                 str(self.base / "inventory.yml"), str(ROLLING), *extra]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-        env.update({"ANSIBLE_CONFIG": str(kvp_converge.ANSIBLE_DIR / "ansible.cfg"),
-                    "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0",
-                    "ANSIBLE_LOCAL_TEMP": str(self.base / "ansible-tmp"),
-                    "PATH": f"{kvp_converge.VENV / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"})
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600,
+        proc = subprocess.run(argv, capture_output=True, text=True,
+                              env=kvp_converge.ansible_env(self.base), timeout=600,
                               cwd=str(kvp_converge.REPO))
         return kvp_converge.PlaybookRun(argv, proc.returncode, proc.stdout + proc.stderr)
 

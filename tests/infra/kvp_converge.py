@@ -145,6 +145,25 @@ def parse_recap(output: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", lines[-1])}
 
 
+def ansible_env(base: Path, *, pythonpath: bool = False) -> dict[str, str]:
+    """The environment of an ``ansible-playbook`` run from ``base``: this environment without
+    any ``KVP_`` setting, the repository's ansible.cfg, no colours, ansible's local temp in
+    ``base``, the venv's executables first; with ``pythonpath`` the venv's kvp-admin runs this
+    checkout's kvpersist (a no-op where the venv was installed from it; needed where several
+    checkouts share one venv)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
+    env.update({
+        "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_FORCE_COLOR": "0",
+        "ANSIBLE_LOCAL_TEMP": str(base / "ansible-tmp"),
+        "PATH": f"{VENV / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}",
+    })
+    if pythonpath:
+        env["PYTHONPATH"] = str(REPO)
+    return env
+
+
 def run_playbook(base: Path, vars_file: Path, *extra: str, timeout: float = 300) -> PlaybookRun:
     """Run the playbook against localhost (local connection) with ``vars_file``."""
     inventory = base / "inventory.yml"
@@ -156,20 +175,8 @@ def run_playbook(base: Path, vars_file: Path, *extra: str, timeout: float = 300)
         }}}}))
     argv = [str(VENV / "bin" / "ansible-playbook"), "-i", str(inventory), str(PLAYBOOK),
             "-e", f"@{vars_file}", *extra]
-    env = dict(os.environ)
-    env.update({
-        "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_FORCE_COLOR": "0",
-        "ANSIBLE_LOCAL_TEMP": str(base / "ansible-tmp"),
-        "PATH": f"{VENV / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}",
-        # the venv's kvp-admin runs this checkout's kvpersist (a no-op where the venv was
-        # installed from it; needed where several checkouts share one venv)
-        "PYTHONPATH": str(REPO),
-    })
-    for key in [k for k in env if k.startswith("KVP_")]:
-        del env[key]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout,
+    proc = subprocess.run(argv, capture_output=True, text=True,
+                          env=ansible_env(base, pythonpath=True), timeout=timeout,
                           cwd=str(REPO))
     output = proc.stdout + proc.stderr
     return PlaybookRun(argv, proc.returncode, output, parse_recap(proc.stdout))
