@@ -26,7 +26,12 @@ promtool test rules monitoring/tests/*.yml
 # the suite spends most of its time starting processes one at a time, so the second lane uses
 # the second core. Each lane hands out ports from its own range below
 # the kernel's ephemeral range (tests/conftest.py free_port), so the lanes never pick the same
-# port. TEST_LANES=1 runs one pytest process over testpaths (use it to pass test paths).
+# port. TEST_LANES=1 runs one pytest process over testpaths (or over the paths given).
+# Test paths given (an argument that names a file or folder): those alone, in one process;
+# the lanes would run their whole folders beside them.
+for arg in "$@"; do
+    case "$arg" in -*) ;; *) [ -e "${arg%%::*}" ] && TEST_LANES=1 ;; esac
+done
 if [ "${TEST_LANES:-2}" = 1 ]; then
     exec "$VENV/bin/python" -m pytest -p no:cacheprovider "$@"
 fi
