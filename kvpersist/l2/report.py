@@ -158,7 +158,10 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
             "total_bytes": res.fs.total_bytes,
             "free_bytes": res.fs.free_bytes,
             "avail_bytes": res.fs.avail_bytes,
-            "read_only": res.fs.read_only,
+            # the filesystem's own state; "read_only_here": only this process's view of it
+            # is read-only (a sandbox: the health unit's ProtectSystem=strict)
+            "read_only": res.fs.read_only and not res.fs.sandboxed,
+            "read_only_here": res.fs.sandboxed,
         },
         "budget_bytes": budget,
         "limit_bytes": limit,

@@ -87,6 +87,8 @@ class Facts:
     root_writable: bool = False
     #: the filesystem holding the cache root is mounted read-only
     fs_read_only: bool = False
+    #: read-only only in this process's view (a sandbox: the health unit's ProtectSystem)
+    fs_sandboxed: bool = False
     fs_avail_bytes: int | None = None
     reserve_bytes: int | None = None
     budget: dict[str, Any] | None = None
@@ -171,7 +173,8 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
         f.root_mode = stat.S_IMODE(rst.st_mode)
         f.root_writable = os.access(root, os.W_OK | os.X_OK)
         fs = fs_info(root)
-        f.fs_avail_bytes, f.fs_read_only = fs.avail_bytes, fs.read_only
+        f.fs_avail_bytes, f.fs_sandboxed = fs.avail_bytes, fs.sandboxed
+        f.fs_read_only = fs.read_only and not fs.sandboxed
         f.reserve_bytes = resolve_size(s.l2_reserve, fs.total_bytes, "KVP_L2_RESERVE")
     except (OSError, KvpError) as exc:
         f.errors.append(f"cache root: {exc}")
@@ -390,7 +393,7 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
     # ---- cache root (kvpersist/stack/health_root.py)
     checks += [Check(*row) for row in root_checks(RootFacts(
         exists=f.root_exists, mode=f.root_mode, writable=f.root_writable,
-        read_only=f.fs_read_only, avail_bytes=f.fs_avail_bytes,
+        read_only=f.fs_read_only, sandboxed=f.fs_sandboxed, avail_bytes=f.fs_avail_bytes,
         reserve_bytes=f.reserve_bytes, budget=f.budget, budget_error=f.budget_error))]
     # ---- vLLM
     if not f.expect_vllm:
@@ -517,6 +520,7 @@ class HealthReport:
             "cache_root": {"path": loc.cache_root,
                            "mode": f"{f.root_mode:04o}" if f.root_mode is not None else None,
                            "avail_bytes": f.fs_avail_bytes, "read_only": f.fs_read_only,
+                           "read_only_here": f.fs_sandboxed,
                            "reserve_bytes": f.reserve_bytes, "budget": f.budget},
             "shared_tier": f.shared_tier,
             "warmup": _warmup_dict(f.warmup, loc),

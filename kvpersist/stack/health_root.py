@@ -37,8 +37,12 @@ class RootFacts:
     mode: int | None = None
     #: ``access(W_OK | X_OK)``: false on a read-only filesystem too
     writable: bool = False
-    #: the filesystem holding it is mounted read-only (``statvfs`` ``ST_RDONLY``)
+    #: the filesystem holding it is mounted read-only (``statvfs`` ``ST_RDONLY``, and its
+    #: superblock where that could be read)
     read_only: bool = False
+    #: read-only only in this process's view of it (a sandbox such as the health unit's
+    #: ``ProtectSystem=strict``): the filesystem is read-write, ``writable`` says nothing
+    sandboxed: bool = False
     avail_bytes: int | None = None
     reserve_bytes: int | None = None
     budget: dict[str, Any] | None = None
@@ -55,17 +59,22 @@ def root_checks(r: RootFacts) -> list[CheckRow]:
     problems = []
     if r.mode is not None and accessible_to_others(r.mode):
         problems.append(f"accessible to others (mode {r.mode:04o})")
-    if not r.writable and not r.read_only:  # read-only is its own check
+    if not r.writable and not r.read_only and not r.sandboxed:  # read-only: its own check
         problems.append("not writable")
     out.append(("cache_root.permissions", "degraded" if problems else "ok",
                 "; ".join(problems) or f"mode {r.mode or 0:04o}, "
-                + ("writable" if r.writable else "on a read-only filesystem")))
+                + ("writable" if r.writable else "write access not testable from a "
+                   "read-only sandbox" if r.sandboxed else "on a read-only filesystem")))
     if r.read_only:
         out.append(("cache_root.read_only", "degraded",
                     "the filesystem holding the cache root is mounted read-only: every L2 "
                     "write fails (EROFS), new chunks are not persisted; serving continues "
                     "from L1 and the chunks on disk. Find why (a remount, or the kernel "
                     "after I/O errors: dmesg), then `mount -o remount,rw`: " + RESUME))
+    elif r.sandboxed:
+        out.append(("cache_root.read_only", "ok",
+                    "the filesystem is mounted read-write; read-only only in this check's "
+                    "own sandbox (e.g. the health unit's ProtectSystem=strict)"))
     else:
         out.append(("cache_root.read_only", "ok", "mounted read-write"))
     if r.avail_bytes is not None and r.reserve_bytes is not None:

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Collection
@@ -109,26 +110,74 @@ def nearest_existing(path: str | os.PathLike[str]) -> Path:
 @dataclass(frozen=True)
 class FsInfo:
     """The filesystem holding a path (from statvfs): size, free, free for unprivileged users,
-    and whether it is mounted read-only (``ST_RDONLY``: every write fails with EROFS)."""
+    and whether this process's mount of it is read-only (``ST_RDONLY``: every write from here
+    fails with EROFS).
+
+    ``fs_read_only`` is the filesystem's own state (its superblock's options in
+    ``/proc/self/mountinfo``; None where they could not be read): ``read_only`` with
+    ``fs_read_only`` False means only this process's view is read-only (a read-only bind
+    mount, or a sandbox such as systemd's ``ProtectSystem=strict``), not the filesystem the
+    cache server writes to."""
 
     total_bytes: int
     free_bytes: int
     avail_bytes: int
     read_only: bool = False
+    fs_read_only: bool | None = None
+
+    @property
+    def sandboxed(self) -> bool:
+        """Read-only here, read-write in itself: a read-only view (see the class)."""
+        return self.read_only and self.fs_read_only is False
+
+
+def _unescape_mount_path(field: str) -> str:
+    """A path field of mountinfo (spaces, tabs, newlines and backslashes as octal escapes)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def superblock_read_only(mountinfo: str, path: str) -> bool | None:
+    """Whether the filesystem mounted at the deepest mount point above ``path`` (absolute,
+    symlinks resolved) is read-only in itself, from the text of ``/proc/self/mountinfo``
+    (pure): the ``ro`` of its super options (the last field), not of the mount's own options.
+    None where no line names a mount point above ``path`` or a line cannot be read."""
+    best: tuple[int, bool] | None = None
+    for line in mountinfo.splitlines():
+        fields = line.split(" ")
+        if len(fields) < 10 or "-" not in fields[6:]:
+            continue
+        point = _unescape_mount_path(fields[4])
+        sep = fields.index("-", 6)
+        if len(fields) < sep + 4:
+            continue
+        inside = path == point or point == "/" or path.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= best[0]):
+            best = (len(point), "ro" in fields[sep + 3].split(","))
+    return None if best is None else best[1]
 
 
 def fs_info(path: str | os.PathLike[str]) -> FsInfo:
-    """statvfs of the filesystem holding ``path`` (or its nearest existing ancestor).
+    """statvfs of the filesystem holding ``path`` (or its nearest existing ancestor), and the
+    filesystem's own read-only state where this process's mount of it is read-only.
 
     Raises KvpError if it cannot be read.
     """
+    where = nearest_existing(path)
     try:
-        sv = os.statvfs(nearest_existing(path))
+        sv = os.statvfs(where)
     except (OSError, ValueError) as exc:
         raise KvpError(f"cannot stat the filesystem of {path}: {exc}") from exc
+    read_only = bool(sv.f_flag & os.ST_RDONLY)
+    fs_read_only: bool | None = read_only
+    if read_only:  # the filesystem itself, or only this view of it?
+        try:
+            with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+                fs_read_only = superblock_read_only(f.read(), os.path.realpath(where))
+        except OSError:
+            fs_read_only = None
     return FsInfo(total_bytes=sv.f_blocks * sv.f_frsize, free_bytes=sv.f_bfree * sv.f_frsize,
-                  avail_bytes=sv.f_bavail * sv.f_frsize,
-                  read_only=bool(sv.f_flag & os.ST_RDONLY))
+                  avail_bytes=sv.f_bavail * sv.f_frsize, read_only=read_only,
+                  fs_read_only=fs_read_only)
 
 
 def trust_problems(path: str | os.PathLike[str], uid: int | None = None,

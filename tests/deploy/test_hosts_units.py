@@ -349,6 +349,12 @@ def test_the_timers_fire_and_their_results_are_in_the_journal(unit: Unit) -> Non
     assert health["components"]["canary"] == "ok", health["components"]
     unit.seen["health timer"] = {"status": health["status"], "not ok": [
         (c["name"], c["detail"]) for c in health["checks"] if c["status"] != "ok"]}
+    # the unit's sandbox (ProtectSystem=strict) makes the cache root read-only in its view
+    # only: the filesystem is read-write, and the cache root's checks say so
+    root = {c["name"]: c for c in health["checks"] if c["name"].startswith("cache_root")}
+    assert all(c["status"] == "ok" for c in root.values()), root
+    assert "sandbox" in root["cache_root.read_only"]["detail"], root
+    assert health["cache_root"]["read_only"] is False, health["cache_root"]
     assert results["scrub"]["docs"][-1].get("schema") == "kvpersist.scrub/1", \
         results["scrub"]["docs"]
     assert results["prune-max-age"]["docs"][-1].get("schema") == "kvpersist.prune/1", \

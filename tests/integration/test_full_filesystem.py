@@ -46,6 +46,7 @@ import requests
 
 from kvpersist.demo.kvdriver import KVDriver, connect
 
+from ..cli import kvp
 from ..fullstack._stack import Stack, l2_hits_in_text, wait_until
 from ._loopfs import LoopFs, loop_filesystem
 from ._prometheus import Monitoring, monitoring, short_for_rules
@@ -240,6 +241,18 @@ def test_full_then_read_only_then_space_back(on_loop_fs: tuple[LoopFs, Stack],
     _metrics(stack, mon)
     code, checks = _health(stack)
     assert code == 0, checks
+    # the same root read-only only in a sandbox's view (what systemd's ProtectSystem=strict
+    # does to the health unit: a read-only bind mount in its own mount namespace): the
+    # filesystem is read-write, so no read-only alarm and no permission complaint
+    r = kvp("health", stack.config, "--no-vllm", "--json", env=stack.env, wrapper=[
+        "unshare", "--mount", "--propagation", "private", "sh", "-c",
+        'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"',
+        str(stack.root)])
+    doc = json.loads(r.stdout)
+    seen = {c["name"]: c for c in doc["checks"]}
+    assert r.returncode == 0 and doc["cache_root"]["read_only_here"], (r.stderr, seen)
+    assert "sandbox" in seen["cache_root.read_only"]["detail"], seen["cache_root.read_only"]
+    assert seen["cache_root.permissions"]["status"] == "ok", seen["cache_root.permissions"]
     srv.set_mark()
     with connect(stack.rpc, stack.http, ns) as d:
         assert d.store(8) == digests[8]          # resident in L1 since its write failed

@@ -76,3 +76,14 @@ def test_health_verdict_carries_the_read_only_fact() -> None:
     assert ro.status == "degraded" and "EROFS" in ro.detail
     assert health.component_of(ro.name) == "cache_root"
     assert health.component_status(checks)["cache_root"] == "degraded"
+
+
+def test_a_root_read_only_only_in_a_sandbox_is_ok_and_says_so() -> None:
+    """The health unit's ProtectSystem=strict makes the root read-only in its own view
+    (access(W_OK) fails too); the filesystem is read-write: no alarm, no permission
+    complaint, and the detail says why the view is read-only."""
+    got = _by_name(replace(OK, writable=False, sandboxed=True))
+    assert all(status == "ok" for status, _ in got.values()), got
+    assert "sandbox" in got["cache_root.read_only"][1]
+    assert got["cache_root.permissions"][1] == (
+        "mode 0700, write access not testable from a read-only sandbox")
