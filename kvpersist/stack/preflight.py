@@ -48,7 +48,7 @@ from kvpersist.system.files import (
     service_uids,
     trust_problems,
 )
-from kvpersist.system.software import installed_vllm_version, running_vllm_version
+from kvpersist.system.software import installed_vllm_version
 
 #: less free space than this on the cache root's filesystem refuses a launch
 MIN_FREE_BYTES = 256 << 20
@@ -227,7 +227,7 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
     exe = plan.server_argv[0]
     identity = identity_check.check_deployment(dep, vllm_launched=with_vllm)
     process = plan.vllm_mode == "process"
-    version = running_vllm_version(dep.vllm_version, direct_process=process)
+    version = plan.vllm_version
     facts = PreflightFacts(
         with_vllm=with_vllm, pinned=dep.pinned, namespace=dep.namespace,
         dep_notes=tuple(dep.notes), serde=plan.serde, foreign_notes=tuple(foreign_notes(sizing)),
