@@ -16,8 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-from kvpersist.config.deployment import Deployment
+from kvpersist.config.deployment import Deployment, listeners, private_paths
 from kvpersist.config.loader import load_deployment
+from kvpersist.config.shared_tier import SharedTier
 from kvpersist.l2.hot_files import off_reason
 from kvpersist.l2.inventory import Sizing, size_deployment
 from kvpersist.stack.canary.run import recompute_reason
@@ -29,6 +30,48 @@ from kvpersist.stack.render import TEMPLATE_NAMES, Rendered, render
 from kvpersist.system.software import running_vllm_version
 from kvpersist.system.templates import read_templates
 from kvpersist.system.vllm_seam import RELEASES, table_version
+
+
+@dataclass(frozen=True)
+class LaunchChecks:
+    """What the checks before a launch read of the deployment, taken from it once (plain
+    values: :mod:`kvpersist.stack.preflight` gathers and judges from these and the plan)."""
+
+    pinned: bool = True
+    #: notes from the config, shown as they are
+    notes: tuple[str, ...] = ()
+    use_direct_io: bool = False
+    generic_config: str = ""
+    allow_tmp_cleanup: bool = False
+    allow_unsupported_vllm: bool = False
+    #: (component, description) of each port that binds a non-loopback address
+    remote_listeners: tuple[tuple[str, str], ...] = ()
+    #: (setting, path) as configured: the container's mounts (KVP_CONTAINER_MOUNTS, the
+    #: weights when an absolute path) and what it must never see
+    container_mounts: tuple[tuple[str, str], ...] = ()
+    private_paths: tuple[tuple[str, str], ...] = ()
+    #: KVP_SHARED_TIER as written ('' : none), parsed (None: none, or it does not parse), and
+    #: its secret file
+    shared_tier_url: str = ""
+    shared_tier: SharedTier | None = None
+    shared_tier_secret_file: str = ""
+
+
+def launch_checks(dep: Deployment) -> LaunchChecks:
+    """What the checks before a launch of ``dep`` read of it (pure)."""
+    s = dep.settings
+    mounts = [("KVP_CONTAINER_MOUNTS", m) for m in s.container_mounts]
+    if s.model_path.startswith("/"):
+        mounts.append(("KVP_MODEL_PATH", s.model_path))
+    return LaunchChecks(
+        pinned=dep.pinned, notes=tuple(dep.notes), use_direct_io=dep.generic.l2_use_direct_io,
+        generic_config=s.generic_config, allow_tmp_cleanup=s.allow_lmcache_tmp_cleanup,
+        allow_unsupported_vllm=s.allow_unsupported_vllm,
+        remote_listeners=tuple((lst.component, lst.describe()) for lst in listeners(s)
+                               if lst.remote),
+        container_mounts=tuple(mounts), private_paths=tuple(private_paths(s)),
+        shared_tier_url=s.shared_tier, shared_tier=dep.shared,
+        shared_tier_secret_file=s.shared_tier_secret_file)
 
 
 @dataclass(frozen=True)
@@ -46,6 +89,8 @@ class LaunchPlan(Location):
     preread_log: str = ""
     #: the vLLM release that will run (None: not known), found once for every step
     vllm_version: str | None = None
+    #: what the checks before the launch read of the deployment
+    checks: LaunchChecks = field(default_factory=LaunchChecks)
 
 
 def lmcache_bin() -> str:
@@ -98,7 +143,7 @@ def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
                       vllm_argv=vllm_argv, vllm_env=vllm_env, preread_argv=pre_argv,
                       preread_skip=skip,
                       preread_log=os.path.join(os.path.dirname(loc.server_log), "preread.log"),
-                      vllm_version=vllm_version)
+                      vllm_version=vllm_version, checks=launch_checks(dep))
 
 
 @dataclass(frozen=True)
@@ -153,5 +198,5 @@ def recompute_plan(prepared: Prepared, why: str) -> Prepared:
                        vllm_version=version)
     return replace(prepared, rendered=rendered, plan=plan)
 
-__all__ = ["LaunchPlan", "Prepared", "lmcache_bin", "plan_launch", "prepare_launch",
-           "recompute_plan"]
+__all__ = ["LaunchChecks", "LaunchPlan", "Prepared", "launch_checks", "lmcache_bin",
+           "plan_launch", "prepare_launch", "recompute_plan"]
