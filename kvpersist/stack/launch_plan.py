@@ -27,6 +27,7 @@ from kvpersist.stack.lmcache_exec import exec_argv
 from kvpersist.stack.locate import Location, locate
 from kvpersist.stack.preread import preread_argv
 from kvpersist.stack.render import TEMPLATE_NAMES, Rendered, render
+from kvpersist.stack.vllm_args import ParserInputs, parser_inputs
 from kvpersist.system.software import running_vllm_version
 from kvpersist.system.templates import read_templates
 from kvpersist.system.vllm_seam import RELEASES, table_version
@@ -55,6 +56,8 @@ class LaunchChecks:
     shared_tier_url: str = ""
     shared_tier: SharedTier | None = None
     shared_tier_secret_file: str = ""
+    #: what vLLM's parser check reads
+    parser: ParserInputs = field(default_factory=ParserInputs)
 
 
 def launch_checks(dep: Deployment) -> LaunchChecks:
@@ -71,7 +74,7 @@ def launch_checks(dep: Deployment) -> LaunchChecks:
                                if lst.remote),
         container_mounts=tuple(mounts), private_paths=tuple(private_paths(s)),
         shared_tier_url=s.shared_tier, shared_tier=dep.shared,
-        shared_tier_secret_file=s.shared_tier_secret_file)
+        shared_tier_secret_file=s.shared_tier_secret_file, parser=parser_inputs(dep))
 
 
 @dataclass(frozen=True)

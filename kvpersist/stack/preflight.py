@@ -255,19 +255,20 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
                 f"vLLM's own parser not run: {why}; the flag table of vLLM "
                 f"{vllm_seam.table_version(version)} read the arguments",)))
         else:
-            facts = replace(facts, vllm_args=gather_args(dep, plan))
+            facts = replace(facts, vllm_args=gather_args(plan))
     return facts
 
 
-def gather_args(dep: Deployment, plan: LaunchPlan) -> ArgsFacts:
+def gather_args(plan: LaunchPlan) -> ArgsFacts:
     """vLLM's parser verdict on the launch's arguments: the one remembered in the state dir
     for the same key (same vLLM build, same arguments), else a new check (a vLLM import)."""
-    key = vllm_args.check_key(dep, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
+    inputs = plan.checks.parser
+    key = vllm_args.check_key(inputs, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
     cached = vllm_args.cached_verdict(plan.state_dir, key)
     if cached is not None:
         return ArgsFacts((), (*cached, "vLLM's own parser check: the same vLLM build and "
                           "arguments as at a launch that passed it; not run again"))
-    args = vllm_args.check_deployment(dep, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
+    args = vllm_args.check_deployment(inputs, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
     return ArgsFacts(tuple(args.problems), tuple(args.notes), key)
 
 
