@@ -279,11 +279,11 @@ def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
             progress(f"stopping vLLM (pid {vsp.pid}): the cache server did not start")
             vsp.abandon()
         raise
-    if with_server and dep.shared is not None:
-        # never fails the launch: a store that does not answer is a warning
-        record = fleet.write(dep, launched=True, nvme=fleet.nvme_use(sizing, dep.namespace))
-        progress(record.note())
-        notes.append(record.note())
+    if with_server:
+        record = fleet_record(prepared)
+        if record is not None:
+            progress(record.note())
+            notes.append(record.note())
     vllm: Started | None = None
     if vsp is not None:
         vllm = wait_ready(vsp, opts.vllm_timeout)
@@ -321,6 +321,16 @@ def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
                         server_pid, canary, recompute)
 
 
+def fleet_record(prepared: Prepared) -> RecordOutcome | None:
+    """Write this host's record on the shared tier for the cache server this launch starts,
+    with the launch's measurement of the namespace's files (None: no shared tier). Never
+    fails the launch: a store that does not answer is a warning (the outcome's note)."""
+    dep = prepared.dep
+    if dep.shared is None:
+        return None
+    return fleet.write(dep, launched=True, nvme=fleet.nvme_use(prepared.sizing, dep.namespace))
+
+
 def _serve_recomputed(prepared: Prepared, opts: LaunchOptions,
                       progress: Progress) -> tuple[Prepared, Started]:
     """The canary failed: stop the vLLM this launch started (it must not serve from a cache
@@ -341,12 +351,12 @@ def _exec_server(prepared: Prepared, srv: procs.PidState, opts: LaunchOptions,
     """The foreground launch's last steps: the crash window, this host's fleet record (a
     failure is a warning), the hot-files pre-read, the pid file with this pid, and the exec
     of the cache server in this process."""
-    dep, plan = prepared.dep, prepared.plan
+    plan = prepared.plan
     check_crash_window(plan, srv, how="foreground", rate_mb_s=opts.crash_rate_mb_s,
                        deadline_s=opts.crash_seconds, progress=progress)
-    if dep.shared is not None:
-        progress(fleet.write(dep, launched=True,
-                             nvme=fleet.nvme_use(prepared.sizing, dep.namespace)).note())
+    record = fleet_record(prepared)
+    if record is not None:
+        progress(record.note())
     begin_preread(plan, progress)
     progress(f"exec lmcache server for {plan.namespace} (pid file {plan.server_pid_file})")
     procs.write_pid_file(plan.server_pid_file, os.getpid())

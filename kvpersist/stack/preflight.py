@@ -24,19 +24,14 @@ import shutil
 import stat
 from dataclasses import dataclass, replace
 
-from kvpersist.config.deployment import (
-    Deployment,
-    container_mount_problems,
-    listeners,
-    private_paths,
-)
+from kvpersist.config.deployment import Deployment, container_mount_problems
 from kvpersist.errors import ConfigError, KvpError, Problem
 from kvpersist.l2.inventory import Sizing
 from kvpersist.l2.layout import display_name
 from kvpersist.l2.shared.credentials import check_ca_file, read_secret_file
 from kvpersist.l2.shared.store import TLS_UNTRUSTED, probe
 from kvpersist.stack import identity_check, vllm_args
-from kvpersist.stack.launch_plan import LaunchPlan
+from kvpersist.stack.launch_plan import LaunchChecks, LaunchPlan
 from kvpersist.stack.render import serde_warnings
 from kvpersist.stack.warm.run import read_warm_set
 from kvpersist.stack.weights import WeightsCheck, check_weights
@@ -48,7 +43,7 @@ from kvpersist.system.files import (
     service_uids,
     trust_problems,
 )
-from kvpersist.system.software import installed_vllm_version, running_vllm_version
+from kvpersist.system.software import installed_vllm_version
 
 #: less free space than this on the cache root's filesystem refuses a launch
 MIN_FREE_BYTES = 256 << 20
@@ -184,15 +179,12 @@ class PreflightFacts:
     allow_unsupported_vllm: bool = False
 
 
-def resolved_mount_problems(dep: Deployment) -> list[Problem]:
+def resolved_mount_problems(c: LaunchChecks) -> list[Problem]:
     """The container's mounts (KVP_CONTAINER_MOUNTS, the weights) against the private paths,
     both with symlinks resolved (the pure check of the deployment compares them as
     written)."""
-    s = dep.settings
-    mounts = [("KVP_CONTAINER_MOUNTS", os.path.realpath(m)) for m in s.container_mounts]
-    if s.model_path.startswith("/"):
-        mounts.append(("KVP_MODEL_PATH", os.path.realpath(s.model_path)))
-    private = [(k, os.path.realpath(p)) for k, p in private_paths(s)]
+    mounts = [(k, os.path.realpath(m)) for k, m in c.container_mounts]
+    private = [(k, os.path.realpath(p)) for k, p in c.private_paths]
     return container_mount_problems(private, mounts, "KVP_IMAGE")
 
 
@@ -204,11 +196,11 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
     ``with_server=False``: the deployment's cache server already runs (a launch of vLLM
     alone): its ports are its own, not checked. Raises KvpError only when the filesystem of
     the cache root cannot be looked at."""
-    s = dep.settings
+    c = plan.checks
     also: tuple[int, ...] = ()
     user_error = ""
     try:
-        also = service_uids(s.service_user)
+        also = service_uids(plan.service_user)
     except KvpError as exc:
         user_error = str(exc)
     scan = sizing.measurement.scan if sizing.measurement else None
@@ -227,35 +219,35 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
     exe = plan.server_argv[0]
     identity = identity_check.check_deployment(dep, vllm_launched=with_vllm)
     process = plan.vllm_mode == "process"
-    version = running_vllm_version(dep.vllm_version, direct_process=process)
+    version = plan.vllm_version
     facts = PreflightFacts(
-        with_vllm=with_vllm, pinned=dep.pinned, namespace=dep.namespace,
-        dep_notes=tuple(dep.notes), serde=plan.serde, foreign_notes=tuple(foreign_notes(sizing)),
-        listener_notes=tuple(listener_notes(dep, with_vllm=with_vllm)),
+        with_vllm=with_vllm, pinned=c.pinned, namespace=plan.namespace,
+        dep_notes=c.notes, serde=plan.serde, foreign_notes=tuple(foreign_notes(sizing)),
+        listener_notes=tuple(listener_notes(c.remote_listeners, with_vllm=with_vllm)),
         budget_notes=tuple(budget_notes(sizing)),
-        root=gather_root(plan.cache_root, direct_io=dep.generic.l2_use_direct_io),
-        use_direct_io=dep.generic.l2_use_direct_io, generic_config=s.generic_config,
-        service_user_error=user_error, trust=tuple(trust), shared=gather_shared(dep, also),
+        root=gather_root(plan.cache_root, direct_io=c.use_direct_io),
+        use_direct_io=c.use_direct_io, generic_config=c.generic_config,
+        service_user_error=user_error, trust=tuple(trust), shared=gather_shared(c, also),
         ports=tuple(PortFacts(key, host, port, procs.port_bindable(host, port))
                     for key, host, port in ports),
         server_exe=exe, server_exe_found=bool(os.path.exists(exe) or shutil.which(exe)),
         vllm_mode=plan.vllm_mode, model_target=plan.model_target,
         model_exists=os.path.exists(plan.model_target),
-        docker_found=bool(shutil.which(s.container_engine)) if with_vllm else False,
-        container_engine=s.container_engine,
-        mount_problems=tuple(resolved_mount_problems(dep)) if with_vllm and
+        docker_found=bool(shutil.which(plan.container_engine)) if with_vllm else False,
+        container_engine=plan.container_engine,
+        mount_problems=tuple(resolved_mount_problems(c)) if with_vllm and
         plan.vllm_mode == "container" else (),
         identity_problems=tuple(identity.launch_problems()),
         identity_notes=tuple(identity.launch_notes()),
-        weights=check_weights(plan, pinned=dep.pinned, with_vllm=with_vllm, write_cache=False),
+        weights=check_weights(plan, pinned=c.pinned, with_vllm=with_vllm, write_cache=False),
         tmp_files=cleans.files if cleans and with_server else 0,
         tmp_samples=tuple(cleans.samples) if cleans else (),
-        allow_tmp_cleanup=s.allow_lmcache_tmp_cleanup,
+        allow_tmp_cleanup=c.allow_tmp_cleanup,
         warm_set_problems=warm_set_problems(dep) if with_vllm else (),
         vllm_version=version,
         vllm_version_of="the installed vLLM" if process and version == installed_vllm_version()
         else "the vLLM the deployment names (KVP_VLLM_BUILD, KVP_IMAGE)",
-        allow_unsupported_vllm=s.allow_unsupported_vllm)
+        allow_unsupported_vllm=c.allow_unsupported_vllm)
     if with_vllm and not judge(facts).problems:  # costs a vLLM import: last, when all passed
         if version not in vllm_seam.RELEASES:  # opted in: its parser is not known
             why = vllm_seam.support_problem(version, facts.vllm_version_of)
@@ -263,19 +255,20 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
                 f"vLLM's own parser not run: {why}; the flag table of vLLM "
                 f"{vllm_seam.table_version(version)} read the arguments",)))
         else:
-            facts = replace(facts, vllm_args=gather_args(dep, plan))
+            facts = replace(facts, vllm_args=gather_args(plan))
     return facts
 
 
-def gather_args(dep: Deployment, plan: LaunchPlan) -> ArgsFacts:
+def gather_args(plan: LaunchPlan) -> ArgsFacts:
     """vLLM's parser verdict on the launch's arguments: the one remembered in the state dir
     for the same key (same vLLM build, same arguments), else a new check (a vLLM import)."""
-    key = vllm_args.check_key(dep, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
+    inputs = plan.checks.parser
+    key = vllm_args.check_key(inputs, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
     cached = vllm_args.cached_verdict(plan.state_dir, key)
     if cached is not None:
         return ArgsFacts((), (*cached, "vLLM's own parser check: the same vLLM build and "
                           "arguments as at a launch that passed it; not run again"))
-    args = vllm_args.check_deployment(dep, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
+    args = vllm_args.check_deployment(inputs, plan.vllm_mode, plan.vllm_argv, plan.vllm_env)
     return ArgsFacts(tuple(args.problems), tuple(args.notes), key)
 
 
@@ -323,16 +316,15 @@ def gather_root(root: str, *, direct_io: bool) -> RootFacts:
                    direct_io_problem=direct_io_problem(where) if direct_io else "")
 
 
-def gather_shared(dep: Deployment, also: tuple[int, ...]) -> SharedFacts | None:
+def gather_shared(c: LaunchChecks, also: tuple[int, ...]) -> SharedFacts | None:
     """The shared tier's secret file (its path trusted, then read owner-only), its CA file
     and, when both are fine, its store (TLS and budget). None without a shared tier. An
     unreachable store is no fact against a launch (it starts degraded)."""
-    s = dep.settings
-    if not s.shared_tier:
+    if not c.shared_tier_url:
         return None
-    tier = dep.shared
-    path = s.shared_tier_secret_file
-    facts = SharedFacts(path, tier.endpoint if tier else s.shared_tier,
+    tier = c.shared_tier
+    path = c.shared_tier_secret_file
+    facts = SharedFacts(path, tier.endpoint if tier else c.shared_tier_url,
                         trust=tuple(trust_problems(path, also=also)))
     secret = None
     if not facts.trust:
@@ -356,11 +348,12 @@ def gather_shared(dep: Deployment, also: tuple[int, ...]) -> SharedFacts | None:
 # --------------------------------------------------------------------------- notes (pure)
 
 
-def listener_notes(dep: Deployment, *, with_vllm: bool) -> list[str]:
-    """A note for every port that binds a non-loopback address (each opted in by its
-    ``KVP_ALLOW_REMOTE_*`` key; a bind without one never gets this far)."""
-    return [f"network: {lst.describe()}" for lst in listeners(dep.settings)
-            if lst.remote and (with_vllm or lst.component != "vllm")]
+def listener_notes(remote: tuple[tuple[str, str], ...], *, with_vllm: bool) -> list[str]:
+    """A note for every port that binds a non-loopback address (``remote``: (component,
+    description) of each; each opted in by its ``KVP_ALLOW_REMOTE_*`` key; a bind without one
+    never gets this far)."""
+    return [f"network: {what}" for component, what in remote
+            if with_vllm or component != "vllm"]
 
 
 def foreign_notes(sizing: Sizing) -> list[str]:

@@ -42,7 +42,7 @@ import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpersist.config.deployment import Deployment
@@ -155,7 +155,41 @@ def installed_vllm_build() -> str:
     return " ".join(out)
 
 
-def check_key(dep: Deployment, vllm_mode: str, vllm_argv: Sequence[str],
+@dataclass(frozen=True)
+class ParserInputs:
+    """What the parser check reads of a deployment, taken from it once (plain values; a
+    launch plan carries them, :func:`parser_inputs`)."""
+
+    #: the model argument: the namespace
+    namespace: str = ""
+    #: KVP_VLLM_EXTRA_ARGS
+    extra: tuple[str, ...] = ()
+    #: the namespace's engine arguments (dest -> value) and the identity file that spells
+    #: them (KVP_ENGINE_ARGS as written is read from it when the check runs)
+    engine: Mapping[str, str] = field(default_factory=dict)
+    source: str = ""
+    #: KVP_IMAGE ('' : a direct process); how many arguments of the rendered container
+    #: command come before vLLM's; the command that runs the image's python3
+    image: str = ""
+    container_prefix: int = 0
+    container_run: tuple[str, ...] = ()
+    #: the release the deployment names (KVP_VLLM_BUILD, KVP_IMAGE's tag)
+    named_version: str | None = None
+    allow_unsupported: bool = False
+
+
+def parser_inputs(dep: Deployment) -> ParserInputs:
+    """What the parser check reads of ``dep`` (pure)."""
+    s = dep.settings
+    return ParserInputs(
+        namespace=dep.namespace, extra=tuple(s.vllm_extra_args),
+        engine=dict(dep.identity_values.get("engine_args", {})), source=dep.source,
+        image=s.image, container_prefix=len(container_argv(dep, [])) if s.image else 0,
+        container_run=tuple(container_python_argv(dep)) if s.image else (),
+        named_version=dep.vllm_version, allow_unsupported=s.allow_unsupported_vllm)
+
+
+def check_key(inputs: ParserInputs, vllm_mode: str, vllm_argv: Sequence[str],
               vllm_env: Mapping[str, str]) -> str:
     """The key of the parser check of this launch (sha256 hex), or '' when its verdict is not
     remembered (a container, or vLLM run by another interpreter than this one)."""
@@ -170,8 +204,8 @@ def check_key(dep: Deployment, vllm_mode: str, vllm_argv: Sequence[str],
     for i, arg in enumerate(argv[:-1]):
         if arg in _MASKED:
             argv[i + 1] = "*"
-    payload = {"build": build, "argv": argv, "extra": list(dep.settings.vllm_extra_args),
-               "engine": sorted(dict(dep.identity_values.get("engine_args", {})).items()),
+    payload = {"build": build, "argv": argv, "extra": list(inputs.extra),
+               "engine": sorted(dict(inputs.engine).items()),
                "env": sorted((k, v) for k, v in vllm_env.items()
                              if k.startswith(vllm_seam.ENV_PREFIX)),
                "script": hashlib.sha256(SCRIPT.encode()).hexdigest(), "table": _TABLES}
@@ -361,31 +395,31 @@ def check_vllm_args(vllm_argv: Sequence[str], extra: Sequence[str], engine_text:
     return ParserCheck(tuple(problems), tuple(notes), seconds)
 
 
-def check_deployment(dep: Deployment, vllm_mode: str, vllm_argv: Sequence[str],
+def check_deployment(inputs: ParserInputs, vllm_mode: str, vllm_argv: Sequence[str],
                      vllm_env: Mapping[str, str]) -> ParserCheck:
     """:func:`check_vllm_args` for a launch plan's vLLM command (``python -m MODULE ARGS``
     for a direct process, the rendered ``docker run ... IMAGE ARGS`` for a container)."""
-    extra = list(dep.settings.vllm_extra_args)
-    engine: dict[str, str] = dict(dep.identity_values.get("engine_args", {}))
+    extra = list(inputs.extra)
+    engine: dict[str, str] = dict(inputs.engine)
     engine_text = ""
     if engine:
 
-        engine_text = load_identity_values(dep.source)[1].get(ENGINE_KEY, "")
-    allow = dep.settings.allow_unsupported_vllm
+        engine_text = load_identity_values(inputs.source)[1].get(ENGINE_KEY, "")
+    allow = inputs.allow_unsupported
     if vllm_mode == "container":
 
-        args = list(vllm_argv[len(container_argv(dep, [])):])
+        args = list(vllm_argv[inputs.container_prefix:])
         return check_vllm_args(args, extra, engine_text, engine, python="python3",
-                               env=vllm_env, image=dep.settings.image,
-                               container_run=container_python_argv(dep),
-                               version=dep.vllm_version, allow_unsupported=allow)
+                               env=vllm_env, image=inputs.image,
+                               container_run=inputs.container_run,
+                               version=inputs.named_version, allow_unsupported=allow)
     # python, the release's serve arguments, then the rendered ones, which start with the
     # model: the namespace, after --model or alone (vllm serve's positional argument)
-    at = vllm_argv.index(dep.namespace)
+    at = vllm_argv.index(inputs.namespace)
     args = list(vllm_argv[at - 1 if vllm_argv[at - 1] == "--model" else at:])
     return check_vllm_args(args, extra, engine_text, engine, python=vllm_argv[0],
                            env=vllm_env, version=running_vllm_version(
-                               dep.vllm_version, direct_process=True),
+                               inputs.named_version, direct_process=True),
                            allow_unsupported=allow)
 
 

@@ -35,8 +35,8 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 def _key(config: str = "cpu-demo") -> tuple[str, str]:
     p = prepare_launch(config)
     plan = p.plan
-    return vllm_args.check_key(p.dep, plan.vllm_mode, plan.vllm_argv, plan.vllm_env), \
-        plan.state_dir
+    return vllm_args.check_key(plan.checks.parser, plan.vllm_mode, plan.vllm_argv,
+                               plan.vllm_env), plan.state_dir
 
 
 def test_the_key_depends_on_the_build_and_arguments_not_on_ports(
@@ -51,13 +51,14 @@ def test_the_key_depends_on_the_build_and_arguments_not_on_ports(
     monkeypatch.delenv("KVP_VLLM_EXTRA_ARGS")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     p = prepare_launch("cpu-demo")
-    other = vllm_args.check_key(p.dep, p.plan.vllm_mode, p.plan.vllm_argv,
+    other = vllm_args.check_key(p.plan.checks.parser, p.plan.vllm_mode, p.plan.vllm_argv,
                                 {**p.plan.vllm_env, "VLLM_SOMETHING": "1"})
     assert other != key
     # another interpreter, a container: never remembered
     argv = ["/usr/bin/python3", *p.plan.vllm_argv[1:]]
-    assert vllm_args.check_key(p.dep, "process", argv, p.plan.vllm_env) == ""
-    assert vllm_args.check_key(p.dep, "container", p.plan.vllm_argv, p.plan.vllm_env) == ""
+    assert vllm_args.check_key(p.plan.checks.parser, "process", argv, p.plan.vllm_env) == ""
+    assert vllm_args.check_key(p.plan.checks.parser, "container", p.plan.vllm_argv,
+                               p.plan.vllm_env) == ""
     assert os.path.realpath(p.plan.vllm_argv[0]) == os.path.realpath(sys.executable)
 
 
@@ -92,11 +93,11 @@ def test_the_preflight_uses_a_remembered_verdict_instead_of_importing_vllm(
     again; without it the verdict comes from vLLM's own parser (a subprocess) and carries
     its key. cpu-demo has KVP_ENGINE_ARGS, so the check does run."""
     p = prepare_launch("cpu-demo")
-    fresh = gather_args(p.dep, p.plan)
+    fresh = gather_args(p.plan)
     assert not fresh.problems and fresh.key, fresh
     Path(p.plan.state_dir).mkdir(parents=True)
     vllm_args.remember_verdict(p.plan.state_dir, fresh.key, fresh.notes)
-    again = gather_args(p.dep, p.plan)
+    again = gather_args(p.plan)
     assert not again.problems and not again.key
     assert any("not run again" in n for n in again.notes)
     assert locate(load_deployment("cpu-demo")).state_dir == p.plan.state_dir
