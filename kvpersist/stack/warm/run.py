@@ -48,8 +48,8 @@ from kvpersist.l2.tree import RootDir, open_dir, open_root
 from kvpersist.stack.locate import Location
 from kvpersist.stack.render import TEMPLATE_NAMES, render
 from kvpersist.stack.warm import compute as warm_compute
+from kvpersist.stack.warm import gate, prefetch
 from kvpersist.stack.warm import load as warm_load
-from kvpersist.stack.warm import prefetch
 from kvpersist.stack.warm.chunk_keys import chunk_files, key_scheme
 from kvpersist.stack.warm.handoff import Handoff
 from kvpersist.stack.warm.tokens import tokenize
@@ -279,6 +279,8 @@ def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s:
     finally:
         root.close()
     base = loc.server_http_url
+    if handoff.gate:  # started early by a launch: the server is asked once vLLM serves
+        gate.wait_serving(loc, handoff.gate)
     # --wait counts from the first request to the server, not from the tokenization
     t0 = time.monotonic()
     deadline = t0 + wait_s
@@ -297,6 +299,8 @@ def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s:
             entry.chunks = sub.chunks
     finally:
         res.prefetch_seconds = time.monotonic() - t0
+    if handoff.gate:  # nothing reaches vLLM before the launch's canary passed
+        deadline += gate.wait_open(handoff.gate)
     if res.compute:
         computed = _compute_missing(dep, loc, res.entries, res.world_size, token_ids,
                                     deadline, say)
