@@ -95,10 +95,12 @@ def _waited(path: str, done: Callable[[], bool], poll_s: float,
         time.sleep(poll_s)
 
 
-def wait_serving(loc: Location, path: str) -> None:
+def wait_serving(loc: Location, path: str) -> float:
     """Wait until ``loc``'s vLLM serves the namespace (the launch closes the gate when it
-    does not). Raises GateClosed."""
+    does not); the seconds waited. Raises GateClosed."""
+    t0 = time.monotonic()
     _waited(path, lambda: vllm_ready(loc, 1.0), SERVING_POLL_S)
+    return time.monotonic() - t0
 
 
 def wait_open(path: str) -> float:

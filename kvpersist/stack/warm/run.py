@@ -129,6 +129,8 @@ class WarmupResult:
     loads: list[warm_load.Loaded] = field(default_factory=list)
     #: vLLM's KV cache in tokens, as its metrics said (None: not asked or not said)
     kv_cache_tokens: int | None = None
+    #: seconds an early start waited for vLLM and at its gate (not in ``seconds``)
+    waited_s: float = 0.0
 
     @property
     def exit_code(self) -> int:
@@ -232,7 +234,7 @@ def warm(dep: Deployment, loc: Location, *, wait_s: float = DEFAULT_WAIT_S,
 
 
 def _finish(loc: Location, res: WarmupResult, t0: float, error: str | None) -> None:
-    res.seconds = time.monotonic() - t0
+    res.seconds = time.monotonic() - t0 - res.waited_s
     res.finished = _now()
     res.error = error
     res.state = "failed" if error else "done"
@@ -280,7 +282,7 @@ def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s:
         root.close()
     base = loc.server_http_url
     if handoff.gate:  # started early by a launch: the server is asked once vLLM serves
-        gate.wait_serving(loc, handoff.gate)
+        res.waited_s += gate.wait_serving(loc, handoff.gate)
     # --wait counts from the first request to the server, not from the tokenization
     t0 = time.monotonic()
     deadline = t0 + wait_s
@@ -300,7 +302,8 @@ def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s:
     finally:
         res.prefetch_seconds = time.monotonic() - t0
     if handoff.gate:  # nothing reaches vLLM before the launch's canary passed
-        deadline += gate.wait_open(handoff.gate)
+        waited = gate.wait_open(handoff.gate)
+        deadline, res.waited_s = deadline + waited, res.waited_s + waited
     if res.compute:
         computed = _compute_missing(dep, loc, res.entries, res.world_size, token_ids,
                                     deadline, say)
