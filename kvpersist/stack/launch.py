@@ -38,6 +38,7 @@ from kvpersist.stack.locate import Location
 from kvpersist.stack.preflight import Preflight, preflight, root_creation_note
 from kvpersist.stack.processes import (
     Progress,
+    Spawned,
     Started,
     begin_preread,
     quiet,
@@ -52,7 +53,13 @@ from kvpersist.stack.processes import (
 from kvpersist.stack.render import Rendered
 from kvpersist.stack.warm.handoff import Handoff
 from kvpersist.stack.warm.prime import PrimeRun, prime_vllm
-from kvpersist.stack.warm.readiness import NO_WARM_SET, WarmupRun, run_warmup
+from kvpersist.stack.warm.readiness import (
+    NO_WARM_SET,
+    StartedWarmup,
+    WarmupRun,
+    run_warmup,
+    start_warmup,
+)
 from kvpersist.stack.weights import WeightsCheck, manifest_with_weights, save_digests
 from kvpersist.system import procs
 from kvpersist.system.files import atomic_write_json, make_dirs, service_uids
@@ -284,6 +291,53 @@ def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
         if record is not None:
             progress(record.note())
             notes.append(record.note())
+    # the warm-up child starts now, while vLLM loads: its start, imports and plan are done
+    # when vLLM serves; it prefetches beside the prime and the canary and waits at its gate
+    # before it sends anything to vLLM (stack/warm/gate.py)
+    early: StartedWarmup | WarmupRun | None = None
+    handoff = Handoff.of(rendered.vllm_argv, rendered.lmcache_server_argv)
+    if (vsp is not None and opts.with_vllm and opts.warmup and dep.settings.warmup_file
+            and not rendered.recompute):
+        early = start_warmup(plan, prepared.config or dep.name, handoff,
+                             env=prepared.environ or os.environ, wait_s=opts.warmup_wait,
+                             early=True, progress=progress)
+    try:
+        prepared, vllm, primed, canary, recompute = _serve(prepared, opts, vsp, server, now,
+                                                           progress)
+    except BaseException:
+        if isinstance(early, StartedWarmup):
+            early.cancel("the launch failed before vLLM was ready")
+        raise
+    plan = prepared.plan
+    warm: WarmupRun | None = None
+    if recompute and opts.with_vllm:
+        if isinstance(early, StartedWarmup):
+            early.cancel("the canary failed: vLLM serves without the cache")
+        warm = WarmupRun("skipped", "vLLM serves without the cache (the canary failed)")
+    elif opts.with_vllm and (vllm is not None or plan.vllm_mode == "process"):
+        if opts.warmup and not dep.settings.warmup_file:
+            warm = NO_WARM_SET
+        elif opts.warmup:
+            if isinstance(early, StartedWarmup):
+                early.release()
+                warm = early.finish()
+            else:
+                warm = early or run_warmup(plan, prepared.config or dep.name, handoff,
+                                           env=prepared.environ or os.environ,
+                                           wait_s=opts.warmup_wait, progress=progress)
+            progress(warmup_summary(warm))
+    server_pid = server.pid if server is not None else now.server.pid
+    return LaunchResult(plan, tuple(notes), server, vllm, crash, warm, record, primed,
+                        server_pid, canary, recompute)
+
+
+def _serve(prepared: Prepared, opts: LaunchOptions, vsp: Spawned | None,
+           server: Started | None, now: Running, progress: Progress
+           ) -> tuple[Prepared, Started | None, PrimeRun | None, CanaryRun | None, str]:
+    """After the processes are spawned: wait for vLLM, prime it, run the canary (a failed
+    one: vLLM again, recomputing). Returns the plan vLLM runs under, its start, the prime,
+    the canary and why vLLM serves without the cache ('' : it has it)."""
+    plan, rendered = prepared.plan, prepared.rendered
     vllm: Started | None = None
     if vsp is not None:
         vllm = wait_ready(vsp, opts.vllm_timeout)
@@ -303,22 +357,8 @@ def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
         progress(canary.summary())
         if canary.state == FAILED:
             prepared, vllm = _serve_recomputed(prepared, opts, progress)
-            plan, recompute = prepared.plan, prepared.rendered.recompute
-    warm: WarmupRun | None = None
-    if recompute and opts.with_vllm:
-        warm = WarmupRun("skipped", "vLLM serves without the cache (the canary failed)")
-    elif opts.with_vllm and (vllm is not None or plan.vllm_mode == "process"):
-        if opts.warmup and not dep.settings.warmup_file:
-            warm = NO_WARM_SET
-        elif opts.warmup:
-            warm = run_warmup(plan, prepared.config or dep.name,
-                              Handoff.of(rendered.vllm_argv, rendered.lmcache_server_argv),
-                              env=prepared.environ or os.environ, wait_s=opts.warmup_wait,
-                              progress=progress)
-            progress(warmup_summary(warm))
-    server_pid = server.pid if server is not None else now.server.pid
-    return LaunchResult(plan, tuple(notes), server, vllm, crash, warm, record, primed,
-                        server_pid, canary, recompute)
+            recompute = prepared.rendered.recompute
+    return prepared, vllm, primed, canary, recompute
 
 
 def fleet_record(prepared: Prepared) -> RecordOutcome | None:

@@ -103,6 +103,12 @@ class Location:
     canary_chunks: int = 2
     canary_tolerance: float = 0.0
 
+    @property
+    def warmup_gate_file(self) -> str:
+        """The gate of a warm-up child a launch starts early (stack/warm/gate.py), beside
+        the handoff."""
+        return os.path.join(os.path.dirname(self.warmup_handoff_file), "warmup-gate")
+
     def lmcache(self, timeout: float = DEFAULT_TIMEOUT) -> LMCacheClient:
         """The client of the deployment's cache server's admin port (no I/O until a call)."""
         return LMCacheClient(self.server_http_url, timeout)

@@ -235,7 +235,7 @@ def spawn_vllm(plan: LaunchPlan, *, progress: Progress = quiet) -> Spawned:
     return _spawn("vLLM", plan.vllm_argv, log=plan.vllm_log, env=plan.vllm_env,
                   cwd=plan.model_link_dir,
                   pid_file=plan.vllm_pid_file if plan.vllm_mode == "process" else None,
-                  ready=lambda: vllm_ready(plan, 2.0), interval=0.25, stop_timeout=15,
+                  ready=lambda: vllm_ready(plan, 2.0), interval=0.1, stop_timeout=15,
                   not_ready="not ready")
 
 

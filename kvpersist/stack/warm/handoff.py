@@ -2,8 +2,10 @@
 renderer computes the warm set's token ids from them) and the cache server's (they name
 LMCache's key scheme). The launch writes it once (:func:`write_handoff`, owner-only, in the
 state dir), the child reads it (:func:`read_handoff`, as untrusted: bounded, typed), so the
-child never loads the templates or renders again. A warm-up run by hand (``kvp-admin
-warmup``) renders the deployment itself.
+child never loads the templates or renders again; and, when the launch starts the child
+early (while vLLM loads), the gate the child waits at before it sends anything to vLLM
+(:mod:`kvpersist.stack.warm.gate`; '' : none, the child runs straight through). A warm-up run
+by hand (``kvp-admin warmup``) renders the deployment itself.
 """
 
 from __future__ import annotations
@@ -25,17 +27,23 @@ class Handoff:
 
     vllm_argv: tuple[str, ...]
     server_argv: tuple[str, ...]
+    #: the gate file of an early start ('' : none)
+    gate: str = ""
 
     @classmethod
-    def of(cls, vllm_argv: Sequence[str], server_argv: Sequence[str]) -> Handoff:
-        return cls(tuple(vllm_argv), tuple(server_argv))
+    def of(cls, vllm_argv: Sequence[str], server_argv: Sequence[str],
+           gate: str = "") -> Handoff:
+        return cls(tuple(vllm_argv), tuple(server_argv), gate)
 
 
 def write_handoff(path: str, h: Handoff, ids: tuple[int, int] | None = None) -> None:
     """Write ``h`` to ``path`` (atomically, owner-only; owned by ``ids`` when given: the
     service user the child runs as). Raises KvpError when it cannot be written."""
-    atomic_write_json(path, {"schema": SCHEMA, "vllm_argv": list(h.vllm_argv),
-                             "lmcache_server_argv": list(h.server_argv)})
+    doc: dict[str, object] = {"schema": SCHEMA, "vllm_argv": list(h.vllm_argv),
+                              "lmcache_server_argv": list(h.server_argv)}
+    if h.gate:
+        doc["gate"] = h.gate
+    atomic_write_json(path, doc)
     if ids is not None:
         os.chown(path, *ids, follow_symlinks=False)
 
@@ -51,7 +59,8 @@ def read_handoff(path: str) -> Handoff:
     except UnreadableFile as exc:
         raise ConfigError(Problem(path, exc.why, fix)) from None
     argvs = [doc.get("vllm_argv"), doc.get("lmcache_server_argv")]
-    if doc.get("schema") != SCHEMA or not all(
+    gate = doc.get("gate", "")
+    if doc.get("schema") != SCHEMA or not isinstance(gate, str) or not all(
             isinstance(a, list) and all(isinstance(x, str) for x in a) for a in argvs):
         raise ConfigError(Problem(path, f"is not a {SCHEMA} document", fix))
-    return Handoff.of(argvs[0], argvs[1])  # type: ignore[arg-type]
+    return Handoff.of(argvs[0], argvs[1], gate)  # type: ignore[arg-type]

@@ -21,9 +21,11 @@ from kvpersist.system.http_client import Unreachable
 from kvpersist.system.lmcache_client import LMCacheClient
 from kvpersist.system.untrusted import HttpReply
 
-#: seconds between retries of a 503 / refused connection, and between polls
+#: seconds between retries of a 503 / refused connection, and the longest between polls
+#: (the first polls come sooner: FIRST_POLL_S, doubled each time up to POLL_S)
 RETRY_S = 1.0
 POLL_S = 0.2
+FIRST_POLL_S = 0.01
 
 
 class PrefetchFailed(KvpError):
@@ -86,6 +88,7 @@ def wait_completed(base_url: str, request_id: str, *, deadline: float,
     """Poll one prefetch until it completes. Raises PrefetchFailed at the deadline, on an
     unknown id or an unexpected answer."""
     client = LMCacheClient(base_url)
+    pause = FIRST_POLL_S
     while True:
         try:
             r = client.prefetch_status(request_id,
@@ -103,10 +106,11 @@ def wait_completed(base_url: str, request_id: str, *, deadline: float,
                 return Completed(found, total)
             raise PrefetchFailed(f"unexpected answer for prefetch {request_id}: "
                                  f"{str(doc)[:300]}")
-        if clock() + POLL_S > deadline:
+        if clock() + pause > deadline:
             raise PrefetchFailed(f"prefetch {request_id} still {doc.get('status')} at the "
                                  "deadline (--wait)")
-        time.sleep(POLL_S)
+        time.sleep(pause)
+        pause = min(POLL_S, pause * 2)
 
 
 def _count(value: Any) -> bool:

@@ -38,6 +38,7 @@ from kvpersist.stack.canary.run import CanaryRun, recompute_reason, run_canary
 from kvpersist.stack.canary.verdict import FAILED
 from kvpersist.stack.locate import Location
 from kvpersist.stack.processes import vllm_ready
+from kvpersist.stack.warm import gate
 from kvpersist.stack.warm.handoff import Handoff, write_handoff
 from kvpersist.stack.warm.prime import PRIME_TIMEOUT_S, PrimeRun, prime_vllm
 from kvpersist.system import procs
@@ -286,16 +287,76 @@ def service_ids(loc: Location) -> tuple[int, int] | None:
     return (pw.pw_uid, pw.pw_gid) if pw.pw_uid != 0 else None
 
 
-def run_warmup(loc: Location, config: str, handoff: Handoff, *, env: Mapping[str, str],
-               wait_s: float | None = None, cwd: str | None = None,
-               progress: Progress = _quiet) -> WarmupRun:
-    """Run the warm-up (:func:`warmup_argv`) as a child (output appended to the warm-up
-    log, pid in the warm-up pid file, kept after it ends; as KVP_SERVICE_USER when run by
-    root) and wait for it at most S + :data:`GRACE_S` seconds (then stop it). S defaults to
-    KVP_WARMUP_WAIT. ``config`` and ``env`` are what the deployment was loaded with: the
-    child loads the same one; ``handoff`` (the rendered arguments it uses) is written to
-    ``loc.warmup_handoff_file`` for it. Never raises for a warm-up that fails: the result
-    says so; vLLM keeps serving either way."""
+@dataclass
+class StartedWarmup:
+    """A warm-up child that runs (:func:`start_warmup`); :meth:`finish` waits for it.
+    With a gate (an early start, :mod:`kvpersist.stack.warm.gate`) it waits before vLLM
+    until :meth:`release` or :meth:`cancel`."""
+
+    loc: Location
+    proc: procs.Child
+    wait: float
+    t0: float
+    started_at: float
+    gate: str = ""
+    ids: tuple[int, int] | None = None
+
+    def release(self) -> None:
+        """Open the gate: the child goes on to vLLM; the wait counts from now. A gate that
+        cannot be written stops the child (its result says so)."""
+        self.t0 = time.monotonic()
+        if self.gate:
+            try:
+                gate.open_gate(self.gate, ids=self.ids)
+            except (OSError, KvpError):
+                procs.stop_process(self.proc.pid, timeout=10)
+
+    def cancel(self, why: str) -> None:
+        """Close the gate (``why``) and wait for the child to end (stopped if it does not
+        within a few seconds). Never raises."""
+        try:
+            if self.gate:
+                gate.open_gate(self.gate, why, ids=self.ids)
+        except (OSError, KvpError):
+            pass
+        if procs.wait_child(self.proc, 5.0) is None:
+            procs.stop_process(self.proc.pid, timeout=10)
+            procs.wait_child(self.proc, 30)
+
+    def finish(self) -> WarmupRun:
+        """Wait for the child at most S + :data:`GRACE_S` seconds from the start (or the
+        :meth:`release`), stop it past that; what it did."""
+        loc, proc, wait = self.loc, self.proc, self.wait
+        code = procs.wait_child(proc, max(0.0, wait + GRACE_S - (time.monotonic() - self.t0)))
+        if code is None:
+            procs.stop_process(proc.pid, timeout=10)
+            procs.wait_child(proc, 30)
+        seconds = time.monotonic() - self.t0
+        record, error = read_record(loc.warmup_state_file)
+        if record is not None and (record.get("namespace") != loc.namespace or (
+                epoch_of(record.get("started")) or 0) < self.started_at - 1.0):
+            record = None  # another namespace's, or an earlier run's
+        if code is None:
+            return WarmupRun("failed", f"the warm-up did not end within {wait + GRACE_S:.0f} "
+                             "s and was stopped", seconds, None, proc.pid, record)
+        if code == 0:
+            if record is None or record.get("warm_set") is False:  # no warm set
+                return WarmupRun("skipped", "no warm set (KVP_WARMUP_FILE is empty)", seconds,
+                                 0, proc.pid, record)
+            return WarmupRun("done", f"warm: {_counts(record)}", seconds, 0, proc.pid, record)
+        why = (record or {}).get("error") or error or _last_line(loc.warmup_log)
+        return WarmupRun("failed", f"exit {code}: {why or 'no reason given'}", seconds, code,
+                         proc.pid, record)
+
+
+def start_warmup(loc: Location, config: str, handoff: Handoff, *, env: Mapping[str, str],
+                 wait_s: float | None = None, cwd: str | None = None, early: bool = False,
+                 progress: Progress = _quiet) -> StartedWarmup | WarmupRun:
+    """Start the warm-up child (:func:`warmup_argv`; output appended to the warm-up log,
+    pid in the warm-up pid file, kept after it ends; as KVP_SERVICE_USER when run by root).
+    ``early``: while vLLM still loads, with a gate (``loc.warmup_gate_file``): the child
+    prefetches once vLLM serves and waits at the gate before vLLM. Returns the running child,
+    or the failed WarmupRun when it cannot be started (never raises for that)."""
     wait = loc.warmup_wait if wait_s is None else wait_s
     argv = warmup_argv(config, wait, loc.warmup_handoff_file)
     ids = service_ids(loc)
@@ -307,12 +368,15 @@ def run_warmup(loc: Location, config: str, handoff: Handoff, *, env: Mapping[str
     progress(f"warming up (at most {wait:g} s; log {loc.warmup_log})")
     t0, started_at = time.monotonic(), time.time()
     log_dir = os.path.dirname(loc.warmup_log)
+    gate_file = loc.warmup_gate_file if early else ""
     try:
         if not os.path.isdir(log_dir):
             os.makedirs(log_dir, mode=0o700)
             if ids is not None:
                 os.chown(log_dir, *ids, follow_symlinks=False)
-        write_handoff(loc.warmup_handoff_file, handoff, ids)
+        gate.clear(loc.warmup_gate_file)
+        write_handoff(loc.warmup_handoff_file,
+                      Handoff(handoff.vllm_argv, handoff.server_argv, gate_file), ids)
         proc = procs.start_background(argv, log_path=loc.warmup_log, env=env, cwd=cwd,
                                       as_ids=ids)
     except (OSError, KvpError) as exc:
@@ -324,26 +388,21 @@ def run_warmup(loc: Location, config: str, handoff: Handoff, *, env: Mapping[str
             os.chown(loc.warmup_pid_file, *ids, follow_symlinks=False)
     except (OSError, KvpError) as exc:  # a pid file is not worth the warm-up
         progress(f"WARNING: warm-up pid file {loc.warmup_pid_file} not written: {exc}")
-    code = procs.wait_child(proc, wait + GRACE_S)
-    if code is None:
-        procs.stop_process(proc.pid, timeout=10)
-        procs.wait_child(proc, 30)
-    seconds = time.monotonic() - t0
-    record, error = read_record(loc.warmup_state_file)
-    if record is not None and (record.get("namespace") != loc.namespace
-                               or (epoch_of(record.get("started")) or 0) < started_at - 1.0):
-        record = None  # another namespace's, or an earlier run's
-    if code is None:
-        return WarmupRun("failed", f"the warm-up did not end within {wait + GRACE_S:.0f} s "
-                         "and was stopped", seconds, None, proc.pid, record)
-    if code == 0:
-        if record is None or record.get("warm_set") is False:  # no warm set
-            return WarmupRun("skipped", "no warm set (KVP_WARMUP_FILE is empty)", seconds, 0,
-                             proc.pid, record)
-        return WarmupRun("done", f"warm: {_counts(record)}", seconds, 0, proc.pid, record)
-    why = (record or {}).get("error") or error or _last_line(loc.warmup_log)
-    return WarmupRun("failed", f"exit {code}: {why or 'no reason given'}", seconds, code,
-                     proc.pid, record)
+    return StartedWarmup(loc, proc, wait, t0, started_at, gate_file, ids)
+
+
+def run_warmup(loc: Location, config: str, handoff: Handoff, *, env: Mapping[str, str],
+               wait_s: float | None = None, cwd: str | None = None,
+               progress: Progress = _quiet) -> WarmupRun:
+    """Run the warm-up (:func:`start_warmup`, no gate) and wait for it at most S +
+    :data:`GRACE_S` seconds (then stop it). S defaults to KVP_WARMUP_WAIT. ``config`` and
+    ``env`` are what the deployment was loaded with: the child loads the same one;
+    ``handoff`` (the rendered arguments it uses) is written to ``loc.warmup_handoff_file``
+    for it. Never raises for a warm-up that fails: the result says so; vLLM keeps serving
+    either way."""
+    started = start_warmup(loc, config, handoff, env=env, wait_s=wait_s, cwd=cwd,
+                           progress=progress)
+    return started if isinstance(started, WarmupRun) else started.finish()
 
 
 def _last_line(path: str) -> str:
@@ -444,5 +503,5 @@ def warmup_after_vllm(loc: Location, config: str, handoff: Handoff, *, warm_file
 
 
 __all__ = ["GRACE_S", "AfterVllm", "NO_WARM_SET", "WARMUP_MARKERS", "WARMUP_MODULE", "WarmupFacts",
-           "WarmupRun", "epoch_of", "gather", "judge", "log_to", "read_record", "run_warmup",
-           "service_ids", "warmup_after_vllm", "warmup_argv"]
+           "StartedWarmup", "WarmupRun", "epoch_of", "gather", "judge", "log_to", "read_record",
+           "run_warmup", "service_ids", "start_warmup", "warmup_after_vllm", "warmup_argv"]

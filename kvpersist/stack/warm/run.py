@@ -48,8 +48,8 @@ from kvpersist.l2.tree import RootDir, open_dir, open_root
 from kvpersist.stack.locate import Location
 from kvpersist.stack.render import TEMPLATE_NAMES, render
 from kvpersist.stack.warm import compute as warm_compute
+from kvpersist.stack.warm import gate, prefetch
 from kvpersist.stack.warm import load as warm_load
-from kvpersist.stack.warm import prefetch
 from kvpersist.stack.warm.chunk_keys import chunk_files, key_scheme
 from kvpersist.stack.warm.handoff import Handoff
 from kvpersist.stack.warm.tokens import tokenize
@@ -129,6 +129,8 @@ class WarmupResult:
     loads: list[warm_load.Loaded] = field(default_factory=list)
     #: vLLM's KV cache in tokens, as its metrics said (None: not asked or not said)
     kv_cache_tokens: int | None = None
+    #: seconds an early start waited for vLLM and at its gate (not in ``seconds``)
+    waited_s: float = 0.0
 
     @property
     def exit_code(self) -> int:
@@ -232,7 +234,7 @@ def warm(dep: Deployment, loc: Location, *, wait_s: float = DEFAULT_WAIT_S,
 
 
 def _finish(loc: Location, res: WarmupResult, t0: float, error: str | None) -> None:
-    res.seconds = time.monotonic() - t0
+    res.seconds = time.monotonic() - t0 - res.waited_s
     res.finished = _now()
     res.error = error
     res.state = "failed" if error else "done"
@@ -279,6 +281,8 @@ def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s:
     finally:
         root.close()
     base = loc.server_http_url
+    if handoff.gate:  # started early by a launch: the server is asked once vLLM serves
+        res.waited_s += gate.wait_serving(loc, handoff.gate)
     # --wait counts from the first request to the server, not from the tokenization
     t0 = time.monotonic()
     deadline = t0 + wait_s
@@ -297,6 +301,9 @@ def _run(dep: Deployment, loc: Location, ws: WarmSet, res: WarmupResult, wait_s:
             entry.chunks = sub.chunks
     finally:
         res.prefetch_seconds = time.monotonic() - t0
+    if handoff.gate:  # nothing reaches vLLM before the launch's canary passed
+        waited = gate.wait_open(handoff.gate)
+        deadline, res.waited_s = deadline + waited, res.waited_s + waited
     if res.compute:
         computed = _compute_missing(dep, loc, res.entries, res.world_size, token_ids,
                                     deadline, say)
