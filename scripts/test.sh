@@ -9,8 +9,9 @@ bash scripts/setup.sh
 VENV=${KVP_VENV:-.venv}
 export LMCACHE_DISABLE_BANNER=1 PYTHONUNBUFFERED=1
 # No leftover KVP_ settings from the caller's shell may relocate the tests' deployments.
+# (KVP_TEST_HOSTS, the suite's own switch, stays)
 for v in $(env | sed -n 's/^\(KVP_[A-Z0-9_]*\)=.*/\1/p'); do
-    unset "$v"
+    [ "$v" = KVP_TEST_HOSTS ] || unset "$v"
 done
 # Static checks first: a lint or type error fails in seconds, before any server starts.
 echo "[test] ruff check kvpersist tests bench" >&2
@@ -20,41 +21,44 @@ echo "[test] mypy (strict, see [tool.mypy] in pyproject.toml)" >&2
 echo "[test] promtool check rules / test rules (monitoring/)" >&2
 promtool check rules monitoring/kvpersist-rules.yml
 promtool test rules monitoring/tests/*.yml
-# Three lanes by default: three pytest processes at once, one for the full stack (vLLM
-# started and restarted) and the deployment gates, one for unit and integration tests, one
-# for the real hosts (systemd as PID 1 in containers, the role over SSH); the suite spends
-# much of its time starting processes and waiting on them, so the lanes overlap on 2 cores.
-# Each lane hands out ports from its own range below the kernel's ephemeral range
-# (tests/conftest.py free_port), so the lanes never pick the same port. TEST_LANES=1 runs one
-# pytest process over testpaths (or over the paths given).
+# Two lanes by default (TEST_LANES=2): two pytest processes at once, one for the full stack
+# (vLLM started and restarted) and the deployment gates, one for unit and integration tests;
+# the suite spends most of its time starting processes one at a time, so the second lane uses
+# the second core. Each lane hands out ports from its own range below
+# the kernel's ephemeral range (tests/conftest.py free_port), so the lanes never pick the same
+# port. TEST_LANES=1 runs one pytest process over testpaths (or over the paths given).
 # Test paths given (an argument that names a file or folder): those alone, in one process;
 # the lanes would run their whole folders beside them.
 for arg in "$@"; do
     case "$arg" in -*) ;; *) [ -e "${arg%%::*}" ] && TEST_LANES=1 ;; esac
 done
-if [ "${TEST_LANES:-3}" = 1 ]; then
+if [ "${TEST_LANES:-2}" = 1 ]; then
     exec "$VENV/bin/python" -m pytest -p no:cacheprovider "$@"
 fi
-# The full stack and the deployment gates in one lane; unit, integration and the support
-# matrix's releases (tests/versions, last: its venvs are built in the background meanwhile)
-# in another; the real hosts' modules in the third (their image is built in the background
-# meanwhile). The rolling playbook's decisions with a stand-in kvp-admin (73.6 s alone) run
-# in the second lane.
-hosts=(tests/deploy/test_hosts_fleet.py tests/deploy/test_hosts_units.py)
-lane_a=(tests/fullstack tests/deploy tests/infra --ignore=tests/deploy/test_rolling_decisions.py
-        "${hosts[@]/#/--ignore=}")
+# The full stack and the deployment gates (with the rolling playbook's three deployments) in
+# one lane; unit, integration (the 5-minute soak among them) and the support matrix's releases
+# (tests/versions, last: its venvs are built in the background meanwhile) in the other.
+# Measured on 2 cores, both lanes at once, in this arrangement (2026-12-06 11:11-12:01 UTC,
+# a machine with its venvs and images built; a 2-minute full-stack test ran beside it once):
+# this lane 47.0 min (146 tests), the other 48.6 min (7,617 tests), .ci/run 49.6 min: past
+# the 45-minute budget. The rolling playbook's decisions with a stand-in kvp-admin (73.6 s
+# alone) run in the second lane.
+lane_a=(tests/fullstack tests/deploy tests/infra --ignore=tests/deploy/test_rolling_decisions.py)
 lane_b=(tests/unit tests/integration tests/deploy/test_rolling_decisions.py tests/versions)
-lane_c=("${hosts[@]}")
 tmp=$(mktemp -d -t kvp-test-lanes.XXXXXX)
 # The container test's local image (a Debian root filesystem from Debian's mirror, 1.5-3 min
 # on a fresh machine, then reused) is built while the lanes start; the test waits for it.
 if command -v podman >/dev/null && command -v mmdebstrap >/dev/null; then
     bash scripts/build-cpu-image.sh "$VENV" >"$tmp/image.log" 2>&1 &
 fi
-# The real hosts' image (Debian with systemd and sshd, from Debian's mirror, 2.3 min on a
-# fresh machine, 514 MB, then reused) is built the same way; the hosts' fixture waits for it
-# on the script's lock.
-if command -v podman >/dev/null && command -v mmdebstrap >/dev/null; then
+# The real hosts' modules (tests/deploy/test_hosts_*.py) run with KVP_TEST_HOSTS=1 only:
+# alone on 2 cores the fleet module took 792.8 s and test_rolling.py, whose behaviours it
+# also asserts over SSH, 691.4 s (2026-12-06); the units module 1036.6 s in an earlier run.
+# Either in place of test_rolling.py would make this suite longer. Their image (Debian
+# with systemd and sshd, from Debian's mirror, 2.3 min on a fresh machine, 514 MB, then
+# reused) is then built the same way; the hosts' fixture waits for it on the script's lock.
+if [ "${KVP_TEST_HOSTS:-0}" = 1 ] && command -v podman >/dev/null \
+        && command -v mmdebstrap >/dev/null; then
     bash scripts/build-host-image.sh >"$tmp/host-image.log" 2>&1 &
 fi
 # The support matrix's venvs with vLLM's GPU wheels (tests/versions; ~1.5 min on a fresh
@@ -63,25 +67,18 @@ fi
 for v in $(cd requirements && ls vllm-*.txt | grep -v overrides | sed 's/^vllm-//; s/\.txt$//'); do
     bash scripts/setup.sh --vllm "$v" >>"$tmp/vllm-venvs.log" 2>&1 || true
 done &
-echo "[test] three lanes: ${lane_b[*]} (here) beside ${lane_a[*]} and ${lane_c[*]}" \
-    "(their output at the end)" >&2
-TEST_PORT_RANGE=20000-23999 "$VENV/bin/python" -m pytest -p no:cacheprovider \
-    --basetemp="$tmp/a" "$@" "${lane_a[@]}" >"$tmp/lane-a.log" 2>&1 &
+log="$tmp/lane-a.log"
+echo "[test] two lanes: ${lane_a[*]} (output at the end) beside ${lane_b[*]}" >&2
+TEST_PORT_RANGE=20000-25999 "$VENV/bin/python" -m pytest -p no:cacheprovider \
+    --basetemp="$tmp/a" "$@" "${lane_a[@]}" >"$log" 2>&1 &
 pid_a=$!
-TEST_PORT_RANGE=28000-31999 "$VENV/bin/python" -m pytest -p no:cacheprovider \
-    --basetemp="$tmp/c" "$@" "${lane_c[@]}" >"$tmp/lane-c.log" 2>&1 &
-pid_c=$!
 rc_b=0
-TEST_PORT_RANGE=24000-27999 "$VENV/bin/python" -m pytest -p no:cacheprovider \
+TEST_PORT_RANGE=26000-31999 "$VENV/bin/python" -m pytest -p no:cacheprovider \
     --basetemp="$tmp/b" "$@" "${lane_b[@]}" || rc_b=$?
-rc_a=0 rc_c=0
+rc_a=0
 wait "$pid_a" || rc_a=$?
-wait "$pid_c" || rc_c=$?
 echo "[test] lane ${lane_a[*]} (exit $rc_a):" >&2
-cat "$tmp/lane-a.log"
-echo "[test] lane ${lane_c[*]} (exit $rc_c):" >&2
-cat "$tmp/lane-c.log"
-echo "[test] exit: ${lane_a[*]} $rc_a, ${lane_b[*]} $rc_b, ${lane_c[*]} $rc_c" >&2
-for rc in "$rc_a" "$rc_b" "$rc_c"; do
-    [ "$rc" = 0 ] || exit "$rc"
-done
+cat "$log"
+echo "[test] exit: ${lane_a[*]} $rc_a, ${lane_b[*]} $rc_b" >&2
+[ "$rc_a" = 0 ] || exit "$rc_a"
+exit "$rc_b"

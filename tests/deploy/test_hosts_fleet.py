@@ -36,9 +36,10 @@ the roll: one vLLM start less at the converge); h2 runs its cache server alone.
 8. ``rolling.yml --check --diff --limit h1`` of the next change (v3) shows it, stops, starts
    and writes nothing.
 
-This module took the place of the local-connection roll of three deployments on one machine
-in the suite (it asserted the same behaviours); the playbook's ``kvp_roll_via: kvp-admin``
-branch is run by tests/deploy/test_rolling_decisions.py with a stand-in kvp-admin.
+Every behaviour tests/deploy/test_rolling.py asserts with three deployments on one machine (the
+local connection, ``kvp_roll_via: kvp-admin``) is asserted here too, on real hosts over SSH
+with systemd; that module stays in the default suite, this one is opt-in
+(tests/deploy/conftest.py has the figures).
 """
 
 from __future__ import annotations
