@@ -13,7 +13,9 @@ process receives are observed with strace (tests/deploy/_hosts.py ``SignalWatch`
    first, vLLM after it, the unit turns active only after the warm-up; the chat hits from
    disk (the server restarted: L1 empty).
 3. ``systemctl restart kvp-lmcache@demo``: vLLM keeps running, re-registers with the new
-   server, and the chat hits from disk.
+   server, and the chat hits from disk. ``systemctl restart kvp-vllm@demo``: the cache server
+   keeps running, the new vLLM is active after its warm-up, and the chat (vLLM's own prefix
+   cache emptied) hits the cache server.
 4. ``kill -9`` of the cache server: ``Restart=on-failure`` brings it back after 10 s, its
    launch checks the crash window first; vLLM keeps running.
 5. ``kill -9`` of vLLM's API server: systemd kills what is left of the unit (observed), and
@@ -259,6 +261,23 @@ def test_a_restart_of_the_cache_server_leaves_vllm_serving_and_hits_from_disk(
     assert text == unit.reference
     assert ext >= (unit.seen.get("warm_chunks", 5) - 1) * dep.CHUNK, ext
     assert re.search(r"retained keys \(0 L1, [1-9]\d* L2\)", unit.server_log(server))
+
+
+def test_a_restart_of_vllm_leaves_the_server_and_the_chat_hits_the_cache(unit: Unit) -> None:
+    h = unit.host
+    server, vllm = unit.pid(LMCACHE), unit.pid(VLLM)
+    t0 = time.monotonic()
+    h.systemctl("restart", VLLM, timeout=900)  # returns once the unit is active again
+    _timed(unit, "systemctl restart kvp-vllm to active", t0)
+    new = unit.pid(VLLM)
+    assert new not in (0, vllm) and unit.pid(LMCACHE) == server
+    warm = json.loads(h.exec("cat", f"{STATE}/warmup.json").stdout)
+    assert warm["state"] == "done" and unit.when(VLLM, "ActiveEnterTimestamp") >= \
+        datetime.fromisoformat(warm["finished"].replace("Z", "+00:00")).timestamp(), warm
+    # a new vLLM: its own prefix cache starts empty; the chat comes from the cache server
+    text, ext, loc = unit.chat(reset=True)
+    assert text == unit.reference
+    assert ext >= (unit.seen.get("warm_chunks", 5) - 1) * dep.CHUNK, (ext, loc)
 
 
 def test_kill_9_of_the_cache_server_restarts_it_after_a_crash_window_check(unit: Unit) -> None:
