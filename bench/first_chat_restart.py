@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from restart_downtime import (  # noqa: E402
     ServingPoll,
     _sigterm_to_exit,
+    bare_processes,
     bench_env,
     kvp,
     log_size,
@@ -157,27 +158,15 @@ def run_kvpersist(env: dict[str, str], config: str, plan: LaunchPlan, served: st
 
 def run_bare(plan: LaunchPlan, served: str, w: list[dict[str, str]],
              logs: Path) -> dict[str, Any]:
-    import signal
-
     rec: dict[str, Any] = {"load": loadavg()}
     t0 = time.monotonic()
-    with open(logs / "bare-server.log", "ab") as slog, open(logs / "bare-vllm.log", "ab") as vlog:
-        srv = subprocess.Popen(plan.server_argv, env=plan.server_env, cwd=plan.state_dir,
-                               stdout=slog, stderr=subprocess.STDOUT, start_new_session=True)
-        vl = subprocess.Popen(plan.vllm_argv, env=plan.vllm_env, cwd=plan.model_link_dir,
-                              stdout=vlog, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with bare_processes(plan, logs) as (srv, vl):
         rec["serving_s"] = round(ServingPoll(plan, t0).wait(900), 3)
         rec["w_first"] = timed(plan, served, w, t0)
         t = time.monotonic()
         _sigterm_to_exit(vl)
         _sigterm_to_exit(srv)
         rec["stop_s"] = round(time.monotonic() - t, 3)
-    finally:
-        for p in (vl, srv):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
     return rec
 
 

@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +40,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from first_chat_restart import tiny_config  # noqa: E402
-from restart_downtime import ServingPoll, _sigterm_to_exit, bench_env, kvp  # noqa: E402
+from restart_downtime import (  # noqa: E402
+    ServingPoll,
+    _sigterm_to_exit,
+    bare_processes,
+    bench_env,
+    kvp,
+)
 
 from kvpersist.demo.model import generate_model  # noqa: E402
 from kvpersist.stack.launch_plan import prepare_launch  # noqa: E402
@@ -64,12 +68,7 @@ def complete(url: str, model: str, prompt: str, logprobs: int) -> float:
 def one_round(plan: Any, served: str, logs: Path, n: int) -> dict[str, Any]:
     rec: dict[str, Any] = {"load": [round(x, 2) for x in os.getloadavg()]}
     t0 = time.monotonic()
-    with open(logs / "server.log", "ab") as slog, open(logs / "vllm.log", "ab") as vlog:
-        srv = subprocess.Popen(plan.server_argv, env=plan.server_env, cwd=plan.state_dir,
-                               stdout=slog, stderr=subprocess.STDOUT, start_new_session=True)
-        vl = subprocess.Popen(plan.vllm_argv, env=plan.vllm_env, cwd=plan.model_link_dir,
-                              stdout=vlog, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with bare_processes(plan, logs, "") as (srv, vl):
         rec["serving_s"] = round(ServingPoll(plan, t0).wait(900), 3)
         for i, (name, lp) in enumerate(STEPS):
             # distinct prompts of one length: no prefix-cache hit between the steps
@@ -77,11 +76,6 @@ def one_round(plan: Any, served: str, logs: Path, n: int) -> dict[str, Any]:
             rec[name] = complete(plan.vllm_url, served, prompt, lp)
         _sigterm_to_exit(vl)
         _sigterm_to_exit(srv)
-    finally:
-        for p in (vl, srv):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
     return rec
 
 

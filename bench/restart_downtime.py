@@ -32,6 +32,7 @@ the chunks the cache server found in L1 and in L2 (its log's prefetch lines).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -42,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,27 +178,39 @@ def _sigterm_to_exit(proc: subprocess.Popen[bytes], timeout: float = 60) -> floa
     return round(time.monotonic() - t, 3)
 
 
-def run_bare(plan: LaunchPlan, served: str, chat: list[dict[str, str]],
-             logs: Path) -> dict[str, Any]:
-    la = load()
-    t0 = time.monotonic()
-    with open(logs / "bare-server.log", "ab") as slog, open(logs / "bare-vllm.log", "ab") as vlog:
+@contextlib.contextmanager
+def bare_processes(plan: LaunchPlan, logs: Path, prefix: str = "bare-"
+                   ) -> Iterator[tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]]:
+    """A bare start: the cache server and vLLM spawned with the argv, environment and
+    working directories ``kvp-admin launch`` would use, and nothing else (no preflight,
+    prime, canary or warm-up); their output appended to ``logs/PREFIX{server,vllm}.log``.
+    Yields (server, vLLM); whatever is still running at the end is killed (SIGKILL)."""
+    with open(logs / f"{prefix}server.log", "ab") as slog, \
+            open(logs / f"{prefix}vllm.log", "ab") as vlog:
         srv = subprocess.Popen(plan.server_argv, env=plan.server_env, cwd=plan.state_dir,
                                stdout=slog, stderr=subprocess.STDOUT, start_new_session=True)
         vl = subprocess.Popen(plan.vllm_argv, env=plan.vllm_env, cwd=plan.model_link_dir,
                               stdout=vlog, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        yield srv, vl
+    finally:
+        for p in (vl, srv):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def run_bare(plan: LaunchPlan, served: str, chat: list[dict[str, str]],
+             logs: Path) -> dict[str, Any]:
+    la = load()
+    t0 = time.monotonic()
+    with bare_processes(plan, logs) as (srv, vl):
         serving = ServingPoll(plan, t0).wait(900)
         rec: dict[str, Any] = {"load1": la, "serving_s": round(serving, 3)}
         rec.update(first_token(plan, served, chat, t0))
         t = time.monotonic()
         rec["sigterm_to_exit_s"] = {"vllm": _sigterm_to_exit(vl), "server": _sigterm_to_exit(srv)}
         rec["stop_s"] = round(time.monotonic() - t, 3)
-    finally:
-        for p in (vl, srv):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
     return rec
 
 
