@@ -109,4 +109,12 @@ fi
 umask 077
 echo "run-vllm-with-persist: vLLM ${serve[*]:1} for namespace $link_name in $link_dir" >&2
 ready_step
+# torch inductor's compiled kernels (the CPU build compiles its logprobs op at the first
+# request for logprobs: the canary's): with XDG_CACHE_HOME set (the vLLM unit's
+# CacheDirectory=) they are kept there instead of in /tmp, which the unit's PrivateTmp= makes
+# new at every start. For vLLM's process only: the readiness step above may run as another
+# user, which cannot enter that directory.
+if [ -n "${XDG_CACHE_HOME:-}" ] && [ -z "${TORCHINDUCTOR_CACHE_DIR:-}" ]; then
+  export TORCHINDUCTOR_CACHE_DIR="$XDG_CACHE_HOME/torchinductor"
+fi
 exec "$py" "${serve[@]}" "${vllm_args[@]}" "$@"
