@@ -33,8 +33,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import requests
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
@@ -54,14 +52,16 @@ from kvpersist.stack.launch_plan import prepare_launch  # noqa: E402
 STEPS = (("plain-1", 0), ("plain-2", 0), ("logprobs-1", 5), ("logprobs-2", 5))
 
 
-def complete(url: str, model: str, prompt: str, logprobs: int) -> float:
+def complete(plan: Any, model: str, prompt: str, logprobs: int) -> float:
+    """One completion through the project's vLLM client, timed to its last byte."""
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": 4,
                             "temperature": 0.0}
     if logprobs:
         body["logprobs"] = logprobs
     t = time.monotonic()
-    r = requests.post(f"{url}/v1/completions", json=body, timeout=300)
-    r.raise_for_status()
+    r = plan.vllm(300.0).completions(body)
+    if r.status != 200:
+        raise RuntimeError(f"/v1/completions answered {r.status}: {r.body[:300]!r}")
     return round(time.monotonic() - t, 4)
 
 
@@ -73,7 +73,7 @@ def one_round(plan: Any, served: str, logs: Path, n: int) -> dict[str, Any]:
         for i, (name, lp) in enumerate(STEPS):
             # distinct prompts of one length: no prefix-cache hit between the steps
             prompt = " ".join(f"round {n} step {i} word {j}" for j in range(40))
-            rec[name] = complete(plan.vllm_url, served, prompt, lp)
+            rec[name] = complete(plan, served, prompt, lp)
         _sigterm_to_exit(vl)
         _sigterm_to_exit(srv)
     return rec

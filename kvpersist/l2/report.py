@@ -160,7 +160,7 @@ def build_report(res: ScanResult, inv: Inventory, manifests: dict[str, Manifest]
             "avail_bytes": res.fs.avail_bytes,
             # the filesystem's own state; "read_only_here": only this process's view of it
             # is read-only (a sandbox: the health unit's ProtectSystem=strict)
-            "read_only": res.fs.read_only and not res.fs.sandboxed,
+            "read_only": res.fs.filesystem_read_only,
             "read_only_here": res.fs.sandboxed,
         },
         "budget_bytes": budget,

@@ -174,7 +174,7 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
         f.root_writable = os.access(root, os.W_OK | os.X_OK)
         fs = fs_info(root)
         f.fs_avail_bytes, f.fs_sandboxed = fs.avail_bytes, fs.sandboxed
-        f.fs_read_only = fs.read_only and not fs.sandboxed
+        f.fs_read_only = fs.filesystem_read_only
         f.reserve_bytes = resolve_size(s.l2_reserve, fs.total_bytes, "KVP_L2_RESERVE")
     except (OSError, KvpError) as exc:
         f.errors.append(f"cache root: {exc}")

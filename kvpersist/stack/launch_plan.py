@@ -201,5 +201,6 @@ def recompute_plan(prepared: Prepared, why: str) -> Prepared:
                        vllm_version=version)
     return replace(prepared, rendered=rendered, plan=plan)
 
+
 __all__ = ["LaunchChecks", "LaunchPlan", "Prepared", "launch_checks", "lmcache_bin",
            "plan_launch", "prepare_launch", "recompute_plan"]

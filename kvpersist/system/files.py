@@ -130,6 +130,11 @@ class FsInfo:
         """Read-only here, read-write in itself: a read-only view (see the class)."""
         return self.read_only and self.fs_read_only is False
 
+    @property
+    def filesystem_read_only(self) -> bool:
+        """The filesystem itself is read-only (where that could not be read: this view)."""
+        return self.read_only and not self.sandboxed
+
 
 def _unescape_mount_path(field: str) -> str:
     """A path field of mountinfo (spaces, tabs, newlines and backslashes as octal escapes)."""
