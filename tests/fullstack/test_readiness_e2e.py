@@ -116,9 +116,13 @@ def _stopped(s: Stack) -> Iterator[None]:
 def test_first_launch_warms_an_empty_l2_finds_nothing_and_is_healthy(stack: Stack) -> None:
     info = stack.launch()
     STATE["ns"] = info["namespace"]
-    # vLLM primed before ready: one short request, shorter than one vLLM block, nothing stored
+    # vLLM primed before ready: a short chat, shorter than one vLLM block, a short completion
+    # and the returning pair (a prompt, then it extended to one token short of a chunk with
+    # its generated tokens): nothing stored
     prime = info["prime"]
     assert prime["ok"] and 0 < prime["prompt_tokens"] < 128, prime
+    first, whole = prime["returning_tokens"]
+    assert 0 < first < whole and whole + 2 == 256 - 1, prime
     warm = info["warmup"]
     assert warm["state"] == "done", warm
     assert warm["requested_chunks"] >= 3 and warm["found_chunks"] == 0, warm
