@@ -15,7 +15,18 @@ from kvpersist.errors import KvpError
 from kvpersist.system.http_client import HttpClient, Unreachable, status_error
 from kvpersist.system.untrusted import HttpReply
 
-__all__ = ["Unreachable", "VllmClient"]
+
+def token_ids(reply: HttpReply) -> list[int] | None:
+    """The token ids of a ``/tokenize`` reply: its ``tokens`` when the status is 200 and they
+    are all non-negative integers, else None (the caller says why, with the reply)."""
+    tokens = reply.object("vLLM's /tokenize").get("tokens")
+    if reply.status != 200 or not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        return None
+    return tokens
+
+
+__all__ = ["Unreachable", "VllmClient", "token_ids"]
 
 #: the largest /metrics page read (vLLM's is tens of KiB)
 MAX_METRICS_BYTES = 8 << 20

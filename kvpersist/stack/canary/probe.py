@@ -20,7 +20,7 @@ from kvpersist.errors import KvpError
 from kvpersist.stack.canary import prompt
 from kvpersist.stack.canary.verdict import Step
 from kvpersist.system.untrusted import UnreadableFile
-from kvpersist.system.vllm_client import VllmClient
+from kvpersist.system.vllm_client import VllmClient, token_ids
 
 #: generated steps compared, and the top logprobs asked for at each
 STEPS = 4
@@ -58,10 +58,8 @@ def prompt_tokens(client: VllmClient, model: str, chunk_size: int, chunks: int,
         body = {"model": model, "messages": prompt.conversation(words),
                 "add_generation_prompt": True}
         reply = client.tokenize(body, timeout)
-        doc = reply.object("vLLM's /tokenize")
-        tokens = doc.get("tokens")
-        if reply.status != 200 or not isinstance(tokens, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        tokens = token_ids(reply)
+        if tokens is None:
             raise ProbeError(f"vLLM's /tokenize answered HTTP {reply.status}: "
                              f"{reply.text(200)}")
         cut = prompt.cut(tokens, chunk_size, chunks)

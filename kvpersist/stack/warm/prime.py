@@ -31,7 +31,7 @@ from typing import Any
 
 from kvpersist.stack.locate import Location
 from kvpersist.system.untrusted import UnreadableFile, parse_json
-from kvpersist.system.vllm_client import Unreachable
+from kvpersist.system.vllm_client import Unreachable, token_ids
 
 #: the prime's messages: a few tokens with the chat template, whatever the tokenizer
 PRIME_MESSAGES = ({"role": "user", "content": "Hello."},)
@@ -141,10 +141,8 @@ def _prime_returning(loc: Location, deadline: float
                             timeout=max(deadline - time.monotonic(), 0.001))
         if r.status != 200:
             return f"the returning prime's /tokenize: HTTP {r.status}", None
-        doc = parse_json(r.body, "vLLM's /tokenize answer")
-        ids = doc.get("tokens") if isinstance(doc, dict) else None
-        if not isinstance(ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        ids = token_ids(r)
+        if ids is None:
             return "the returning prime's /tokenize answer has no token ids", None
         pair = returning_prompts(ids, loc.canary_chunk_size)
         if pair is None:
@@ -156,8 +154,6 @@ def _prime_returning(loc: Location, deadline: float
                 return f"the returning prime: HTTP {r.status}", pair
     except Unreachable as exc:
         return f"the returning prime: {str(exc)[:300]}", None
-    except UnreadableFile as exc:
-        return f"the returning prime: {' '.join(str(exc).split())[:200]}", None
     return "", pair
 
 
