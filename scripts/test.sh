@@ -49,7 +49,7 @@ if command -v podman >/dev/null && command -v mmdebstrap >/dev/null; then
     bash scripts/build-cpu-image.sh "$VENV" >"$tmp/image.log" 2>&1 &
 fi
 # The real hosts' modules (tests/deploy/test_hosts_*.py) run with KVP_TEST_HOSTS=1 only:
-# alone on 2 cores the fleet module took 792.8 s and the units module 497.7 s (2026-12-06);
+# alone on 2 cores the fleet module took 669.1 s and the units module 481.5 s (2026-12-06);
 # as a third lane beside these two they slowed the first lane to 39 of its 146 tests in 32
 # minutes (2026-12-06 14:00-14:35 UTC), far past the budget. Their image (Debian with
 # systemd and sshd, from Debian's mirror, 2.3 min on a fresh machine, 514 MB, then reused) is

@@ -16,9 +16,9 @@ import kvp_converge  # noqa: E402
 
 #: The real hosts' modules (systemd as PID 1 in containers, the role over SSH), collected with
 #: KVP_TEST_HOSTS=1 (docs/deployment.md, "Under systemd on a real host"). Measured alone on 2
-#: cores (2026-12-06): the fleet module 792.8 s (9 tests), where test_rolling.py, which it
+#: cores (2026-12-06): the fleet module 669.1 s (9 tests), where test_rolling.py, which it
 #: covers, took 691.4 s in the default suite's first lane, already at the suite's budget; the
-#: units module 497.7 s (9 tests). As a third lane of the
+#: units module 481.5 s (9 tests). As a third lane of the
 #: default suite they made it far longer (scripts/test.sh), so both stay out of it.
 HOST_MODULES = ("test_hosts_units.py", "test_hosts_fleet.py")
 
