@@ -35,6 +35,7 @@ from kvpersist.l2.shared.store import probe
 from kvpersist.stack.canary.run import canary_status, run_canary
 from kvpersist.stack.canary.verdict import canary_health
 from kvpersist.stack.health_root import RootFacts, root_checks
+from kvpersist.stack.lmcache_exec import off_note
 from kvpersist.stack.locate import Location
 from kvpersist.stack.processes import server_state, vllm_state
 from kvpersist.stack.render import serde_warnings
@@ -181,6 +182,8 @@ def probe_all(dep: Deployment, plan: Location, *, timeout: float = 3.0,
     if f.root_exists:
         f.budget, f.budget_error = read_budget_record(plan.budget_record)
     f.shared_tier = probe_shared(dep, timeout)
+    if f.shared_tier is not None:  # None, or the server started without it (lmcache_exec)
+        f.shared_tier["off_since_start"] = off_note(plan.shared_off_file, pid)
     if expect_vllm:
         vllm = plan.vllm(timeout)
         f.vllm_health = vllm.healthy()
@@ -240,7 +243,6 @@ def _kv_port_of(pid: int) -> int | None:
 def probe_shared(dep: Deployment, timeout: float) -> dict[str, Any] | None:
     """Reachability, authentication, latency and budget of the deployment's shared tier
     (None without one). Never raises."""
-
     tier = dep.shared
     if tier is None:
         return None
@@ -428,6 +430,8 @@ def verdict(f: Facts) -> tuple[str, list[Check]]:
                                 "vLLM serves without the cache server: correct output, "
                                 "no persistence"))
     if f.shared_tier is not None:
+        off = f.shared_tier.get("off_since_start")  # the server started without the tier
+        checks += ([Check("shared_tier.server", "degraded", off["message"])] if off else [])
         checks += shared_checks(f.shared_tier)
     # ---- warm-up (only where vLLM is checked: it warms for vLLM's registered layout)
     if f.warmup is not None:

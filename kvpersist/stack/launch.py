@@ -34,6 +34,7 @@ from kvpersist.stack.canary.verdict import FAILED
 from kvpersist.stack.crash_window import CrashCheck
 from kvpersist.stack.launch_options import DEFAULTS, LaunchOptions
 from kvpersist.stack.launch_plan import LaunchPlan, Prepared, recompute_plan
+from kvpersist.stack.lmcache_exec import read_off_record
 from kvpersist.stack.locate import Location
 from kvpersist.stack.preflight import Preflight, preflight, root_creation_note
 from kvpersist.stack.processes import (
@@ -279,6 +280,10 @@ def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
                 vsp = spawn_vllm(plan, progress=progress)
             server = wait_ready(ssp, opts.server_timeout)
             progress(f"lmcache server healthy in {server.seconds:.1f} s (pid {server.pid})")
+            off = read_off_record(plan.shared_off_file, server.pid)
+            if off is not None:
+                notes.append(f"WARNING: {off.message()}")
+                progress(notes[-1])
         elif start_vllm_too and vsp is None:
             vsp = spawn_vllm(plan, progress=progress)
     except BaseException:

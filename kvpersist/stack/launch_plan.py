@@ -133,7 +133,8 @@ def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
         # the shared tier's credentials enter in the server's own process (lmcache_exec)
         tier = dep.shared
         server_argv = exec_argv(python or sys.executable, s.shared_tier_secret_file,
-                                server_argv, tls_ca=tier.tls_ca if tier else "")
+                                server_argv, tls_ca=tier.tls_ca if tier else "",
+                                off_record=loc.shared_off_file)
         # the launcher must be this very kvpersist (the server's cwd is the state dir)
         here = str(Path(__file__).resolve().parents[2])
         server_env["PYTHONPATH"] = os.pathsep.join(

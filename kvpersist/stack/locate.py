@@ -44,6 +44,8 @@ from kvpersist.system.vllm_client import VllmClient
 
 PIDS_DIR = "pids"
 WARMUP_STATE = "warmup.json"
+#: :data:`kvpersist.stack.lmcache_exec.OFF_RECORD`
+SHARED_OFF = "shared-tier-off.json"
 WARMUP_TOKENS_DIR = "warmup"
 BUDGET_RECORD = "budget.json"
 WEIGHTS_CACHE = "weights-digests.json"
@@ -102,6 +104,9 @@ class Location:
     canary_chunk_size: int = 256
     canary_chunks: int = 2
     canary_tolerance: float = 0.0
+    #: written when the cache server started without its shared tier (the store did not
+    #: answer: :mod:`kvpersist.stack.lmcache_exec`)
+    shared_off_file: str = ""
 
     @property
     def warmup_gate_file(self) -> str:
@@ -161,6 +166,7 @@ def locate(dep: Deployment) -> Location:
                 "lmcache_http": (s.lmcache_http_host, s.lmcache_http_port),
                 "vllm": (s.vllm_host, s.vllm_port)},
         warmup_state_file=os.path.join(state, WARMUP_STATE),
+        shared_off_file=os.path.join(state, SHARED_OFF),
         warmup_pid_file=os.path.join(state, PIDS_DIR, f"{dep.name}.warmup.pid"),
         warmup_log=os.path.join(s.log_dir, "warmup.log"),
         warmup_tokens_dir=os.path.join(state, WARMUP_TOKENS_DIR),

@@ -158,6 +158,16 @@ def port_in_use(host: str, port: int) -> bool:
         return True
 
 
+def connect_problem(host: str, port: int, timeout: float) -> str:
+    """'' when a TCP connection to ``host:port`` opens within ``timeout`` seconds (closed at
+    once, nothing sent), else why not: what a client's first connect meets. Never raises."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return ""
+    except OSError as exc:
+        return f"{host}:{port}: {exc.strerror or exc}"
+
+
 def port_bindable(host: str, port: int) -> bool:
     """True if a listener could bind host:port right now."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -11,12 +13,19 @@ import pytest
 from kvpersist.config.shared_tier import SharedSecret
 from kvpersist.errors import KvpError
 from kvpersist.stack.lmcache_exec import (
+    SharedOff,
+    _store_down,
     check_ca_file,
     exec_argv,
     inject,
+    read_off_record,
     read_secret_file,
+    shared_adapters,
+    store_nodes,
     valkey_swaps_credentials,
+    without_adapter,
 )
+from tests.conftest import free_port
 
 NVME = json.dumps({"type": "nixl_store_dynamic"})
 SECRET = SharedSecret("kvp", "pw-123")
@@ -111,3 +120,89 @@ def test_secret_file_must_be_owner_only(tmp_path: Path) -> None:
     f.write_text("password=\n")
     with pytest.raises(KvpError, match="no password"):
         read_secret_file(str(f))
+
+
+def test_exec_argv_names_the_off_record() -> None:
+    a = exec_argv("/py", "/etc/kvp/s", ["lmcache", "server"], off_record="/s/off.json")
+    assert a[3:8] == ["--secret-file", "/etc/kvp/s", "--off-record", "/s/off.json", "--"]
+
+
+def test_without_adapter_drops_the_shared_pair_only() -> None:
+    a = argv({"type": "resp", "host": "h", "port": 1}) + ["--port", "5"]
+    [(i, spec)] = shared_adapters(a)
+    assert spec["type"] == "resp"
+    assert without_adapter(a, i) == ["lmcache", "server", "--l2-adapter", NVME, "--port", "5"]
+
+
+RESP_ENV = {"LMCACHE_RESP_USERNAME": "kvp", "LMCACHE_RESP_PASSWORD": "pw-123"}
+
+
+def test_a_store_that_does_not_answer_starts_lmcache_without_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Nobody listens on the port: the adapter and its credentials are dropped, the warning
+    is printed, the record names this pid; health reads it for this pid only."""
+    port = free_port()
+    a = argv({"type": "resp", "host": "127.0.0.1", "port": port})
+    record = tmp_path / "off.json"
+    out, env = _store_down(a, {**RESP_ENV, "SSL_CERT_FILE": "/ca"}, str(record))
+    assert out == ["lmcache", "server", "--l2-adapter", NVME]
+    assert env == {"SSL_CERT_FILE": "/ca"}
+    assert "runs without the shared tier" in capsys.readouterr().err
+    assert record.stat().st_mode & 0o777 == 0o600
+    off = read_off_record(str(record), os.getpid())
+    assert off is not None and off.endpoint == f"127.0.0.1:{port}" and off.error
+    assert abs(off.since - time.time()) < 60
+    assert "restart the cache server once the store answers" in off.message()
+    assert read_off_record(str(record), os.getpid() + 1) is None  # another process's
+    assert read_off_record(str(record), None) is None
+
+
+def test_a_store_that_answers_keeps_the_adapter_and_clears_an_old_record(
+        tmp_path: Path) -> None:
+    record = tmp_path / "off.json"
+    record.write_text(json.dumps(SharedOff(1, 0.0, "resp", "h:1", "refused").to_dict()))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        a = argv({"type": "resp", "host": "127.0.0.1", "port": listener.getsockname()[1]})
+        assert _store_down(a, dict(RESP_ENV), str(record)) == (a, RESP_ENV)
+    assert not record.exists()
+
+
+def test_a_valkey_store_is_checked_too(tmp_path: Path) -> None:
+    """glide's adapter would abort the server's start: dropped the same way, and kept when
+    a node answers."""
+    a = argv({"type": "valkey", "startup_nodes": f"127.0.0.1:{free_port()}"})
+    out, env = _store_down(a, {}, str(tmp_path / "off.json"))
+    assert out == ["lmcache", "server", "--l2-adapter", NVME] and env == {}
+    off = read_off_record(str(tmp_path / "off.json"), os.getpid())
+    assert off is not None and off.adapter == "valkey" and "abort" in off.message()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        seeds = f"127.0.0.1:{free_port()},127.0.0.1:{port}"
+        cluster = argv({"type": "valkey", "startup_nodes": seeds, "cluster_mode": True})
+        assert _store_down(cluster, {}, str(tmp_path / "off.json")) == (cluster, {})
+        # standalone: glide uses the first node only, and nobody listens there
+        alone = argv({"type": "valkey", "startup_nodes": seeds, "cluster_mode": False})
+        assert _store_down(alone, {}, str(tmp_path / "off.json"))[0] != alone
+
+
+@pytest.mark.parametrize(("spec", "nodes"), [
+    ({"type": "resp", "host": "h", "port": 1}, [("h", 1)]),
+    ({"type": "resp", "host": "h"}, []),
+    ({"type": "valkey", "startup_nodes": "a:1, b:2"}, [("a", 1)]),
+    ({"type": "valkey", "startup_nodes": "a:1,[::1]:2", "cluster_mode": True},
+     [("a", 1), ("::1", 2)]),
+    ({"type": "valkey", "startup_nodes": "a,b:x"}, []),
+])
+def test_store_nodes(spec: dict[str, object], nodes: list[tuple[str, int]]) -> None:
+    assert store_nodes(spec) == nodes
+
+
+@pytest.mark.parametrize("doc", ['{"pid": "1", "since": 0}', '{"pid": 1}', "[1]", "{",
+                                 '{"pid": true, "since": 0}'])
+def test_an_unreadable_record_is_no_record(tmp_path: Path, doc: str) -> None:
+    (tmp_path / "off.json").write_text(doc)
+    assert read_off_record(str(tmp_path / "off.json"), 1) is None

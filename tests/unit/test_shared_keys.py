@@ -75,6 +75,24 @@ def test_shared_tier_is_degraded_never_down(probe: dict[str, object], status: st
     assert overall == "down"  # the cache server itself is down in these facts, not the tier
 
 
+
+def test_a_server_started_without_the_tier_is_degraded_with_a_store_that_answers() -> None:
+    """The launcher left the adapter out (lmcache_exec): the store answering later does not
+    make the tier ok, the check names the restart."""
+    from kvpersist.stack.lmcache_exec import SharedOff
+
+    off = SharedOff(7, 0.0, "resp", "h:1", "Connection refused")
+    up = {**BASE, "reachable": True, "auth_ok": True, "latency_ms": 0.3,
+          "budget": plan_store_budget([1], [0], ["allkeys-lru"]).to_dict(),
+          "off_since_start": {**off.to_dict(), "message": off.message()}}
+    _, checks = verdict(Facts(expect_vllm=False, shared_tier=up))
+    server = next(c for c in checks if c.name == "shared_tier.server")
+    assert server.status == "degraded" and "restart the cache server" in server.detail
+    assert next(c for c in checks if c.name == "shared_tier.store").status == "ok"
+    assert component_status(checks)["shared_tier"] == "degraded"
+    _, checks = verdict(Facts(expect_vllm=False, shared_tier={**up, "off_since_start": None}))
+    assert component_status(checks)["shared_tier"] == "ok"
+
 # --------------------------------------------------------------------------- foreign keys
 def test_skipped_keys_are_counted_per_kind_the_first_few_named_as_they_are() -> None:
     """The document names the keys as the store holds them (issue 40: --json is lossless);
