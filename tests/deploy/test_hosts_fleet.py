@@ -38,8 +38,8 @@ the roll: one vLLM start less at the converge); h2 runs its cache server alone.
 
 Every behaviour tests/deploy/test_rolling.py asserts with three deployments on one machine (the
 local connection, ``kvp_roll_via: kvp-admin``) is asserted here too, on real hosts over SSH
-with systemd; this module runs in the default suite in its place, that one with
-KVP_TEST_HOSTS=1 (tests/deploy/conftest.py has the figures).
+with systemd; that module stays in the default suite, this one is opt-in
+(tests/deploy/conftest.py has the figures).
 """
 
 from __future__ import annotations
