@@ -51,7 +51,9 @@ fi
 # The real hosts' modules (tests/deploy/test_hosts_*.py) run with KVP_TEST_HOSTS=1 only:
 # alone on 2 cores the fleet module took 669.1 s and the units module 481.5 s (2026-12-06);
 # as a third lane beside these two they slowed the first lane to 39 of its 146 tests in 32
-# minutes (2026-12-06 14:00-14:35 UTC), far past the budget. Their image (Debian with
+# minutes (2026-12-06 14:00-14:35 UTC), far past the budget; the fleet module in the first
+# lane in place of test_rolling.py made the suite 46.3 min (2026-12-06 20:19-21:06 UTC,
+# lanes 45.8 and 42.5 min), over the budget too. Their image (Debian with
 # systemd and sshd, from Debian's mirror, 2.3 min on a fresh machine, 514 MB, then reused) is
 # then built the same way; the hosts' fixture waits for it on the script's lock.
 if [ "${KVP_TEST_HOSTS:-0}" = 1 ] && command -v podman >/dev/null \
