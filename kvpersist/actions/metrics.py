@@ -318,6 +318,12 @@ def health_families(exp: Exposition, rep: HealthReport, now_s: float,
                   _HEALTH_VALUE.get(st or ""))
     exp.gauge("cache_server_up", "1 when the deployment's cache server answers /healthcheck.",
               lab, 1 if rep.facts.server_healthcheck else 0)
+    shared = rep.facts.shared_tier
+    exp.gauge("cache_server_shared_tier", "1 when the cache server runs with the deployment's "
+              "shared tier, 0 when it started without it (the store did not answer at its "
+              "start: restart it once the store answers); absent without a shared tier or a "
+              "serving cache server.", lab, None if shared is None or not
+              rep.facts.server_healthcheck else 0 if shared.get("off_since_start") else 1)
     exp.gauge("vllm_up", "1 when vLLM answers /health (absent when not checked).", lab,
               (1 if rep.facts.vllm_health else 0) if rep.facts.expect_vllm else None)
     canary = rep.facts.canary

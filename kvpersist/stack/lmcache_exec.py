@@ -114,7 +114,7 @@ class SharedOff:
         return (f"the cache server (pid {self.pid}) runs without the shared tier since "
                 f"{when}: the store {self.endpoint} did not answer at its start "
                 f"({self.error}){'; ' + why if why else ''}; restart the cache server once "
-                "the store answers")
+                "the store answers (`kvp-admin restart CONFIG --only server`, or its unit)")
 
 
 def store_nodes(spec: dict[str, Any]) -> list[tuple[str, int]]:

@@ -247,6 +247,10 @@ def test_launch_with_the_store_down_succeeds_with_a_warning(tmp_path: Path,
         assert server["status"] == "degraded" and "restart the cache server" in \
             server["detail"], server
         assert code == 1 and doc["components"]["shared_tier"] == "degraded"
+        m = s.kvp("metrics", s.config, "--no-vllm")
+        gauge = [ln for ln in m.stdout.splitlines()
+                 if ln.startswith("kvpersist_cache_server_shared_tier{")]
+        assert len(gauge) == 1 and gauge[0].endswith(" 0.0"), m.stdout
 
         stopped = s.stop()
         assert stopped["stopped"][-1]["how"] == "terminated"
@@ -254,6 +258,9 @@ def test_launch_with_the_store_down_succeeds_with_a_warning(tmp_path: Path,
         code, doc = health(s)
         assert code == 0 and not any(c["name"] == "shared_tier.server"
                                      for c in doc["checks"]), doc
+        m = s.kvp("metrics", s.config, "--no-vllm")
+        assert [ln.rsplit(" ", 1)[1] for ln in m.stdout.splitlines()
+                if ln.startswith("kvpersist_cache_server_shared_tier{")] == ["1.0"], m.stdout
     finally:
         s.cleanup()
         late.stop()

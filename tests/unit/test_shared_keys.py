@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvpersist.l2.fleet.host import decode_all
@@ -92,6 +94,31 @@ def test_a_server_started_without_the_tier_is_degraded_with_a_store_that_answers
     assert component_status(checks)["shared_tier"] == "degraded"
     _, checks = verdict(Facts(expect_vllm=False, shared_tier={**up, "off_since_start": None}))
     assert component_status(checks)["shared_tier"] == "ok"
+
+
+def test_metrics_say_whether_the_cache_server_runs_with_the_tier(tmp_path: Path) -> None:
+    """kvpersist_cache_server_shared_tier: 0 with the launcher's record, 1 without, absent
+    without a shared tier or a serving cache server (KvpersistCacheServerWithoutSharedTier)."""
+    from kvpersist.actions.metrics import Exposition, health_families
+    from kvpersist.config.loader import load_deployment
+    from kvpersist.stack.health import HealthReport
+    from kvpersist.stack.locate import locate
+
+    loc = locate(load_deployment("cpu-demo", {"KVP_CACHE_ROOT": str(tmp_path / "c")},
+                                 allow_unpinned=True))
+    up = {**BASE, "reachable": True, "auth_ok": True, "off_since_start": None}
+
+    def gauge(shared: dict[str, object] | None, serving: bool = True) -> list[float]:
+        f = Facts(expect_vllm=False, shared_tier=shared, server_healthcheck=serving)
+        status, checks = verdict(f)
+        exp = Exposition()
+        health_families(exp, HealthReport("cpu-demo", NS, status, tuple(checks), f, loc), 0.0)
+        return [x.value for fam in exp.families.values() for x in fam.samples
+                if x.name == "kvpersist_cache_server_shared_tier"]
+
+    assert gauge(up) == [1]
+    assert gauge({**up, "off_since_start": {"pid": 7, "message": "m"}}) == [0]
+    assert gauge(None) == [] and gauge(up, serving=False) == []
 
 # --------------------------------------------------------------------------- foreign keys
 def test_skipped_keys_are_counted_per_kind_the_first_few_named_as_they_are() -> None:
