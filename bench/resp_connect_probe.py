@@ -8,14 +8,15 @@ small file in a loop (as the cache server's start reads its L2 master key), and 
 opens that fail with ``EBADF``: a worker that closes a socket twice closes, the second time,
 whatever the main thread has just opened under the same number. Two conditions, alternating
 per round: the store's port with nobody listening ("down") and a real ``redis-server`` on
-loopback ("up"). Then, for each condition, whether a request submitted after the store
-answers ever completes (the client's workers reconnect or not).
+loopback with an ACL user ("up", the tests' own store helper). Then, for each condition,
+whether a request submitted after the store answers ever completes (the client's workers
+reconnect or not).
 
 With strace installed, ``strace -f -e trace=connect,close`` on one round shows the pair of
 ``close`` calls per worker (the second answered EBADF).
 
 Usage: python bench/resp_connect_probe.py [--rounds 20] [--opens 2000] [--out FILE]
-(``redis-server`` on PATH: scripts/setup.sh installs it.)
+(``redis-server``: scripts/setup.sh installs it.)
 """
 
 from __future__ import annotations
@@ -23,42 +24,24 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import shutil
-import socket
-import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_redis(port: int, where: str) -> subprocess.Popen[bytes]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not on PATH (scripts/setup.sh installs it)")
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", where,
-                             "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit(f"redis-server on {port} did not answer")
+from kvpersist.system.procs import free_port  # noqa: E402
+from tests.integration._redis import Redis, start_redis  # noqa: E402
 
 
-def one_round(client_cls: Any, port: int, path: Path, opens: int) -> dict[str, int]:
+def one_round(client_cls: Any, port: int, store: Redis | None, path: Path,
+              opens: int) -> dict[str, int]:
     """Build the client, then open/read/close ``path`` ``opens`` times; count the EBADFs."""
-    client = client_cls("127.0.0.1", port, 8, "", "")
+    user, password = (store.user, store.password) if store else ("", "")
+    client = client_cls("127.0.0.1", port, 8, user, password)
     bad = other = 0
     for _ in range(opens):
         try:
@@ -73,15 +56,16 @@ def one_round(client_cls: Any, port: int, path: Path, opens: int) -> dict[str, i
     return {"ebadf": bad, "other_errors": other}
 
 
-def completes_later(client_cls: Any, down: bool, where: str) -> bool:
+def completes_later(client_cls: Any, down: bool, where: Path) -> bool:
     """Does a request submitted after the store answers complete within 3 s? (``down``:
-    the client was built while nobody listened)."""
-    port = free_port()
-    proc = None if down else start_redis(port, where)
-    client = client_cls("127.0.0.1", port, 8, "", "")
+    the client was built while the store was killed, and the store restarted after.)"""
+    store = start_redis(where)
+    if down:
+        store.kill()
+    client = client_cls("127.0.0.1", store.nodes[0].port, 8, store.user, store.password)
     time.sleep(0.5)
-    if proc is None:
-        proc = start_redis(port, where)
+    if down:
+        store.restart()
     try:
         client.submit_batch_exists(["kvp-probe"])
         deadline = time.monotonic() + 3
@@ -92,8 +76,7 @@ def completes_later(client_cls: Any, down: bool, where: str) -> bool:
         return False
     finally:
         client.close()
-        proc.kill()
-        proc.wait()
+        store.stop()
 
 
 def main() -> int:
@@ -110,23 +93,23 @@ def main() -> int:
         counts: dict[str, dict[str, int]] = {c: {"rounds": 0, "ebadf": 0, "other_errors": 0,
                                                  "rounds_with_ebadf": 0}
                                              for c in ("down", "up")}
-        up_port = free_port()
-        redis = start_redis(up_port, tmp)
+        store = start_redis(Path(tmp) / "store")
         try:
             for i in range(args.rounds):
                 for cond in (("down", "up") if i % 2 == 0 else ("up", "down")):
-                    port = free_port() if cond == "down" else up_port
-                    r = one_round(LMCacheRedisClient, port, path, args.opens)
+                    up = cond == "up"
+                    port = store.nodes[0].port if up else free_port()
+                    r = one_round(LMCacheRedisClient, port, store if up else None, path,
+                                  args.opens)
                     c = counts[cond]
                     c["rounds"] += 1
                     c["ebadf"] += r["ebadf"]
                     c["other_errors"] += r["other_errors"]
                     c["rounds_with_ebadf"] += r["ebadf"] > 0
         finally:
-            redis.kill()
-            redis.wait()
-        later = {"down": completes_later(LMCacheRedisClient, True, tmp),
-                 "up": completes_later(LMCacheRedisClient, False, tmp)}
+            store.stop()
+        later = {"down": completes_later(LMCacheRedisClient, True, Path(tmp) / "later-down"),
+                 "up": completes_later(LMCacheRedisClient, False, Path(tmp) / "later-up")}
     doc = {"opens_per_round": args.opens, "workers": 8, "counts": counts,
            "request_after_the_store_answers_completes": later}
     text = json.dumps(doc, indent=2)
