@@ -15,7 +15,8 @@ from kvpersist.config.identity import diff_identities
 from kvpersist.config.loader import load_deployment
 from kvpersist.config.modeldir import read_model_dir
 from kvpersist.errors import ConfigError, Problem, UsageError
-from kvpersist.stack.identity_check import check_deployment
+from kvpersist.stack import identity_check
+from kvpersist.stack.launch_plan import identity_inputs
 from kvpersist.system import software
 from kvpersist.system.files import atomic_write
 from kvpersist.system.untrusted import (
@@ -130,4 +131,5 @@ def check(config: str) -> IdentityCheck:
         raise ConfigError([Problem(dep.source, "the identity is unpinned: there is nothing to "
                                    "check (an unpinned namespace is never reused)",
                                    "complete the identity fields")], dep.source)
-    return check_deployment(dep, vllm_launched=True, require_model=True)
+    return identity_check.check(identity_inputs(dep), vllm_launched=True,
+                               require_model=True)

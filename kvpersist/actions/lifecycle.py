@@ -68,7 +68,7 @@ def check_launch(config: str, opts: LaunchOptions = DEFAULTS) -> CheckResult:
     ConfigError; preflight problems are in the result. vLLM is checked unless
     ``opts.with_vllm`` is False or ``opts.foreground`` (the cache server alone)."""
     p = prepare_launch(config, opts)
-    pre = preflight(p.dep, p.plan, p.sizing, with_vllm=opts.with_vllm and not opts.foreground)
+    pre = preflight(p.plan, p.sizing, with_vllm=opts.with_vllm and not opts.foreground)
     return CheckResult(p.dep.name, p.dep.namespace, pre.problems, pre.notes)
 
 

@@ -133,7 +133,8 @@ def _warm(new: Deployment) -> WarmFacts:
     the token ids for NEW's namespace (computing them needs vLLM's tokenizer: not here)."""
     if not new.settings.warmup_file:
         return WarmFacts(note="NEW has no warm set (KVP_WARMUP_FILE is empty)")
-    ws = read_warm_set(new)  # ConfigError (exit 2) for a file that does not parse
+    # ConfigError (exit 2) for a file that does not parse
+    ws = read_warm_set(new.settings.warmup_file, new.source)
     chunk, ws_n = new.generic.chunk_size, world_size(new)
     ids, why = _cached_token_ids(new, ws.sha256, len(ws.entries))
     if ids is None:

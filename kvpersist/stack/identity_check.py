@@ -1,7 +1,7 @@
 """Check a deployment's identity against what would run (I/O): the weights at
 ``KVP_MODEL_PATH``, this Python's lmcache and vLLM, the image in container mode.
 
-:func:`check_deployment` gathers the facts (:mod:`kvpersist.config.modeldir`,
+:func:`check` gathers the facts (:mod:`kvpersist.config.modeldir`,
 :mod:`kvpersist.system.software`) and compares them (:func:`~kvpersist.config.compare.
 check_identity`). ``launch``, ``launch --check``, ``launch --foreground`` (through
 :func:`~kvpersist.stack.preflight.preflight`), ``kvp-admin identity check`` and, through it,
@@ -24,13 +24,12 @@ from kvpersist.config.compare import (
     FieldCheck,
     check_identity,
 )
-from kvpersist.config.deployment import Deployment
+from kvpersist.config.identity import CacheIdentity
 from kvpersist.config.known_bad import OPT_IN as KNOWN_BAD_OPT_IN
 from kvpersist.config.known_bad import known_bad
 from kvpersist.config.model_facts import ModelFacts
 from kvpersist.config.modeldir import read_model_dir
 from kvpersist.errors import ConfigError, Problem
-from kvpersist.stack.locate import vllm_mode
 from kvpersist.system import software
 
 _PIN_NAME = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==")
@@ -107,10 +106,28 @@ def known_bad_problems(config: Any, *, allowed: bool, canary: bool,
     return out
 
 
-def check_deployment(dep: Deployment, *, vllm_launched: bool,
-                     require_model: bool = False) -> IdentityCheck:
-    """Compare ``dep``'s identity with the weights at its KVP_MODEL_PATH and the software
-    that would run it.
+@dataclass(frozen=True)
+class IdentityInputs:
+    """What the identity check reads of a deployment, taken from it once (plain values: a
+    launch plan carries them, :func:`kvpersist.stack.launch_plan.identity_inputs`;
+    :func:`check` compares them with what would run)."""
+
+    config: str = ""
+    namespace: str = ""
+    #: None: the deployment is not pinned (nothing to compare)
+    identity: CacheIdentity | None = None
+    model_path: str = ""
+    vllm_mode: str = "process"
+    image: str = ""
+    container_engine: str = "docker"
+    allow_known_corruption: bool = False
+    canary: bool = True
+
+
+def check(i: IdentityInputs, *, vllm_launched: bool,
+          require_model: bool = False) -> IdentityCheck:
+    """Compare a deployment's identity with the weights at its KVP_MODEL_PATH and the
+    software that would run it.
 
     ``vllm_launched``: vLLM starts where this runs (its build is then compared; without it
     the weights are only compared when present). ``require_model``: a missing weights
@@ -118,13 +135,12 @@ def check_deployment(dep: Deployment, *, vllm_launched: bool,
     unchecked (``launch --no-vllm`` on a host that serves the cache only; a launch that
     starts vLLM reports the missing directory in its own preflight).
     """
-    s = dep.settings
-    mode = vllm_mode(dep)
-    if dep.identity is None:
-        return IdentityCheck(dep.name, dep.namespace, s.model_path, "unchecked", mode, ())
+    mode = i.vllm_mode
+    if i.identity is None:
+        return IdentityCheck(i.config, i.namespace, i.model_path, "unchecked", mode, ())
     problems: list[Problem] = []
     model: ModelFacts | None = None
-    path = s.model_path
+    path = i.model_path
     if not os.path.lexists(path):
         state = "absent"
         why = f"no weights at KVP_MODEL_PATH {path}"
@@ -144,20 +160,20 @@ def check_deployment(dep: Deployment, *, vllm_launched: bool,
             problems += [Problem(f"KVP_MODEL_PATH: {p.where}", p.message, p.fix)
                          for p in exc.problems]
     if model is not None:
-        problems += known_bad_problems(model.config, allowed=s.allow_known_corruption,
-                                       canary=s.canary, where=f"{path}/config.json")
-    ident = dep.identity
+        problems += known_bad_problems(model.config, allowed=i.allow_known_corruption,
+                                       canary=i.canary, where=f"{path}/config.json")
+    ident = i.identity
     pins = tuple(m.group(1) for m in (_PIN_NAME.match(b) for b in
                                       (ident.connector_build, ident.vllm_build)) if m)
     inst = software.installed(pins)
     image_info = None
-    if mode == "container" and vllm_launched and "@sha256:" not in s.image and \
+    if mode == "container" and vllm_launched and "@sha256:" not in i.image and \
             "sha256:" in f"{ident.vllm_build} {ident.connector_build}":
-        image_info = software.inspect_image(s.image, engine=s.container_engine)
+        image_info = software.inspect_image(i.image, engine=i.container_engine)
     venv = image_info.labels.get(software.VENV_LABEL, "") if image_info else ""
     ctx = CheckContext(model=model, model_why=why, installed=inst, vllm_mode=mode,
-                       vllm_launched=vllm_launched, image=s.image, image_info=image_info,
+                       vllm_launched=vllm_launched, image=i.image, image_info=image_info,
                        venv_dists_now=software.venv_distributions_digest(venv) if venv
                        else None)
-    return IdentityCheck(dep.name, dep.namespace, path, state, mode,
+    return IdentityCheck(i.config, i.namespace, path, state, mode,
                          check_identity(ident, ctx), tuple(problems))

@@ -231,8 +231,7 @@ def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
     it). If vLLM fails, the cache server is left running (it is healthy) and reported. A
     warm-up that fails or times out raises nothing: the result says so, vLLM serves cold.
     """
-    dep, rendered, plan, sizing = (prepared.dep, prepared.rendered, prepared.plan,
-                                   prepared.sizing)
+    rendered, plan, sizing = prepared.rendered, prepared.plan, prepared.sizing
     now = running(plan, with_vllm=opts.with_vllm and not opts.foreground)
     if opts.foreground:
         refuse_if_running(now.server, "the cache server", progress)
@@ -240,7 +239,7 @@ def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
     else:
         with_server, start_vllm_too = now.to_start(with_vllm=opts.with_vllm,
                                                    vllm_mode=plan.vllm_mode)
-    pre = preflight(dep, plan, sizing, with_vllm=start_vllm_too, with_server=with_server)
+    pre = preflight(plan, sizing, with_vllm=start_vllm_too, with_server=with_server)
     notes = proceed(pre)
     if not with_server:
         notes.append(f"the cache server already runs (pid {now.server.pid}): starting vLLM "
@@ -301,9 +300,9 @@ def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
     # before it sends anything to vLLM (stack/warm/gate.py)
     early: StartedWarmup | WarmupRun | None = None
     handoff = Handoff.of(rendered.vllm_argv, rendered.lmcache_server_argv)
-    if (vsp is not None and opts.with_vllm and opts.warmup and dep.settings.warmup_file
+    if (vsp is not None and opts.with_vllm and opts.warmup and plan.checks.warmup_file
             and not rendered.recompute):
-        early = start_warmup(plan, prepared.config or dep.name, handoff,
+        early = start_warmup(plan, prepared.config or plan.config, handoff,
                              env=prepared.environ or os.environ, wait_s=opts.warmup_wait,
                              early=True, progress=progress)
     try:
@@ -320,14 +319,14 @@ def launch(prepared: Prepared, opts: LaunchOptions = DEFAULTS, *,
             early.cancel("the canary failed: vLLM serves without the cache")
         warm = WarmupRun("skipped", "vLLM serves without the cache (the canary failed)")
     elif opts.with_vllm and (vllm is not None or plan.vllm_mode == "process"):
-        if opts.warmup and not dep.settings.warmup_file:
+        if opts.warmup and not plan.checks.warmup_file:
             warm = NO_WARM_SET
         elif opts.warmup:
             if isinstance(early, StartedWarmup):
                 early.release()
                 warm = early.finish()
             else:
-                warm = early or run_warmup(plan, prepared.config or dep.name, handoff,
+                warm = early or run_warmup(plan, prepared.config or plan.config, handoff,
                                            env=prepared.environ or os.environ,
                                            wait_s=opts.warmup_wait, progress=progress)
             progress(warmup_summary(warm))

@@ -22,12 +22,19 @@ from kvpersist.config.shared_tier import SharedTier
 from kvpersist.l2.hot_files import off_reason
 from kvpersist.l2.inventory import Sizing, size_deployment
 from kvpersist.stack.canary.run import recompute_reason
+from kvpersist.stack.identity_check import IdentityInputs
 from kvpersist.stack.launch_options import DEFAULTS, LaunchOptions
 from kvpersist.stack.lmcache_exec import exec_argv
-from kvpersist.stack.locate import Location, locate
+from kvpersist.stack.locate import Location, locate, vllm_mode
 from kvpersist.stack.preread import preread_argv
-from kvpersist.stack.render import TEMPLATE_NAMES, Rendered, render
-from kvpersist.stack.vllm_args import ParserInputs, parser_inputs
+from kvpersist.stack.render import (
+    TEMPLATE_NAMES,
+    Rendered,
+    container_argv,
+    container_python_argv,
+    render,
+)
+from kvpersist.stack.vllm_args import ParserInputs
 from kvpersist.system.software import running_vllm_version
 from kvpersist.system.templates import read_templates
 from kvpersist.system.vllm_seam import RELEASES, table_version
@@ -58,6 +65,31 @@ class LaunchChecks:
     shared_tier_secret_file: str = ""
     #: what vLLM's parser check reads
     parser: ParserInputs = field(default_factory=ParserInputs)
+    #: what the identity check reads
+    identity: IdentityInputs = field(default_factory=IdentityInputs)
+    #: KVP_WARMUP_FILE ('' : no warm set) and the config file that names it
+    warmup_file: str = ""
+    source: str = ""
+
+
+def parser_inputs(dep: Deployment) -> ParserInputs:
+    """What vLLM's parser check reads of ``dep`` (pure)."""
+    s = dep.settings
+    return ParserInputs(
+        namespace=dep.namespace, extra=tuple(s.vllm_extra_args),
+        engine=dict(dep.identity_values.get("engine_args", {})), source=dep.source,
+        image=s.image, container_prefix=len(container_argv(dep, [])) if s.image else 0,
+        container_run=tuple(container_python_argv(dep)) if s.image else (),
+        named_version=dep.vllm_version, allow_unsupported=s.allow_unsupported_vllm)
+
+
+def identity_inputs(dep: Deployment) -> IdentityInputs:
+    """What the identity check reads of ``dep`` (pure)."""
+    s = dep.settings
+    return IdentityInputs(config=dep.name, namespace=dep.namespace, identity=dep.identity,
+                          model_path=s.model_path, vllm_mode=vllm_mode(dep), image=s.image,
+                          container_engine=s.container_engine,
+                          allow_known_corruption=s.allow_known_corruption, canary=s.canary)
 
 
 def launch_checks(dep: Deployment) -> LaunchChecks:
@@ -74,7 +106,8 @@ def launch_checks(dep: Deployment) -> LaunchChecks:
                                if lst.remote),
         container_mounts=tuple(mounts), private_paths=tuple(private_paths(s)),
         shared_tier_url=s.shared_tier, shared_tier=dep.shared,
-        shared_tier_secret_file=s.shared_tier_secret_file, parser=parser_inputs(dep))
+        shared_tier_secret_file=s.shared_tier_secret_file, parser=parser_inputs(dep),
+        identity=identity_inputs(dep), warmup_file=s.warmup_file, source=dep.source)
 
 
 @dataclass(frozen=True)
@@ -203,5 +236,5 @@ def recompute_plan(prepared: Prepared, why: str) -> Prepared:
     return replace(prepared, rendered=rendered, plan=plan)
 
 
-__all__ = ["LaunchChecks", "LaunchPlan", "Prepared", "launch_checks", "lmcache_bin",
-           "plan_launch", "prepare_launch", "recompute_plan"]
+__all__ = ["LaunchChecks", "LaunchPlan", "Prepared", "identity_inputs", "launch_checks",
+           "lmcache_bin", "parser_inputs", "plan_launch", "prepare_launch", "recompute_plan"]

@@ -24,7 +24,7 @@ import shutil
 import stat
 from dataclasses import dataclass, replace
 
-from kvpersist.config.deployment import Deployment, container_mount_problems
+from kvpersist.config.deployment import container_mount_problems
 from kvpersist.errors import ConfigError, KvpError, Problem
 from kvpersist.l2.inventory import Sizing
 from kvpersist.l2.layout import display_name
@@ -188,7 +188,7 @@ def resolved_mount_problems(c: LaunchChecks) -> list[Problem]:
     return container_mount_problems(private, mounts, "KVP_IMAGE")
 
 
-def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
+def gather(plan: LaunchPlan, sizing: Sizing, *,
            with_vllm: bool, with_server: bool = True) -> PreflightFacts:
     """Read everything the verdict needs for a launch of ``plan`` (I/O, never a write).
     ``sizing`` is the launch's one budget plan (shown as notes, never computed again here).
@@ -217,7 +217,7 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
     if with_vllm:
         ports.append(("KVP_VLLM_PORT", *plan.listen["vllm"]))
     exe = plan.server_argv[0]
-    identity = identity_check.check_deployment(dep, vllm_launched=with_vllm)
+    identity = identity_check.check(c.identity, vllm_launched=with_vllm)
     process = plan.vllm_mode == "process"
     version = plan.vllm_version
     facts = PreflightFacts(
@@ -243,7 +243,7 @@ def gather(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
         tmp_files=cleans.files if cleans and with_server else 0,
         tmp_samples=tuple(cleans.samples) if cleans else (),
         allow_tmp_cleanup=c.allow_tmp_cleanup,
-        warm_set_problems=warm_set_problems(dep) if with_vllm else (),
+        warm_set_problems=warm_set_problems(c) if with_vllm else (),
         vllm_version=version,
         vllm_version_of="the installed vLLM" if process and version == installed_vllm_version()
         else "the vLLM the deployment names (KVP_VLLM_BUILD, KVP_IMAGE)",
@@ -272,14 +272,14 @@ def gather_args(plan: LaunchPlan) -> ArgsFacts:
     return ArgsFacts(tuple(args.problems), tuple(args.notes), key)
 
 
-def warm_set_problems(dep: Deployment) -> tuple[Problem, ...]:
+def warm_set_problems(c: LaunchChecks) -> tuple[Problem, ...]:
     """The problems of the deployment's warm set (KVP_WARMUP_FILE), read and parsed as the
     warm-up reads it (bounded, untrusted): a bad one is found before anything starts, not
     after vLLM serves. Empty without a warm set."""
-    if not dep.settings.warmup_file:
+    if not c.warmup_file:
         return ()
     try:
-        read_warm_set(dep)
+        read_warm_set(c.warmup_file, c.source)
     except ConfigError as exc:
         return tuple(exc.problems)
     return ()
@@ -547,11 +547,11 @@ def shared_problems(sh: SharedFacts) -> list[Problem]:
     return out
 
 
-def preflight(dep: Deployment, plan: LaunchPlan, sizing: Sizing, *,
+def preflight(plan: LaunchPlan, sizing: Sizing, *,
               with_vllm: bool, with_server: bool = True) -> Preflight:
     """:func:`gather`, then :func:`judge`: every problem at once; never raises for them, never
     writes."""
-    return judge(gather(dep, plan, sizing, with_vllm=with_vllm, with_server=with_server))
+    return judge(gather(plan, sizing, with_vllm=with_vllm, with_server=with_server))
 
 
 __all__ = ["MIN_FREE_BYTES", "ArgsFacts", "PortFacts", "Preflight", "PreflightFacts",

@@ -45,7 +45,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpersist.config.deployment import Deployment
 from kvpersist.config.engine_args import (
     ENGINE_KEY,
     EXTRA_KEY,
@@ -56,7 +55,7 @@ from kvpersist.config.engine_args import (
 from kvpersist.config.engine_flags import KV, NEUTRAL, rows_for
 from kvpersist.config.loader import load_deployment, load_identity_values
 from kvpersist.errors import KvpError, Problem
-from kvpersist.stack.render import container_argv, container_python_argv
+from kvpersist.stack.render import container_python_argv
 from kvpersist.system import procs, vllm_seam
 from kvpersist.system.files import atomic_write_json
 from kvpersist.system.software import running_vllm_version
@@ -158,7 +157,7 @@ def installed_vllm_build() -> str:
 @dataclass(frozen=True)
 class ParserInputs:
     """What the parser check reads of a deployment, taken from it once (plain values; a
-    launch plan carries them, :func:`parser_inputs`)."""
+    launch plan carries them: :func:`kvpersist.stack.launch_plan.parser_inputs`)."""
 
     #: the model argument: the namespace
     namespace: str = ""
@@ -176,17 +175,6 @@ class ParserInputs:
     #: the release the deployment names (KVP_VLLM_BUILD, KVP_IMAGE's tag)
     named_version: str | None = None
     allow_unsupported: bool = False
-
-
-def parser_inputs(dep: Deployment) -> ParserInputs:
-    """What the parser check reads of ``dep`` (pure)."""
-    s = dep.settings
-    return ParserInputs(
-        namespace=dep.namespace, extra=tuple(s.vllm_extra_args),
-        engine=dict(dep.identity_values.get("engine_args", {})), source=dep.source,
-        image=s.image, container_prefix=len(container_argv(dep, [])) if s.image else 0,
-        container_run=tuple(container_python_argv(dep)) if s.image else (),
-        named_version=dep.vllm_version, allow_unsupported=s.allow_unsupported_vllm)
 
 
 def check_key(inputs: ParserInputs, vllm_mode: str, vllm_argv: Sequence[str],

@@ -137,7 +137,7 @@ class Lab:
         self.root = Path(env["KVP_CACHE_ROOT"])
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         p = prepare_launch("cpu-demo", environ=env)
-        pre = preflight(p.dep, p.plan, p.sizing, with_vllm=False)
+        pre = preflight(p.plan, p.sizing, with_vllm=False)
         if pre.problems:
             raise RuntimeError(f"preflight: {pre.problems}")
         lc.prepare_state(p.plan, p.rendered, p.sizing, weights=pre.weights)

@@ -296,3 +296,62 @@ def test_no_module_name_stands_in_two_of_the_lower_floors() -> None:
         for part in parts[2:]:
             where.setdefault(part, set()).add(parts[1])
     assert {n: sorted(f) for n, f in where.items() if len(f) > 1} == {}
+
+
+# --------------------------------------------------------------------------- the deployment
+
+#: ``- whole deployment only in `config/deployment.py`, `stack/launch_plan.py`, ...``
+WHOLE_DEPLOYMENT = re.compile(r"^- whole deployment only in (.*)$", re.M)
+DEPLOYMENT_TYPE = re.compile(r"\bDeployment\b")
+LISTED = re.compile(r"`([a-z0-9_/]+\.py)`")
+
+
+def _takes_deployment(path: Path) -> list[str]:
+    """Where a module takes a whole ``Deployment``: each parameter or annotated field whose
+    type names it (``Deployment``, ``Deployment | None``, ``list[Deployment]``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+                if arg is not None and arg.annotation is not None and \
+                        DEPLOYMENT_TYPE.search(ast.unparse(arg.annotation)):
+                    out.append(f"{node.name}({arg.arg})")
+        elif isinstance(node, ast.AnnAssign) and DEPLOYMENT_TYPE.search(
+                ast.unparse(node.annotation)):
+            out.append(f"field {ast.unparse(node.target)}")
+    return out
+
+
+def test_the_whole_deployment_is_taken_only_where_the_document_says() -> None:
+    """A config is read once and planned once: only the modules ARCHITECTURE.md lists take a
+    whole ``Deployment`` (a parameter or a field); a launch's steps take the plan's parts.
+    Held both ways, so the list cannot go stale."""
+    lines = WHOLE_DEPLOYMENT.findall(DOC.read_text(encoding="utf-8"))
+    assert len(lines) == 1, "ARCHITECTURE.md has no (or more than one) whole-deployment line"
+    listed = {_module_of(p) for p in LISTED.findall(lines[0])}
+    taking = {name: where for name, path in MODULES.items()
+              if (where := _takes_deployment(path))}
+    assert {n: w for n, w in taking.items() if n not in listed} == {}, \
+        "take a whole Deployment but are not in ARCHITECTURE.md's list"
+    assert sorted(listed - set(taking)) == [], \
+        "listed in ARCHITECTURE.md but take no whole Deployment (remove them from the list)"
+    steps = ("kvpersist.stack.launch", "kvpersist.stack.preflight",
+             "kvpersist.stack.identity_check", "kvpersist.stack.vllm_args",
+             "kvpersist.stack.processes", "kvpersist.stack.crash_window",
+             "kvpersist.stack.warm.prime")
+    assert [n for n in taking if n in steps or n.startswith("kvpersist.stack.canary.")] == []
+
+
+def test_the_deployment_scan_sees_every_way_of_taking_it(tmp_path: Path) -> None:
+    """The scan above finds a parameter, a keyword-only one, an optional one, a list and a
+    field, and ignores names that only start with ``Deployment``."""
+    mod = tmp_path / "m.py"
+    mod.write_text(
+        "from dataclasses import dataclass\n"
+        "def a(dep: Deployment) -> None: ...\n"
+        "def b(*, d: 'Deployment | None' = None) -> None: ...\n"
+        "def c(ds: list[Deployment], s: DeploymentSettings) -> None: ...\n"
+        "@dataclass\nclass H:\n    dep: Deployment\n    settings: DeploymentSettings\n",
+        encoding="utf-8")
+    assert _takes_deployment(mod) == ["a(dep)", "b(d)", "c(ds)", "field dep"]

@@ -162,23 +162,23 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def read_warm_set(dep: Deployment) -> WarmSet:
-    """Read and validate the deployment's warm file (:func:`parse_warm_set`).
+def read_warm_set(path: str, source: str) -> WarmSet:
+    """Read and validate the warm file at ``path`` (KVP_WARMUP_FILE of the config at
+    ``source``: :func:`parse_warm_set`).
 
     The operator's file is read as untrusted (:mod:`kvpersist.system.untrusted`): a link is
     followed, but what it names must be a regular file (a FIFO never blocks, ``/dev/zero``
     is never read) of at most :data:`~kvpersist.config.warmset.MAX_BYTES`. Raises
     ConfigError (exit 2) naming KVP_WARMUP_FILE and the file for each way of failing."""
-    path = dep.settings.warmup_file
     fix = "point it at a readable JSONL file, or leave it empty"
     try:
         data = read_bytes(path, max_bytes=WARM_FILE_MAX_BYTES)
     except FileNotFoundError:
         raise ConfigError(Problem(f"KVP_WARMUP_FILE {show_path(path)}",
-                                  "cannot be read: no such file", fix), dep.source) from None
+                                  "cannot be read: no such file", fix), source) from None
     except UnreadableFile as exc:
         raise ConfigError(Problem(f"KVP_WARMUP_FILE {exc.path}", exc.why, fix),
-                          dep.source) from None
+                          source) from None
     return parse_warm_set(data, show_path(path))
 
 
@@ -217,7 +217,7 @@ def warm(dep: Deployment, loc: Location, *, wait_s: float = DEFAULT_WAIT_S,
             f"{dep.source}: KVP_WARMUP_FILE", "is set but the namespace is unpinned (identity "
             "incomplete): a one-off namespace never reuses anything, so there is nothing to warm",
             "complete the identity, or leave KVP_WARMUP_FILE empty"), dep.source)
-    ws = read_warm_set(dep)
+    ws = read_warm_set(dep.settings.warmup_file, dep.source)
     res.warm_file, res.warm_file_sha256 = ws.source, ws.sha256
     t0 = time.monotonic()
     _write_state(loc, res)
@@ -455,7 +455,7 @@ def cached_token_ids(dep: Deployment, loc: Location) -> tuple[list[list[int]] | 
     that cannot be read."""
     if not dep.settings.warmup_file or dep.identity is None:
         return None, "the deployment has no warm set (KVP_WARMUP_FILE)"
-    ws = read_warm_set(dep)
+    ws = read_warm_set(dep.settings.warmup_file, dep.source)
     ids, why = _cached_ids(loc, ws, dep.identity.chat_template_sha256)
     if ids is None:
         return None, ("the warm set's token ids are not cached yet (a warm-up caches them)"
