@@ -341,6 +341,12 @@ def test_the_whole_deployment_is_taken_only_where_the_document_says() -> None:
              "kvpersist.stack.processes", "kvpersist.stack.crash_window",
              "kvpersist.stack.warm.prime")
     assert [n for n in taking if n in steps or n.startswith("kvpersist.stack.canary.")] == []
+    # nor do they reach for it through the prepared launch (``prepared.dep``)
+    reach = [f"{n}:{node.lineno}" for n, path in MODULES.items()
+             if n in steps or n.startswith("kvpersist.stack.canary.")
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.Attribute) and node.attr == "dep"]
+    assert reach == []
 
 
 def test_the_deployment_scan_sees_every_way_of_taking_it(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpersist import __version__
 from kvpersist.config.deployment import Deployment
+from kvpersist.config.shared_tier import SharedTier
 from kvpersist.errors import KvpError
 from kvpersist.l2.fleet.records import (
     RECORD_TTL_S,
@@ -70,19 +71,44 @@ def machine_id(path: str = MACHINE_ID_FILE) -> str:
     return text if 0 < len(text) <= 64 and all(c in "0123456789abcdef" for c in text) else ""
 
 
-def own_record(dep: Deployment, now: float | None = None) -> FleetRecord:
-    """This host's record of ``dep`` (nothing is written). Raises KvpError when the serde
-    key cannot be read (e.g. not yet created, or another user's)."""
+@dataclass(frozen=True)
+class FleetHost:
+    """What this host's record reads of a deployment, as plain values (a launch takes them
+    from its plan; :func:`host_of` from a deployment)."""
 
+    deployment: str
+    namespace: str
+    state_dir: str
+    service_user: str
+    serde: str
+    serde_key_file: str
+    #: KVP_SHARED_TIER as written ('' : none), parsed (None: none, or it does not parse),
+    #: and its secret file
+    tier_url: str = ""
+    tier: SharedTier | None = None
+    secret_file: str = ""
+
+
+def host_of(dep: Deployment) -> FleetHost:
+    """What this host's record reads of ``dep`` (pure)."""
     s = dep.settings
+    return FleetHost(dep.name, dep.namespace, s.state_dir, s.service_user, s.serde,
+                     s.serde_key_file, s.shared_tier, dep.shared, s.shared_tier_secret_file)
+
+
+def own_record(dep: Deployment | FleetHost, now: float | None = None) -> FleetRecord:
+    """This host's record of a deployment (nothing is written). Raises KvpError when the
+    serde key cannot be read (e.g. not yet created, or another user's)."""
+
+    h = host_of(dep) if isinstance(dep, Deployment) else dep
     fingerprint = ""
-    if s.serde == "aesgcm":
-        fingerprint = serde_fingerprint(keys.read_key(s.serde_key_file,
-                                                      service_uids(s.service_user)))
+    if h.serde == "aesgcm":
+        fingerprint = serde_fingerprint(keys.read_key(h.serde_key_file,
+                                                      service_uids(h.service_user)))
     hostname = socket.gethostname()
-    return FleetRecord(namespace=dep.namespace, host=hostname,
-                       host_id=host_id(hostname, machine_id(), s.state_dir),
-                       deployment=dep.name, version=__version__, serde=s.serde,
+    return FleetRecord(namespace=h.namespace, host=hostname,
+                       host_id=host_id(hostname, machine_id(), h.state_dir),
+                       deployment=h.deployment, version=__version__, serde=h.serde,
                        serde_key_fingerprint=fingerprint,
                        updated_at=time.time() if now is None else now, ttl_s=RECORD_TTL_S)
 
@@ -111,16 +137,14 @@ class RecordOutcome:
         return asdict(self)
 
 
-def _connect(dep: Deployment, timeout: float) -> Any:
-    """A connection to ``dep``'s store. Raises KvpError (no shared tier, secret file, store
-    unreachable, credentials refused)."""
+def _connect(h: FleetHost, timeout: float) -> Any:
+    """A connection to the deployment's store. Raises KvpError (no shared tier, secret file,
+    store unreachable, credentials refused)."""
 
-    tier = dep.shared
-    if tier is None:
-        raise KvpError(f"{dep.name} has no shared tier")
-    secret = read_secret_file(dep.settings.shared_tier_secret_file,
-                              also=service_uids(dep.settings.service_user))
-    return connect(tier, secret, timeout)
+    if h.tier is None:
+        raise KvpError(f"{h.deployment} has no shared tier")
+    secret = read_secret_file(h.secret_file, also=service_uids(h.service_user))
+    return connect(h.tier, secret, timeout)
 
 
 def nvme_use(sizing: Sizing | None, namespace: str) -> NvmeUse | None:
@@ -152,10 +176,10 @@ def previous(store: Any, rec: FleetRecord) -> FleetRecord | None:
     return decode_record(key, raw)[0]
 
 
-def write(dep: Deployment, *, timeout: float = TIMEOUT_S, launched: bool = False,
+def write(dep: Deployment | FleetHost, *, timeout: float = TIMEOUT_S, launched: bool = False,
           nvme: NvmeUse | None = None, health: str = "", canary: str | None = None,
           started: float | None = None) -> RecordOutcome:
-    """Write (or refresh) this host's record of ``dep`` with its TTL. Never raises.
+    """Write (or refresh) this host's record of a deployment with its TTL. Never raises.
 
     ``launched`` (a launch): ``since`` is now and ``nvme`` the launch's measurement. Else (a
     health refresh) ``since`` and ``nvme`` are kept from the record this one replaces (read
@@ -163,13 +187,14 @@ def write(dep: Deployment, *, timeout: float = TIMEOUT_S, launched: bool = False
     ``started`` (when the cache server started) and ``nvme`` unknown. ``health``: the status
     this run found, stamped now."""
 
-    if not dep.settings.shared_tier:
+    h = host_of(dep) if isinstance(dep, Deployment) else dep
+    if not h.tier_url:
         return RecordOutcome("skipped")
     key = ""
     try:
-        rec = own_record(dep)
+        rec = own_record(h)
         key = rec.key
-        store = _connect(dep, timeout)
+        store = _connect(h, timeout)
     except KvpError as exc:
         return RecordOutcome("failed", key, f"{exc}; the deployment serves without it, "
                              "`kvp-admin health` writes it once the store answers")
@@ -203,7 +228,7 @@ def delete(dep: Deployment, *, timeout: float = TIMEOUT_S) -> RecordOutcome:
     host = host_id(socket.gethostname(), machine_id(), dep.settings.state_dir)
     key = record_key(dep.namespace, host)
     try:
-        store = _connect(dep, timeout)
+        store = _connect(host_of(dep), timeout)
     except KvpError as exc:
         return RecordOutcome("failed", key, f"{exc}; it lapses after its TTL")
     try:
@@ -280,7 +305,7 @@ def fleet_facts(dep: Deployment, timeout: float = TIMEOUT_S) -> dict[str, Any]:
     out.update(host_id=own.host_id, record_key=own.key,
                serde_key_fingerprint=own.serde_key_fingerprint)
     try:
-        store = _connect(dep, timeout)
+        store = _connect(host_of(dep), timeout)
     except KvpError as exc:
         return {**out, "error": str(exc)}
     try:
