@@ -71,11 +71,12 @@ def _identity(p: Path) -> tuple[int, int, int]:
 
 def _unchanged(before: dict[Path, tuple[int, int, int]]) -> None:
     """Every authentic file is still the file the server published: same name, inode, size
-    and mtime (kvpersist never writes a chunk file; quarantine renames it away). Its bytes are
-    not compared: in a loaded run (2026-12-07) four files read right after the kill later held
-    other bytes with the same inode, size and mtime, i.e. the server's last writes were still
-    landing after its death; the bytes are checked by authentication and by the final hits,
-    which compare with what the client stored."""
+    and mtime (quarantine renames a file away; the scrub keeps all three). Its bytes are not
+    compared: the launch's crash-window check zeroes the padding after each authenticated
+    frame in place (kvpersist/l2/scrub.py), and that padding is left-over L1 memory, so in
+    some runs (2026-12-07: four files) the bytes after the frame change; the bytes that count
+    are checked by authentication and by the final hits, which compare with what the client
+    stored."""
     changed = {p.name: (was, _identity(p) if p.exists() else None) for p, was in before.items()
                if not p.exists() or _identity(p) != was}
     assert not changed, f"authentic files changed (inode, size, mtime_ns): {changed}"
