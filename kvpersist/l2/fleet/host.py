@@ -97,8 +97,9 @@ def host_of(dep: Deployment) -> FleetHost:
 
 
 def own_record(dep: Deployment | FleetHost, now: float | None = None) -> FleetRecord:
-    """This host's record of a deployment (nothing is written). Raises KvpError when the
-    serde key cannot be read (e.g. not yet created, or another user's)."""
+    """This host's record of a deployment (a :class:`Deployment` or its :class:`FleetHost`;
+    nothing is written). Raises KvpError when the serde key cannot be read (e.g. not yet
+    created, or another user's)."""
 
     h = host_of(dep) if isinstance(dep, Deployment) else dep
     fingerprint = ""
@@ -179,7 +180,8 @@ def previous(store: Any, rec: FleetRecord) -> FleetRecord | None:
 def write(dep: Deployment | FleetHost, *, timeout: float = TIMEOUT_S, launched: bool = False,
           nvme: NvmeUse | None = None, health: str = "", canary: str | None = None,
           started: float | None = None) -> RecordOutcome:
-    """Write (or refresh) this host's record of a deployment with its TTL. Never raises.
+    """Write (or refresh) this host's record of a deployment (a :class:`Deployment` or its
+    :class:`FleetHost`) with its TTL. Never raises.
 
     ``launched`` (a launch): ``since`` is now and ``nvme`` the launch's measurement. Else (a
     health refresh) ``since`` and ``nvme`` are kept from the record this one replaces (read
