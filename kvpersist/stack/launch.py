@@ -369,14 +369,10 @@ def fleet_record(prepared: Prepared) -> RecordOutcome | None:
     """Write this host's record on the shared tier for the cache server this launch starts,
     with the launch's measurement of the namespace's files (None: no shared tier). Never
     fails the launch: a store that does not answer is a warning (the outcome's note)."""
-    plan = prepared.plan
-    c = plan.checks
-    if c.shared_tier is None:
+    host = prepared.plan.fleet
+    if host is None or host.tier is None:
         return None
-    host = fleet.FleetHost(plan.config, plan.namespace, plan.state_dir, plan.service_user,
-                           plan.serde, plan.serde_key_file, c.shared_tier_url, c.shared_tier,
-                           c.shared_tier_secret_file)
-    return fleet.write(host, launched=True, nvme=fleet.nvme_use(prepared.sizing, plan.namespace))
+    return fleet.write(host, launched=True, nvme=fleet.nvme_use(prepared.sizing, host.namespace))
 
 
 def _serve_recomputed(prepared: Prepared, opts: LaunchOptions,

@@ -19,6 +19,7 @@ from pathlib import Path
 from kvpersist.config.deployment import Deployment, listeners, private_paths
 from kvpersist.config.loader import load_deployment
 from kvpersist.config.shared_tier import SharedTier
+from kvpersist.l2.fleet.host import FleetHost, host_of
 from kvpersist.l2.hot_files import off_reason
 from kvpersist.l2.inventory import Sizing, size_deployment
 from kvpersist.stack.canary.run import recompute_reason
@@ -127,6 +128,8 @@ class LaunchPlan(Location):
     vllm_version: str | None = None
     #: what the checks before the launch read of the deployment
     checks: LaunchChecks = field(default_factory=LaunchChecks)
+    #: what this host's fleet record reads of the deployment (l2/fleet/host)
+    fleet: FleetHost | None = None
 
 
 def lmcache_bin() -> str:
@@ -180,7 +183,8 @@ def plan_launch(dep: Deployment, rendered: Rendered, environ: Mapping[str, str],
                       vllm_argv=vllm_argv, vllm_env=vllm_env, preread_argv=pre_argv,
                       preread_skip=skip,
                       preread_log=os.path.join(os.path.dirname(loc.server_log), "preread.log"),
-                      vllm_version=vllm_version, checks=launch_checks(dep))
+                      vllm_version=vllm_version, checks=launch_checks(dep),
+                      fleet=host_of(dep))
 
 
 @dataclass(frozen=True)

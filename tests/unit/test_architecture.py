@@ -225,7 +225,7 @@ def test_the_checker_sees_what_it_must() -> None:
 COMPOSITION = re.compile(r"^- composition: `(actions/[a-z_]+\.py)` uses (.*)$", re.M)
 #: ``- I/O: `module` only in `system/a.py`, `system/b.py```
 IO_RULE = re.compile(r"^- I/O: `([a-z_.]+)` only in (.*)$", re.M)
-PATHS = re.compile(r"`([a-z_/]+\.py)`")
+PATHS = re.compile(r"`([a-z0-9_/]+\.py)`")
 
 
 def _module_of(rel: str) -> str:
@@ -300,10 +300,14 @@ def test_no_module_name_stands_in_two_of_the_lower_floors() -> None:
 
 # --------------------------------------------------------------------------- the deployment
 
-#: ``- whole deployment only in `config/deployment.py`, `stack/launch_plan.py`, ...``
+#: ``- whole deployment only in `stack/launch_plan.py`, `stack/locate.py`, ...``
 WHOLE_DEPLOYMENT = re.compile(r"^- whole deployment only in (.*)$", re.M)
 DEPLOYMENT_TYPE = re.compile(r"\bDeployment\b")
-LISTED = re.compile(r"`([a-z0-9_/]+\.py)`")
+#: a launch's steps after its plan: they take the plan's parts
+LAUNCH_STEPS = ("kvpersist.stack.launch", "kvpersist.stack.preflight",
+                "kvpersist.stack.identity_check", "kvpersist.stack.vllm_args",
+                "kvpersist.stack.processes", "kvpersist.stack.crash_window",
+                "kvpersist.stack.warm.prime", "kvpersist.stack.canary.")
 
 
 def _takes_deployment(path: Path) -> list[str]:
@@ -329,21 +333,18 @@ def test_the_whole_deployment_is_taken_only_where_the_document_says() -> None:
     Held both ways, so the list cannot go stale."""
     lines = WHOLE_DEPLOYMENT.findall(DOC.read_text(encoding="utf-8"))
     assert len(lines) == 1, "ARCHITECTURE.md has no (or more than one) whole-deployment line"
-    listed = {_module_of(p) for p in LISTED.findall(lines[0])}
+    listed = {_module_of(p) for p in PATHS.findall(lines[0])}
     taking = {name: where for name, path in MODULES.items()
               if (where := _takes_deployment(path))}
     assert {n: w for n, w in taking.items() if n not in listed} == {}, \
         "take a whole Deployment but are not in ARCHITECTURE.md's list"
     assert sorted(listed - set(taking)) == [], \
         "listed in ARCHITECTURE.md but take no whole Deployment (remove them from the list)"
-    steps = ("kvpersist.stack.launch", "kvpersist.stack.preflight",
-             "kvpersist.stack.identity_check", "kvpersist.stack.vllm_args",
-             "kvpersist.stack.processes", "kvpersist.stack.crash_window",
-             "kvpersist.stack.warm.prime")
-    assert [n for n in taking if n in steps or n.startswith("kvpersist.stack.canary.")] == []
+    steps = {n: p for n, p in MODULES.items()
+             if any(n == s or (s.endswith(".") and n.startswith(s)) for s in LAUNCH_STEPS)}
+    assert [n for n in taking if n in steps] == []
     # nor do they reach for it through the prepared launch (``prepared.dep``)
-    reach = [f"{n}:{node.lineno}" for n, path in MODULES.items()
-             if n in steps or n.startswith("kvpersist.stack.canary.")
+    reach = [f"{n}:{node.lineno}" for n, path in steps.items()
              for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
              if isinstance(node, ast.Attribute) and node.attr == "dep"]
     assert reach == []

@@ -73,8 +73,8 @@ def machine_id(path: str = MACHINE_ID_FILE) -> str:
 
 @dataclass(frozen=True)
 class FleetHost:
-    """What this host's record reads of a deployment, as plain values (a launch takes them
-    from its plan; :func:`host_of` from a deployment)."""
+    """What this host's record reads of a deployment, as plain values (:func:`host_of`; a
+    launch plan carries them)."""
 
     deployment: str
     namespace: str
