@@ -38,27 +38,29 @@ def test_verify_keeps_valid_files_whose_padding_is_all_dirty(tmp_path: Path) -> 
     lab = Lab(tmp_path, env)
     lab.start()
     try:
-        seqs = list(range(1, 25))  # 192 MiB of KV through 128 MiB of L1
+        # LMCache reuses its L1 memory only once 128 MiB are in it, and how many frames land
+        # on stale bytes after that varies (24 sequences left 7, then 23, dirty files in two
+        # runs): store 8 MiB sequences, 12 at a time, until a sequence's worth of files is
+        # dirty (at most 72 sequences, 576 MiB)
+        seqs: list[int] = []
+        rounds: list[tuple[int, int, int]] = []  # (sequences, files, dirty files)
         with lab.driver() as d:
-            for s in seqs:
-                lab.stored[s] = d.store(s)
-                lab.names[s] = lab.chunk_names(s)
-                time.sleep(0.5)  # on disk before L1 reuses the memory (else some are dropped)
-        names = [n for s in seqs for n in lab.names[s]]
-        seen: list[int] = []  # the stores in flight land: the count stays for 2 s
-        assert wait_until(lambda: seen.append(len(present(lab, names))) or
-                          (len(seen) > 4 and seen[-1] == seen[-5]), 60, 0.5), seen
+            while len(seqs) < 72 and (not rounds or rounds[-1][2] < CHUNKS):
+                for s in range(len(seqs) + 1, len(seqs) + 13):
+                    lab.stored[s] = d.store(s)
+                    lab.names[s] = lab.chunk_names(s)
+                    seqs.append(s)
+                    time.sleep(0.5)  # on disk before L1 reuses the memory (else dropped)
+                names = [n for s in seqs for n in lab.names[s]]
+                settle(lab, names)
+                rounds.append((len(seqs), len(present(lab, names)),
+                               len(dirty_files(lab, present(lab, names)))))
+        print(f"\nstored, on disk, dirty: {rounds}")
         lab.stop()
         kept = present(lab, names)
-        for n in sorted(kept, key=lambda n: lab.plaintext(n) is None):  # clean ones first
-            digest = lab.plaintext(n)
-            assert digest is not None, f"{n} fails authentication with the known length"
-            lab.plain[n] = digest
-        plain = lab.frame_plaintext
-        assert plain is not None
-        dirty = {n for n in kept if _dirty(lab.root / n, plain)}
-        print(f"\n{len(dirty)} of {len(kept)} chunk files have stale bytes in their padding")
-        assert len(dirty) >= CHUNKS, "LMCache reused no L1 memory: nothing to test"
+        dirty = dirty_files(lab, kept)
+        print(f"{len(dirty)} of {len(kept)} chunk files have stale bytes in their padding")
+        assert len(dirty) >= CHUNKS, f"LMCache reused too little L1 memory: {rounds}"
         for n in kept - dirty:
             (lab.root / n).unlink()
         r = kvp("verify", "cpu-demo", "--apply", "--json", env=lab.env)
@@ -78,3 +80,23 @@ def test_verify_keeps_valid_files_whose_padding_is_all_dirty(tmp_path: Path) -> 
 
 def present(lab: Lab, names: list[str]) -> set[str]:
     return {n for n in names if (lab.root / n).exists()}
+
+
+def settle(lab: Lab, names: list[str]) -> None:
+    """Wait until the stores in flight have landed: the count of files stays for 2 s."""
+    seen: list[int] = []
+    assert wait_until(lambda: seen.append(len(present(lab, names))) or
+                      (len(seen) > 4 and seen[-1] == seen[-5]), 60, 0.5), seen
+
+
+def dirty_files(lab: Lab, names: set[str]) -> set[str]:
+    """The files of ``names`` that authenticate and hold stale bytes after their frame; each
+    authenticated file's plaintext digest is recorded in ``lab.plain``. The clean ones are
+    read first: they tell the frame's length, which a dirty file's padding hides."""
+    for n in sorted(names, key=lambda n: lab.plaintext(n) is None):
+        digest = lab.plaintext(n)
+        assert digest is not None, f"{n} fails authentication with the known length"
+        lab.plain[n] = digest
+    plain = lab.frame_plaintext
+    assert plain is not None
+    return {n for n in names if _dirty(lab.root / n, plain)}
