@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,13 +25,10 @@ from kvpersist.l2.frames import frame_end
 from tests.cli import kvp
 
 from ..conftest import free_port
-from ..fullstack._stack import wait_until
 from ._padding_leak import measure
 from ._prefetch_faults import CHUNKS, Lab, lab_env
 
 pytestmark = pytest.mark.integration
-
-SEQUENCES = 24  # 384 chunk stores (16 chunks of 256 tokens each), 192 MiB through 128 MiB
 
 
 def test_scrub_leaves_no_plaintext_after_any_frame_and_lmcache_serves_every_chunk(
@@ -42,20 +38,15 @@ def test_scrub_leaves_no_plaintext_after_any_frame_and_lmcache_serves_every_chun
     lab = Lab(tmp_path, env)
     lab.start()
     try:
-        seqs = list(range(1, SEQUENCES + 1))
-        with lab.driver() as d:
-            for s in seqs:
-                lab.stored[s] = d.store(s)
-                lab.names[s] = lab.chunk_names(s)
-                time.sleep(0.5)  # on disk before L1 reuses the memory (else some are dropped)
+        with lab.driver() as d:  # until a file's padding holds another chunk's plaintext
+            seqs = lab.store_through_l1(
+                d, lambda on_disk: measure([lab.root / n for n in sorted(on_disk)],
+                                           lab.key).leaking > 0)
         names = [n for s in seqs for n in lab.names[s]]
-        seen: list[int] = []  # the stores in flight land: the count stays for 2 s
-        assert wait_until(lambda: seen.append(len(present(lab, names))) or
-                          (len(seen) > 4 and seen[-1] == seen[-5]), 60, 0.5), seen
-        kept = sorted(present(lab, names))
+        kept = sorted(lab.present(names))
         paths = [lab.root / n for n in kept]
         before = measure(paths, lab.key)
-        print(f"\nbefore the scrub: {before.line()}")
+        print(f"\n{len(seqs)} sequences stored; before the scrub: {before.line()}")
         assert before.unauthenticated == 0
         assert before.leaking > 0, "LMCache reused no L1 memory: nothing to test"
         plain = {n: lab.plaintext(n) for n in kept}
@@ -128,6 +119,3 @@ def test_scrub_leaves_no_plaintext_after_any_frame_and_lmcache_serves_every_chun
     finally:
         lab.stop()
 
-
-def present(lab: Lab, names: list[str]) -> set[str]:
-    return {n for n in names if (lab.root / n).exists()}
